@@ -1,0 +1,225 @@
+"""Experiment configs: YAML files loaded into typed, validated dataclasses.
+
+Every field is checked on load; a bad one raises :class:`ConfigError` with one
+line naming the field, its value and what is allowed. Command-line flags
+override fields through dotted paths (``train.rho=0.4``), validated the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fleet.errors import ConfigError
+
+METHODS = ("full", "tl", "bn_bias", "prunetrain", "elastic")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "resnet18"
+    num_classes: int = 10
+    in_channels: int = 1
+    small_input: bool = False
+    weights: str | None = None  # local checkpoint file (``fleet pretrain`` writes one)
+    reset_head: bool = False  # load a backbone whose head has another shape
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "fashion-mnist"
+    root: str | None = None  # None: the dataset's default location
+    input_size: int = 32
+    classes: list[int] | None = None  # keep these labels (remapped to 0..n-1)
+    train_per_class: int | None = None  # cap training samples per class (a device's small local set)
+    test_per_class: int | None = None
+
+
+@dataclass
+class TrainConfig:
+    method: str = "elastic"
+    epochs: int = 5
+    batch_size: int = 32
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    rho: float = 0.5  # time budget as a fraction of full training (elastic)
+    interval: int = 1  # re-select every `interval` epochs or steps
+    interval_unit: str = "epoch"
+    prunetrain_lambda: float = 1e-4  # L1 group penalty weight (prunetrain)
+    threads: int | None = None  # torch threads; None keeps torch's default
+    profile: str | None = None  # device profile YAML; None measures one before training
+    seed: int = 0
+
+
+@dataclass
+class ExperimentConfig:
+    name: str = "experiment"
+    output_dir: str = "runs"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# Checks beyond the type: field path -> (predicate, what is allowed).
+RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
+    "model.num_classes": (lambda v: v >= 2, "an integer >= 2"),
+    "model.in_channels": (lambda v: v >= 1, "an integer >= 1"),
+    "data.input_size": (lambda v: 8 <= v <= 1024, "an integer from 8 to 1024"),
+    "data.classes": (lambda v: v is None or (len(v) >= 2 and len(set(v)) == len(v) and min(v) >= 0), "a list of >= 2 distinct labels >= 0"),
+    "data.train_per_class": (lambda v: v is None or v >= 1, "an integer >= 1 or null"),
+    "data.test_per_class": (lambda v: v is None or v >= 1, "an integer >= 1 or null"),
+    "train.method": (lambda v: v in METHODS, "one of " + ", ".join(METHODS)),
+    "train.epochs": (lambda v: v >= 1, "an integer >= 1"),
+    "train.batch_size": (lambda v: v >= 1, "an integer >= 1"),
+    "train.lr": (lambda v: 0 < v < 10, "a number in (0, 10)"),
+    "train.momentum": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "train.weight_decay": (lambda v: v >= 0, "a number >= 0"),
+    "train.rho": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "train.interval": (lambda v: v >= 1, "an integer >= 1"),
+    "train.interval_unit": (lambda v: v in ("epoch", "step"), "'epoch' or 'step'"),
+    "train.prunetrain_lambda": (lambda v: v >= 0, "a number >= 0"),
+    "train.threads": (lambda v: v is None or v >= 1, "an integer >= 1 or null"),
+    "name": (lambda v: bool(v) and "/" not in v, "a non-empty name without '/'"),
+}
+
+
+def _type_name(tp: Any) -> str:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if args:
+        return " or ".join(_type_name(a) for a in args) + (" or null" if type(None) in typing.get_args(tp) else "")
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(path: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(path, value, option)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{path}: {value!r} is not {_type_name(tp)}")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: {value!r} is not a list")
+        return [_coerce(f"{path}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{path}: {value!r} is not a finite number")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: {value!r} is not an integer")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: {value!r} is not true or false")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: {value!r} is not a string")
+        return value
+    raise TypeError(f"unsupported config type {tp} at {path}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of fields, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(f"{where}: unknown field; allowed here: {', '.join(sorted(names))}")
+    values = {}
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}.{f.name}" if prefix else f.name
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            values[f.name] = _build(tp, data.get(f.name), path)
+            continue
+        if f.name not in data:
+            continue
+        value = _coerce(path, data[f.name], tp)
+        if path in RULES and not RULES[path][0](value):
+            raise ConfigError(f"{path}: {value!r} is not allowed; use {RULES[path][1]}")
+        values[f.name] = value
+    obj = cls(**values)
+    for f in dataclasses.fields(cls):  # defaults must pass the rules too
+        path = f"{prefix}.{f.name}" if prefix else f.name
+        if path in RULES and not RULES[path][0](getattr(obj, f.name)):
+            raise ConfigError(f"{path}: {getattr(obj, f.name)!r} is not allowed; use {RULES[path][1]}")
+    return obj
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``train.rho=0.4`` -> ("train.rho", 0.4), the value read as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected FIELD=VALUE, e.g. train.rho=0.4")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def apply_overrides(data: dict, overrides: dict[str, Any]) -> dict:
+    """Set dotted paths in a raw config mapping (before validation)."""
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        parts = key.split(".")
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{key}: {part} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def config_from_dict(data: dict | None, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
+    data = apply_overrides(dict(data or {}), overrides or {})
+    return _build(ExperimentConfig, data, "")
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
+    """Read a YAML experiment file (or only defaults when ``path`` is None)."""
+    data: Any = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found; pass an existing YAML file (see simulations/)")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or "syntax error"
+            raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path}: expected a mapping of sections (model, data, train), got {type(data).__name__}")
+    return config_from_dict(data, overrides)
+
+
+def config_to_dict(config: Any) -> dict:
+    return dataclasses.asdict(config)

@@ -1,0 +1,177 @@
+"""A device's timing profile: the YAML file ``fleet profile`` writes, and the
+timing model that predicts a step's cost from it (ALGORITHMS.md section 1)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import yaml
+
+from fleet.errors import ProfileMismatchError
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class TensorTiming:
+    """One trainable tensor: its layer and what training it costs."""
+
+    name: str
+    layer: str
+    shape: list[int]
+    t_dw: float  # weight-gradient time, seconds
+    t_opt: float  # optimizer update time, seconds
+    t_dy: float  # input-gradient time of its layer; non-zero only on a layer's first tensor
+
+
+@dataclass
+class DeviceProfile:
+    """Measured costs of training each tensor of one model on one device."""
+
+    model: dict  # name, num_classes, in_channels, small_input
+    batch_size: int
+    input_size: int
+    t_fw: float  # fixed cost of any step: forward, loss, optimizer call
+    tensors: list[TensorTiming]
+    dtype: str = "float32"
+    threads: int = 1
+    host: dict = field(default_factory=dict)
+    repeats: int = 0
+    optimizer: str = "sgd"
+    created: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    speed_factor: float = 1.0  # > 1 for a simulated slower device tier
+
+    # --- the timing model -------------------------------------------------
+    @property
+    def t_dw(self) -> list[float]:
+        """Weight-gradient plus optimizer time per tensor: what selecting it adds."""
+        return [(t.t_dw + t.t_opt) * self.speed_factor for t in self.tensors]
+
+    @property
+    def t_dy(self) -> list[float]:
+        """Input-gradient time per tensor, on each layer's first tensor."""
+        return [t.t_dy * self.speed_factor for t in self.tensors]
+
+    @property
+    def forward_time(self) -> float:
+        return self.t_fw * self.speed_factor
+
+    def step_time(self, mask: Sequence[bool]) -> float:
+        """Predicted seconds of one training step that trains the tensors in ``mask``."""
+        from fleet.selection import selection_cost
+
+        return self.forward_time + selection_cost(mask, self.t_dw, self.t_dy)
+
+    @property
+    def full_step_time(self) -> float:
+        return self.step_time([True] * len(self.tensors))
+
+    def backward_budget(self, rho: float) -> float:
+        """Seconds left for backward work when a step may take ``rho * T_full``."""
+        return rho * self.full_step_time - self.forward_time
+
+    @property
+    def min_rho(self) -> float:
+        """No selection is faster than the forward pass."""
+        return self.forward_time / self.full_step_time
+
+    def scaled(self, factor: float) -> DeviceProfile:
+        """The same device slowed down by ``factor`` (a simulated slower tier)."""
+        return replace(self, speed_factor=self.speed_factor * factor)
+
+    # --- checks -----------------------------------------------------------
+    def check_matches(
+        self,
+        tensor_names: Sequence[str],
+        tensor_shapes: Sequence[Sequence[int]],
+        *,
+        batch_size: int | None = None,
+        input_size: int | None = None,
+        source: str = "the profile",
+    ) -> None:
+        """Refuse a profile measured for another model, batch or input size."""
+        fix = f"re-run `fleet profile` for this model (it was measured on {self.describe()})"
+        names = [t.name for t in self.tensors]
+        if list(tensor_names) != names:
+            missing = [n for n in tensor_names if n not in set(names)]
+            extra = [n for n in names if n not in set(tensor_names)]
+            detail = (
+                f"{len(tensor_names)} tensors in the model, {len(names)} in the profile"
+                + (f"; first not profiled: {missing[0]}" if missing else "")
+                + (f"; first unknown to the model: {extra[0]}" if extra else "")
+                + ("; same names in another order" if not missing and not extra else "")
+            )
+            raise ProfileMismatchError(f"{source} does not match the model: {detail}; {fix}")
+        for t, shape in zip(self.tensors, tensor_shapes):
+            if list(shape) != list(t.shape):
+                raise ProfileMismatchError(
+                    f"{source} does not match the model: {t.name} has shape {list(shape)} in the model, "
+                    f"{t.shape} in the profile; {fix}"
+                )
+        if batch_size is not None and batch_size != self.batch_size:
+            raise ProfileMismatchError(
+                f"{source} was measured at batch size {self.batch_size}, training uses {batch_size}; "
+                f"set the batch size to {self.batch_size} or {fix}"
+            )
+        if input_size is not None and input_size != self.input_size:
+            raise ProfileMismatchError(
+                f"{source} was measured at input size {self.input_size}, training uses {input_size}; {fix}"
+            )
+
+    def describe(self) -> str:
+        m = self.model
+        return f"{m.get('name')} batch {self.batch_size} input {self.input_size} on {self.host.get('hostname', '?')}"
+
+    # --- files ------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d = {"fleet_profile": FORMAT_VERSION, **d}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "profile") -> DeviceProfile:
+        if not isinstance(d, dict) or d.get("fleet_profile") != FORMAT_VERSION:
+            raise ProfileMismatchError(
+                f"{source} is not a fleet device profile (format {FORMAT_VERSION}); create one with `fleet profile`"
+            )
+        d = dict(d)
+        d.pop("fleet_profile")
+        try:
+            tensors = [TensorTiming(**t) for t in d.pop("tensors")]
+            profile = cls(tensors=tensors, **d)
+        except (TypeError, KeyError) as exc:
+            raise ProfileMismatchError(f"{source} is malformed ({exc}); re-create it with `fleet profile`") from None
+        bad = [t.name for t in profile.tensors if not all(math.isfinite(v) and v >= 0 for v in (t.t_dw, t.t_opt, t.t_dy))]
+        if bad or not (math.isfinite(profile.t_fw) and profile.t_fw > 0):
+            raise ProfileMismatchError(
+                f"{source} holds invalid times (first: {bad[0] if bad else 't_fw'}); re-create it with `fleet profile`"
+            )
+        return profile
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "w") as fh:
+            yaml.safe_dump(self.to_dict(), fh, sort_keys=False)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> DeviceProfile:
+        path = Path(path)
+        if not path.is_file():
+            raise ProfileMismatchError(f"profile file {path} not found; create it with `fleet profile --out {path}`")
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            line = getattr(getattr(exc, "problem_mark", None), "line", None)
+            where = f" at line {line + 1}" if line is not None else ""
+            raise ProfileMismatchError(f"profile file {path} is not valid YAML{where}; re-create it with `fleet profile`") from None
+        return cls.from_dict(data, source=f"profile {path}")

@@ -1,0 +1,360 @@
+"""Tensor timing profiler: what each trainable tensor costs on *this* device.
+
+The model is read as the chain of its parametric layers in forward execution
+order (ALGORITHMS.md section 1). Times are measured in context, inside real
+backward passes of the whole model, rather than layer by layer in isolation,
+so that caches, threading and the non-parametric ops between layers (ReLU,
+pooling, residual adds) are paid as they really are:
+
+* Backward run A (every parameter and the input require grad) and run B (only
+  the input requires grad) each stamp the moment the error gradient reaches
+  every layer's output. In backward execution order, the gap between one
+  layer's stamp and the next is that layer's backward work plus the
+  non-parametric ops below it, which is exactly how the timing model charges
+  them. Run B's gap is the layer's ``t_dy``; run A's gap minus run B's is its
+  weight-gradient time, split among the layer's tensors by isolated
+  micro-measurements.
+* The optimizer update is timed per tensor with the trainer's own optimizer.
+* ``t_fw`` is the fixed part of any training step: forward, loss, the loss's
+  own backward and the optimizer call overhead.
+
+Runs are interleaved and repeated; every figure is a median.
+"""
+
+from __future__ import annotations
+
+import copy
+import platform
+import socket
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from fleet.device_profile import DeviceProfile, TensorTiming
+
+LayerOrder = list[tuple[str, nn.Module]]
+
+
+def parametric_layers(model: nn.Module, example: torch.Tensor) -> LayerOrder:
+    """Modules that own trainable parameters directly, in forward execution order."""
+    owners = {id(m): (n, m) for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))}
+    order: LayerOrder = []
+    seen: set[int] = set()
+
+    def hook(module: nn.Module, _inputs, _output) -> None:
+        if id(module) in owners and id(module) not in seen:
+            seen.add(id(module))
+            order.append(owners[id(module)])
+
+    handles = [m.register_forward_hook(hook) for _, m in owners.values()]
+    try:
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            model(example[:1])
+        model.train(was_training)
+    finally:
+        for h in handles:
+            h.remove()
+    order.extend(owners[i] for i in owners if i not in seen)  # never run in forward: cost 0
+    return order
+
+
+def tensor_order(model: nn.Module, example: torch.Tensor) -> list[tuple[str, str, nn.Parameter]]:
+    """(tensor name, layer name, parameter) for every trainable tensor, input side first."""
+    out = []
+    for layer_name, layer in parametric_layers(model, example):
+        for pname, p in layer.named_parameters(recurse=False):
+            full = f"{layer_name}.{pname}" if layer_name else pname
+            out.append((full, layer_name, p))
+    return out
+
+
+def _first_tensor(output) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        for item in output:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _backward_stamps(
+    model: nn.Module,
+    layers: LayerOrder,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: Callable,
+) -> tuple[dict[int, float], float, float]:
+    """One forward+backward; returns {layer index: grad arrival time}, backward start and end."""
+    stamps: dict[int, float] = {}
+    handles = []
+
+    def make_hook(index: int):
+        def on_forward(_module, _inputs, output):
+            out = _first_tensor(output)
+            if out is not None and out.requires_grad:
+
+                def on_grad(_grad):
+                    stamps.setdefault(index, time.perf_counter())
+
+                out.register_hook(on_grad)
+
+        return on_forward
+
+    for i, (_, layer) in enumerate(layers):
+        handles.append(layer.register_forward_hook(make_hook(i)))
+    try:
+        x = x.detach().requires_grad_(True)
+        loss = loss_fn(model(x), y)
+        start = time.perf_counter()
+        loss.backward()
+        end = time.perf_counter()
+    finally:
+        for h in handles:
+            h.remove()
+    return stamps, start, end
+
+
+def _forward_stamps(
+    model: nn.Module, layers: LayerOrder, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable
+) -> tuple[dict[int, float], float, torch.Tensor]:
+    """One forward; returns {layer index: time its forward starts}, the end time and the loss."""
+    stamps: dict[int, float] = {}
+    handles = [
+        layer.register_forward_pre_hook(lambda *_a, i=i: stamps.setdefault(i, time.perf_counter()) and None)
+        for i, (_, layer) in enumerate(layers)
+    ]
+    try:
+        loss = loss_fn(model(x), y)
+        end = time.perf_counter()
+    finally:
+        for h in handles:
+            h.remove()
+    return stamps, end, loss
+
+
+def _gaps(stamps: dict[int, float], end: float) -> dict[int, float]:
+    """Time from each layer's grad arrival to the next arrival (or the end of backward)."""
+    ordered = sorted(stamps.items(), key=lambda kv: kv[1])
+    gaps = {}
+    for (index, t), nxt in zip(ordered, ordered[1:] + [(None, end)]):
+        gaps[index] = max(nxt[1] - t, 0.0)
+    return gaps
+
+
+def _set_trainable(params: Sequence[nn.Parameter], flag: bool) -> None:
+    for p in params:
+        p.requires_grad_(flag)
+        p.grad = None
+
+
+def _median_or_zero(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _split_within_layer(layer: nn.Module, x_in: torch.Tensor, repeats: int) -> list[float]:
+    """Shares of a layer's weight-gradient time among its tensors, from isolated timings."""
+    params = list(layer.parameters(recurse=False))
+    if len(params) == 1:
+        return [1.0]
+    x_in = x_in.detach()
+    out = _first_tensor(layer(x_in))
+    grad_out = torch.randn_like(out)
+    costs = []
+    for p in params:
+        costs.append(
+            _median_time(lambda p=p: torch.autograd.grad(out, [p], grad_out, retain_graph=True), repeats)
+        )
+    total = sum(costs) or 1.0
+    return [c / total for c in costs]
+
+
+def _layer_inputs(model: nn.Module, layers: LayerOrder, x: torch.Tensor) -> dict[int, torch.Tensor]:
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+    for i, (_, layer) in enumerate(layers):
+
+        def pre(_m, inputs, i=i):
+            if i not in captured and inputs and isinstance(inputs[0], torch.Tensor):
+                captured[i] = inputs[0].detach()
+
+        handles.append(layer.register_forward_pre_hook(pre))
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return captured
+
+
+def measure_tensor_timings(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    loss_fn: Callable = nn.functional.cross_entropy,
+    repeats: int = 7,
+    warmup: int = 2,
+) -> tuple[float, list[TensorTiming]]:
+    """Measure ``t_fw`` and per-tensor timings on a private copy of ``model``.
+
+    ``x``/``y`` is one training batch of the size the profile is for.
+    """
+    model = copy.deepcopy(model).train()
+    layers = parametric_layers(model, x)
+    order = tensor_order(model, x)
+    params = [p for _, _, p in order]
+
+    _set_trainable(params, True)
+    for _ in range(warmup):
+        loss_fn(model(x), y).backward()
+        _set_trainable(params, True)
+
+    gaps_a: dict[int, list[float]] = {i: [] for i in range(len(layers))}
+    gaps_b: dict[int, list[float]] = {i: [] for i in range(len(layers))}
+    fw_rec: dict[int, list[float]] = {i: [] for i in range(len(layers))}
+    fw_plain: dict[int, list[float]] = {i: [] for i in range(len(layers))}
+    fw_times: list[float] = []
+    head_times: list[float] = []
+    for _ in range(repeats):
+        # Forward with nothing trainable (no graph recorded) and with everything trainable:
+        # the difference is each layer's recording cost, paid only above the input-most selected tensor.
+        _set_trainable(params, False)
+        start = time.perf_counter()
+        stamps, end, _ = _forward_stamps(model, layers, x, y, loss_fn)
+        fw_times.append(end - start)
+        for i, g in _gaps(stamps, end).items():
+            fw_plain[i].append(g)
+        _set_trainable(params, True)
+        stamps, end, loss = _forward_stamps(model, layers, x, y, loss_fn)
+        del loss
+        for i, g in _gaps(stamps, end).items():
+            fw_rec[i].append(g)
+        stamps, bstart, end = _backward_stamps(model, layers, x, y, loss_fn)
+        if stamps:
+            head_times.append(min(stamps.values()) - bstart)
+        for i, g in _gaps(stamps, end).items():
+            gaps_a[i].append(g)
+        _set_trainable(params, False)
+        stamps, _, end = _backward_stamps(model, layers, x, y, loss_fn)
+        for i, g in _gaps(stamps, end).items():
+            gaps_b[i].append(g)
+    _set_trainable(params, True)
+
+    inputs = _layer_inputs(model, layers, x)
+    layer_dy: list[float] = []
+    layer_dw: list[list[float]] = []
+    for i, (_, layer) in enumerate(layers):
+        a, b = _median_or_zero(gaps_a[i]), _median_or_zero(gaps_b[i])
+        dw = max(a - b, 0.0)
+        shares = _split_within_layer(layer, inputs[i], max(3, repeats // 2)) if i in inputs else None
+        n_params = len(list(layer.parameters(recurse=False)))
+        shares = shares or [1.0 / n_params] * n_params
+        recording = max(_median_or_zero(fw_rec[i]) - _median_or_zero(fw_plain[i]), 0.0)
+        layer_dy.append(b + recording)
+        layer_dw.append([dw * s for s in shares])
+
+    t_opt, t_opt_fixed = _optimizer_times(params, make_optimizer, repeats)
+    t_fw = statistics.median(fw_times) + (statistics.median(head_times) if head_times else 0.0) + t_opt_fixed
+
+    timings: list[TensorTiming] = []
+    k = 0
+    for i, (layer_name, layer) in enumerate(layers):
+        for j, (pname, p) in enumerate(layer.named_parameters(recurse=False)):
+            name, _, _ = order[k]
+            timings.append(
+                TensorTiming(
+                    name=name,
+                    layer=layer_name,
+                    shape=list(p.shape),
+                    t_dw=layer_dw[i][j],
+                    t_opt=t_opt[k],
+                    t_dy=layer_dy[i] if j == 0 else 0.0,
+                )
+            )
+            k += 1
+    return t_fw, timings
+
+
+def _optimizer_times(
+    params: list[nn.Parameter],
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    repeats: int,
+) -> tuple[list[float], float]:
+    """Per-tensor update time and the fixed cost of an optimizer call with nothing to do."""
+    originals = [p.detach().clone() for p in params]
+    optimizer = make_optimizer(params)
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer.step()  # creates state (momentum buffers) like a real run
+    for p in params:
+        p.grad = None
+    fixed = _median_time(optimizer.step, repeats)
+    per_tensor = []
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+        t = _median_time(optimizer.step, repeats)
+        p.grad = None
+        per_tensor.append(max(t - fixed, 0.0))
+    with torch.no_grad():
+        for p, o in zip(params, originals):
+            p.copy_(o)
+    return per_tensor, fixed
+
+
+def host_info() -> dict[str, str | int]:
+    return {
+        "hostname": socket.gethostname(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def profile_device(
+    model: nn.Module,
+    model_meta: dict,
+    *,
+    batch_size: int,
+    input_size: int,
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    repeats: int = 7,
+    seed: int = 0,
+) -> DeviceProfile:
+    """Measure ``model`` on this device for a batch of random inputs of the given size."""
+    in_channels = next(m for m in model.modules() if isinstance(m, nn.Conv2d)).in_channels
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch_size, in_channels, input_size, input_size, generator=gen)
+    y = torch.randint(0, int(model_meta.get("num_classes", 2)), (batch_size,), generator=gen)
+    t_fw, tensors = measure_tensor_timings(model, x, y, make_optimizer=make_optimizer, repeats=repeats)
+    info = host_info()
+    return DeviceProfile(
+        model=dict(model_meta),
+        batch_size=batch_size,
+        input_size=input_size,
+        t_fw=t_fw,
+        tensors=tensors,
+        dtype=str(x.dtype).replace("torch.", ""),
+        threads=int(info["threads"]),
+        host=info,
+        repeats=repeats,
+    )

@@ -137,7 +137,7 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     raise TypeError(f"unsupported config type {tp} at {path}")
 
 
-def _build(cls: type, data: Any, prefix: str) -> Any:
+def build_dataclass(cls: type, data: Any, prefix: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -153,7 +153,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         path = f"{prefix}.{f.name}" if prefix else f.name
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
-            values[f.name] = _build(tp, data.get(f.name), path)
+            values[f.name] = build_dataclass(tp, data.get(f.name), path)
             continue
         if f.name not in data:
             continue
@@ -199,7 +199,7 @@ def apply_overrides(data: dict, overrides: dict[str, Any]) -> dict:
 
 def config_from_dict(data: dict | None, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
     data = apply_overrides(dict(data or {}), overrides or {})
-    return _build(ExperimentConfig, data, "")
+    return build_dataclass(ExperimentConfig, data, "")
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> ExperimentConfig:

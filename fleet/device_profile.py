@@ -157,9 +157,10 @@ class DeviceProfile:
     def save(self, path: str | os.PathLike) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         with os.fdopen(fd, "w") as fh:
-            yaml.safe_dump(self.to_dict(), fh, sort_keys=False)
+            fh.write(text)
         os.replace(tmp, path)
         return path
 

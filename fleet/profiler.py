@@ -325,7 +325,7 @@ def host_info() -> dict[str, str | int]:
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
         "python": platform.python_version(),
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),
         "threads": torch.get_num_threads(),
     }
 

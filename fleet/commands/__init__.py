@@ -1,0 +1,1 @@
+"""Thin CLI layers: parse flags, call the engine, print."""

@@ -1,0 +1,58 @@
+"""Flags shared by the commands that read an experiment config."""
+
+from __future__ import annotations
+
+import argparse
+
+from fleet.config import ExperimentConfig, load_config, parse_override
+
+# flag -> config field it overrides
+CONFIG_FLAGS = {
+    "name": "name",
+    "output_dir": "output_dir",
+    "model": "model.name",
+    "weights": "model.weights",
+    "dataset": "data.dataset",
+    "data_root": "data.root",
+    "input_size": "data.input_size",
+    "method": "train.method",
+    "rho": "train.rho",
+    "epochs": "train.epochs",
+    "batch_size": "train.batch_size",
+    "lr": "train.lr",
+    "interval": "train.interval",
+    "profile": "train.profile",
+    "threads": "train.threads",
+    "seed": "train.seed",
+}
+
+
+def add_config_args(parser: argparse.ArgumentParser, *, default_config: str | None = None) -> None:
+    parser.add_argument("--config", "-c", default=default_config, help="experiment YAML (see simulations/)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override any config field, e.g. train.lr=0.05")
+    g = parser.add_argument_group("config overrides")
+    g.add_argument("--name")
+    g.add_argument("--output-dir")
+    g.add_argument("--model")
+    g.add_argument("--weights", help="local checkpoint to start from")
+    g.add_argument("--dataset")
+    g.add_argument("--data-root")
+    g.add_argument("--input-size", type=int)
+    g.add_argument("--method", help="full, tl, bn_bias, prunetrain or elastic")
+    g.add_argument("--rho", type=float, help="time budget as a fraction of full training (elastic)")
+    g.add_argument("--epochs", type=int)
+    g.add_argument("--batch-size", type=int)
+    g.add_argument("--lr", type=float)
+    g.add_argument("--interval", type=int)
+    g.add_argument("--profile", help="device profile YAML from `fleet profile`")
+    g.add_argument("--threads", type=int)
+    g.add_argument("--seed", type=int)
+
+
+def config_from_args(args: argparse.Namespace) -> ExperimentConfig:
+    overrides = dict(parse_override(s) for s in args.set)
+    for flag, path in CONFIG_FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides[path] = value
+    return load_config(args.config, overrides)

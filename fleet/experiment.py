@@ -1,0 +1,138 @@
+"""Glue from a validated config to the pieces one training run needs."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from fleet.config import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
+from fleet.data import ArrayDataset, ensure_fashion_mnist, load_dataset
+from fleet.device_profile import DeviceProfile
+from fleet.models import build_model, head_parameter_names
+from fleet.profiler import profile_device, tensor_order
+from fleet.trainer import TrainerOptions, make_optimizer
+
+
+def cap_per_class(ds: ArrayDataset, per_class: int | None, seed: int) -> ArrayDataset:
+    """A deterministic subset with at most ``per_class`` samples of each label."""
+    if per_class is None:
+        return ds
+    rng = np.random.default_rng(seed)
+    labels = ds.labels.numpy()
+    keep = []
+    for c in np.unique(labels):
+        idx = np.flatnonzero(labels == c)
+        keep.append(rng.permutation(idx)[:per_class])
+    return ds.subset(np.sort(np.concatenate(keep)))
+
+
+def load_data(cfg: DataConfig, seed: int = 0) -> tuple[ArrayDataset, ArrayDataset]:
+    if cfg.dataset == "fashion-mnist" and cfg.root is None:
+        ensure_fashion_mnist()
+    train = load_dataset(cfg.dataset, "train", root=cfg.root, classes=cfg.classes)
+    test = load_dataset(cfg.dataset, "test", root=cfg.root, classes=cfg.classes)
+    return cap_per_class(train, cfg.train_per_class, seed), cap_per_class(test, cfg.test_per_class, seed + 1)
+
+
+def model_meta(cfg: ModelConfig) -> dict:
+    return {"name": cfg.name, "num_classes": cfg.num_classes, "in_channels": cfg.in_channels, "small_input": cfg.small_input}
+
+
+def make_model(cfg: ModelConfig, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = build_model(
+        cfg.name,
+        cfg.num_classes,
+        in_channels=cfg.in_channels,
+        small_input=cfg.small_input,
+        weights=cfg.weights,
+        reset_head=cfg.reset_head,
+    )
+    if cfg.reset_head and cfg.weights is not None:
+        # A new task's head starts fresh even when its shape matches the checkpoint's.
+        for module_name in {n.rpartition(".")[0] for n in head_parameter_names(model)}:
+            model.get_submodule(module_name).reset_parameters()
+    return model
+
+
+def trainer_options(cfg: TrainConfig, input_size: int) -> TrainerOptions:
+    return TrainerOptions(
+        method=cfg.method,
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        weight_decay=cfg.weight_decay,
+        rho=cfg.rho,
+        interval=cfg.interval,
+        interval_unit=cfg.interval_unit,
+        batch_size=cfg.batch_size,
+        prunetrain_lambda=cfg.prunetrain_lambda,
+        input_size=input_size,
+        seed=cfg.seed,
+    )
+
+
+def check_profile(profile: DeviceProfile, model: nn.Module, batch_size: int, input_size: int, source: str) -> None:
+    example = torch.zeros(1, profile_in_channels(model), input_size, input_size)
+    order = tensor_order(model, example)
+    profile.check_matches(
+        [n for n, _, _ in order],
+        [list(p.shape) for _, _, p in order],
+        batch_size=batch_size,
+        input_size=input_size,
+        source=source,
+    )
+
+
+def profile_in_channels(model: nn.Module) -> int:
+    return next(m for m in model.modules() if isinstance(m, nn.Conv2d)).in_channels
+
+
+def obtain_profile(
+    cfg: ExperimentConfig, model: nn.Module, cache: Path | None = None, *, repeats: int = 7, log=print
+) -> DeviceProfile:
+    """The configured profile (checked against the model), else a cached or freshly measured one."""
+    batch, size = cfg.train.batch_size, cfg.data.input_size
+    if cfg.train.profile is not None:
+        profile = DeviceProfile.load(cfg.train.profile)
+        check_profile(profile, model, batch, size, f"profile {cfg.train.profile} (train.profile)")
+        return profile
+    if cache is not None and cache.is_file():
+        try:
+            profile = DeviceProfile.load(cache)
+            check_profile(profile, model, batch, size, str(cache))
+            if profile.threads == torch.get_num_threads():
+                return profile
+        except Exception:  # a stale cache is simply re-measured
+            pass
+    log(f"profiling {cfg.model.name} at batch {batch}, input {size} on this device ...")
+    opts = trainer_options(cfg.train, size)
+    profile = profile_device(
+        model,
+        model_meta(cfg.model),
+        batch_size=batch,
+        input_size=size,
+        make_optimizer=lambda ps: make_optimizer(ps, opts),
+        repeats=repeats,
+        seed=cfg.train.seed,
+    )
+    if cache is not None:
+        profile.save(cache)
+    return profile
+
+
+def write_json(path: str | os.PathLike, data: dict) -> Path:
+    """Atomic JSON write: a crash never leaves half a results file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(data, indent=2)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+    return path

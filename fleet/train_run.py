@@ -1,0 +1,87 @@
+"""``fleet train``: one method on one device, with a JSON record of what happened."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from fleet.config import ExperimentConfig, config_to_dict
+from fleet.device_profile import DeviceProfile
+from fleet.experiment import load_data, make_model, obtain_profile, trainer_options, write_json
+from fleet.trainer import EpochStats, Trainer
+
+
+def run_dir(cfg: ExperimentConfig) -> Path:
+    return Path(cfg.output_dir) / cfg.name
+
+
+def format_epoch(method: str, epochs: int, s: EpochStats, total: int) -> str:
+    acc = f"{100 * s.accuracy:5.1f}%" if s.accuracy is not None else "  n/a "
+    return (
+        f"[{method:>10}] epoch {s.epoch + 1}/{epochs}  acc {acc}  loss {s.loss:.3f}  "
+        f"train {s.train_time_s:6.1f}s (predicted {s.predicted_time_s:6.1f}s)  trained {s.selected}/{total} tensors"
+    )
+
+
+def epoch_record(s: EpochStats) -> dict:
+    return {
+        "epoch": s.epoch + 1,
+        "accuracy": s.accuracy,
+        "loss": s.loss,
+        "steps": s.steps,
+        "train_time_s": s.train_time_s,
+        "predicted_time_s": s.predicted_time_s,
+        "probe_time_s": s.probe_time_s,
+        "selected": s.selected,
+    }
+
+
+def trainer_record(trainer: Trainer, history: list[EpochStats], profile: DeviceProfile | None) -> dict:
+    return {
+        "method": trainer.options.method,
+        "rho": trainer.options.rho if trainer.options.method == "elastic" else None,
+        "final_accuracy": history[-1].accuracy if history else None,
+        "train_time_s": sum(s.train_time_s for s in history),
+        "predicted_time_s": sum(s.predicted_time_s for s in history),
+        "epochs": [epoch_record(s) for s in history],
+        "selections": [sel.summary(trainer.names) for sel in trainer.selections],
+        "tensors": len(trainer.names),
+        "profile": None
+        if profile is None
+        else {"t_full_s": profile.full_step_time, "t_fw_s": profile.forward_time, "min_rho": profile.min_rho},
+    }
+
+
+def run_training(cfg: ExperimentConfig, log: Callable[[str], None] = print) -> tuple[dict, Path]:
+    """Train ``cfg.train.method`` and write ``runs/<name>/train-<method>.json``."""
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    out = run_dir(cfg)
+    train_ds, test_ds = load_data(cfg.data, cfg.train.seed)
+    model = make_model(cfg.model, cfg.train.seed)
+    profile = obtain_profile(cfg, model, out / "device-profile.yaml", log=log)
+    trainer = Trainer(model, trainer_options(cfg.train, cfg.data.input_size), profile)
+    log(
+        f"training {cfg.model.name} with {cfg.train.method} on {len(train_ds)} samples "
+        f"({train_ds.name}), testing on {len(test_ds)}"
+    )
+    history: list[EpochStats] = []
+    started = time.time()
+    for epoch in range(cfg.train.epochs):
+        stats = trainer.train_epoch(train_ds, epoch)
+        stats.accuracy = trainer.evaluate(test_ds)
+        history.append(stats)
+        log(format_epoch(cfg.train.method, cfg.train.epochs, stats, len(trainer.names)))
+    record = {
+        "name": cfg.name,
+        **trainer_record(trainer, history, profile),
+        "elapsed_s": time.time() - started,
+        "config": config_to_dict(cfg),
+        "host": profile.host if profile else {},
+    }
+    suffix = f"-rho{cfg.train.rho:g}" if cfg.train.method == "elastic" else ""
+    path = write_json(out / f"train-{cfg.train.method}{suffix}.json", record)
+    return record, path

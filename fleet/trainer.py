@@ -1,0 +1,216 @@
+"""Elastic training and its baselines in one harness (ALGORITHMS.md section 4).
+
+A :class:`Trainer` owns one model, one optimizer over *all* its tensors and the
+current selection. Freezing is ``requires_grad=False`` plus ``grad=None``:
+autograd then computes no weight gradient for the tensor, stops
+back-propagation below the input-most selected tensor and stores no
+activations there, and the optimizer skips the tensor while keeping its
+momentum for when it rejoins.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fleet.data import ArrayDataset, batches
+from fleet.device_profile import DeviceProfile
+from fleet.errors import BudgetError
+from fleet.importance import evaluate_importance
+from fleet.methods import group_lasso_penalty, static_mask
+from fleet.models import head_parameter_names
+from fleet.profiler import parametric_layers, tensor_order
+from fleet.selection import select_tensors
+
+
+@dataclass
+class Selection:
+    """One re-selection: when, what, and what it is predicted to cost."""
+
+    step: int
+    epoch: int
+    mask: list[bool]
+    importance: list[float]
+    predicted_step_time: float
+
+    def summary(self, names: Sequence[str]) -> dict:
+        chosen = [n for n, m in zip(names, self.mask) if m]
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "selected": len(chosen),
+            "tensors": chosen,
+            "predicted_step_time_s": self.predicted_step_time,
+        }
+
+
+@dataclass
+class EpochStats:
+    epoch: int
+    loss: float
+    steps: int
+    train_time_s: float  # wall time of training steps and probes, evaluation excluded
+    predicted_time_s: float  # the timing model's figure for the same steps
+    probe_time_s: float
+    accuracy: float | None = None
+    selected: int = 0
+
+
+@dataclass
+class TrainerOptions:
+    method: str = "elastic"
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    rho: float = 0.5
+    interval: int = 1
+    interval_unit: str = "epoch"
+    batch_size: int = 32
+    prunetrain_lambda: float = 1e-4
+    input_size: int | None = None
+    seed: int = 0
+
+
+def make_optimizer(params: Sequence[nn.Parameter], options: TrainerOptions) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=options.lr, momentum=options.momentum, weight_decay=options.weight_decay)
+
+
+@dataclass
+class Trainer:
+    model: nn.Module
+    options: TrainerOptions
+    profile: DeviceProfile | None = None
+    names: list[str] = field(init=False)
+    params: list[nn.Parameter] = field(init=False)
+    mask: list[bool] = field(init=False)
+    selections: list[Selection] = field(default_factory=list)
+    step_count: int = 0
+
+    def __post_init__(self) -> None:
+        example = torch.zeros(1, *self._input_shape())
+        order = tensor_order(self.model, example)
+        self.names = [n for n, _, _ in order]
+        self.params = [p for _, _, p in order]
+        layer_of = {name: module for name, module in parametric_layers(self.model, example)}
+        self.layers = [layer_of[layer] for _, layer, _ in order]
+        self.optimizer = make_optimizer(self.params, self.options)
+        self.generator = torch.Generator().manual_seed(self.options.seed)
+        if self.options.method == "elastic":
+            if self.profile is None:
+                raise BudgetError("train.method: elastic needs a device profile; pass --profile or let fleet measure one")
+            if self.profile.min_rho > self.options.rho:
+                raise BudgetError(
+                    f"train.rho: {self.options.rho} is below this device's floor {self.profile.min_rho:.3f} "
+                    f"(a forward pass alone costs that fraction of a full step); use rho >= {self.profile.min_rho:.2f}"
+                )
+        self.set_mask(static_mask(self.options.method, self.names, self.layers, head_parameter_names(self.model)))
+
+    def _input_shape(self) -> tuple[int, int, int]:
+        first = next(m for m in self.model.modules() if isinstance(m, nn.Conv2d))
+        size = self.options.input_size or 32
+        return (first.in_channels, size, size)
+
+    # --- selection --------------------------------------------------------
+    def set_mask(self, mask: Sequence[bool]) -> None:
+        """Train exactly the tensors in ``mask``; frozen ones drop their gradients."""
+        self.mask = list(mask)
+        for p, m in zip(self.params, self.mask):
+            p.requires_grad_(m)
+            if not m:
+                p.grad = None
+
+    def reselect(
+        self,
+        probe: tuple[torch.Tensor, torch.Tensor],
+        *,
+        allowed: Sequence[bool] | None = None,
+        blend: Callable[[list[float]], list[float]] | None = None,
+        epoch: int = 0,
+    ) -> Selection:
+        """Evaluate importance on ``probe`` and choose the tensors that fit the budget.
+
+        ``allowed`` restricts the choice (a window of blocks); ``blend`` mixes the
+        local importance with another signal before selection.
+        """
+        assert self.profile is not None
+        importance = evaluate_importance(self.model, self.params, self.optimizer, *probe, extra_loss=None)
+        if blend is not None:
+            importance = blend(importance)
+        ranked = importance if allowed is None else [v if a else 0.0 for v, a in zip(importance, allowed)]
+        budget = self.profile.backward_budget(self.options.rho)
+        mask = select_tensors(ranked, self.profile.t_dw, self.profile.t_dy, budget)
+        self.set_mask(mask)
+        selection = Selection(self.step_count, epoch, mask, importance, self.profile.step_time(mask))
+        self.selections.append(selection)
+        return selection
+
+    def probe_batch(self, data: ArrayDataset) -> tuple[torch.Tensor, torch.Tensor]:
+        """A freshly shuffled batch, so importance is not judged on the same images each time."""
+        return next(
+            batches(
+                data, self.options.batch_size, shuffle=True, generator=self.generator, input_size=self.options.input_size
+            )
+        )
+
+    def _due(self, epoch: int, step_in_epoch: int) -> bool:
+        if self.options.method != "elastic":
+            return False
+        if self.options.interval_unit == "epoch":
+            return step_in_epoch == 0 and epoch % self.options.interval == 0
+        return self.step_count % self.options.interval == 0
+
+    # --- training ---------------------------------------------------------
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(self.model(x), y)
+        total = loss
+        if self.options.method == "prunetrain" and self.options.prunetrain_lambda > 0:
+            total = loss + self.options.prunetrain_lambda * group_lasso_penalty(self.params)
+        total.backward()
+        self.optimizer.step()
+        self.step_count += 1
+        return float(loss.detach())
+
+    def train_epoch(self, data: ArrayDataset, epoch: int) -> EpochStats:
+        """One pass over ``data``; times cover training steps and importance probes only."""
+        self.model.train()
+        losses: list[float] = []
+        train_time = probe_time = predicted = 0.0
+        for i, (x, y) in enumerate(
+            batches(data, self.options.batch_size, shuffle=True, generator=self.generator, input_size=self.options.input_size)
+        ):
+            if self._due(epoch, i):
+                start = time.perf_counter()
+                self.reselect(self.probe_batch(data), epoch=epoch)
+                probe_time += time.perf_counter() - start
+            if not any(self.mask):
+                continue  # nothing worth training until the next re-selection
+            start = time.perf_counter()
+            losses.append(self.train_step(x, y))
+            train_time += time.perf_counter() - start
+            if self.profile is not None:
+                predicted += self.profile.step_time(self.mask)
+        return EpochStats(
+            epoch=epoch,
+            loss=statistics.fmean(losses) if losses else float("nan"),
+            steps=len(losses),
+            train_time_s=train_time + probe_time,
+            predicted_time_s=predicted,
+            probe_time_s=probe_time,
+            selected=sum(self.mask),
+        )
+
+    @torch.no_grad()
+    def evaluate(self, data: ArrayDataset, batch_size: int = 256) -> float:
+        """Top-1 accuracy on ``data``."""
+        self.model.eval()
+        correct = 0
+        for x, y in batches(data, batch_size, shuffle=False, input_size=self.options.input_size):
+            correct += int((self.model(x).argmax(1) == y).sum())
+        self.model.train()
+        return correct / max(len(data), 1)

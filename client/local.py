@@ -1,0 +1,182 @@
+"""A device's local work in one round: pick its tensors under its own budget, train, report.
+
+Selection follows ALGORITHMS.md section 5: ``rho_n = min(1, D / T_full,n)`` from
+the round deadline ``D`` and the device's own profile, the exact DP under that
+budget, optionally restricted to a sliding window of blocks (with rollback) and
+fed importance blended with the server's global signal (FedEL's remedies).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from fleet.data import ArrayDataset, batches
+from fleet.device_profile import DeviceProfile
+from fleet.importance import evaluate_importance, normalize
+from fleet.models import head_parameter_names
+from fleet.selection import select_tensors
+from fleet.trainer import Trainer, TrainerOptions
+from server.config import FleetConfig
+
+PROBE_STEPS = 2.0  # an importance probe costs about two full steps (one update, one gradient)
+
+
+@dataclass
+class RoundPlan:
+    """What the server asks of a device this round."""
+
+    server_round: int
+    strategy: str  # fleet, naive or fedavg
+    deadline_s: float  # <= 0: no deadline, train fully
+    global_importance: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RoundResult:
+    arrays: dict[str, torch.Tensor]  # only what the device trained (plus its norm statistics)
+    metrics: dict[str, float | int]
+    state: dict  # device state to keep for the next round
+
+
+def window_mask(names: list[str], head: set[str], num_blocks: int, window_blocks: int, server_round: int) -> list[bool]:
+    """FedEL's window: ``window_blocks`` contiguous blocks that slide one block per round from
+    the output side toward the input, then roll back to the output side. The head is always in."""
+    blocks = np.array_split(np.arange(len(names)), min(num_blocks, len(names)))
+    b = len(blocks)
+    w = min(window_blocks, b)
+    positions = b - w + 1
+    p = (server_round - 1) % positions
+    hi = b - p
+    inside = set(int(i) for blk in blocks[hi - w : hi] for i in blk)
+    return [i in inside or n in head for i, n in enumerate(names)]
+
+
+def blend_importance(local: list[float], names: list[str], global_imp: dict[str, float], beta: float) -> list[float]:
+    """``beta * I_local + (1 - beta) * I_global``, both normalized by their max magnitude."""
+    g = normalize([global_imp.get(n, 0.0) for n in names])
+    return [beta * l_ + (1.0 - beta) * g_ for l_, g_ in zip(local, g)]
+
+
+def device_rho(cfg: FleetConfig, profile: DeviceProfile, deadline_s: float) -> tuple[float, float]:
+    """(rho, full-training time of this round's local work) from the deadline and the device's profile."""
+    full = cfg.federation.local_steps * profile.full_step_time
+    if deadline_s <= 0:
+        return 1.0, full
+    rho = min(1.0, deadline_s / full)
+    floor = min(1.0, profile.min_rho + cfg.federation.min_rho_margin)  # the Trainer refuses rho below the floor
+    return max(rho, floor), full
+
+
+def float_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Norm running statistics: every forward pass in training mode updates them, trained or not."""
+    return {n: b for n, b in model.named_buffers() if b.is_floating_point()}
+
+
+def local_round(
+    cfg: FleetConfig,
+    model: nn.Module,
+    profile: DeviceProfile,
+    train: ArrayDataset,
+    prev_state: dict | None,
+    plan: RoundPlan,
+    partition_id: int,
+) -> RoundResult:
+    """Train ``model`` (already holding the global weights) for ``federation.local_steps`` batches."""
+    fed = cfg.federation
+    t = cfg.train
+    rho, full_time = device_rho(cfg, profile, plan.deadline_s if plan.strategy != "fedavg" else 0.0)
+    options = TrainerOptions(
+        method="full",
+        lr=t.lr,
+        momentum=t.momentum,
+        weight_decay=t.weight_decay,
+        rho=rho,
+        batch_size=t.batch_size,
+        input_size=cfg.data.input_size,
+        seed=t.seed + 1000 * plan.server_round + partition_id,
+    )
+    trainer = Trainer(model, options, profile)
+    prev_state = prev_state or {}
+    if "optimizer" in prev_state:
+        try:
+            trainer.optimizer.load_state_dict(prev_state["optimizer"])
+        except (ValueError, KeyError, RuntimeError):
+            pass  # another model layout: start with fresh momentum
+    names = trainer.names
+    started = time.perf_counter()
+    probe_cost = 0.0
+    importance: list[float] = list(prev_state.get("importance", []))
+    imp_round = int(prev_state.get("importance_round", -10**9))
+    if plan.strategy == "fedavg" or rho >= 1.0:
+        mask = [True] * len(names)
+    else:
+        if len(importance) != len(names) or plan.server_round - imp_round >= fed.importance_interval:
+            x, y = trainer.probe_batch(train)
+            importance = evaluate_importance(model, trainer.params, trainer.optimizer, x, y)
+            imp_round = plan.server_round
+            probe_cost = PROBE_STEPS * profile.full_step_time
+        ranked = importance
+        if plan.strategy == "fleet" and fed.blend_beta is not None and plan.global_importance:
+            ranked = blend_importance(importance, names, plan.global_importance, fed.blend_beta)
+        if plan.strategy == "fleet" and fed.window:
+            allowed = window_mask(names, set(head_parameter_names(model)), fed.num_blocks, fed.window_blocks, plan.server_round)
+            ranked = [v if a else 0.0 for v, a in zip(ranked, allowed)]
+        mask = select_tensors(ranked, profile.t_dw, profile.t_dy, profile.backward_budget(rho))
+    trainer.set_mask(mask)
+
+    losses: list[float] = []
+    steps = fed.local_steps if any(mask) else 0
+    endless = (
+        xy
+        for _ in itertools.count()  # re-shuffled on every pass over the local data
+        for xy in batches(train, t.batch_size, shuffle=True, generator=trainer.generator, input_size=cfg.data.input_size)
+    )
+    for x, y in itertools.islice(endless, steps):
+        losses.append(trainer.train_step(x, y))
+    measured = time.perf_counter() - started
+    predicted = steps * profile.step_time(mask) + probe_cost
+
+    params = dict(zip(names, trainer.params))
+    arrays = {n: params[n].detach().clone() for n, m in zip(names, mask) if m}
+    if steps:
+        arrays.update({n: b.detach().clone() for n, b in float_buffers(model).items()})
+    upload = sum(a.numel() * a.element_size() for a in arrays.values())
+    metrics: dict[str, float | int] = {
+        "partition-id": partition_id,
+        "tier": profile.speed_factor,
+        "num-examples": len(train),
+        "selected": int(sum(mask)),
+        "num-tensors": len(names),
+        "trained-fraction": float(sum(p.numel() for p, m in zip(trainer.params, mask) if m) / sum(p.numel() for p in trainer.params)),
+        "rho": rho,
+        "predicted-time-s": predicted,
+        "measured-time-s": measured,
+        "full-time-s": full_time,
+        "speedup": full_time / predicted if predicted > 0 else 0.0,
+        "bytes-uploaded": int(upload),
+        "loss": float(np.mean(losses)) if losses else float("nan"),
+        "steps": steps,
+    }
+    state = {
+        "round": plan.server_round,
+        "optimizer": trainer.optimizer.state_dict(),
+        "personal": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "importance": [float(v) for v in importance],
+        "importance_round": imp_round,
+    }
+    return RoundResult(arrays, metrics, state)
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, data: ArrayDataset, input_size: int, batch_size: int = 256) -> float:
+    model.eval()
+    correct = 0
+    for x, y in batches(data, batch_size, shuffle=False, input_size=input_size):
+        correct += int((model(x).argmax(1) == y).sum())
+    return correct / max(len(data), 1)

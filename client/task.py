@@ -1,0 +1,129 @@
+"""One edge device of the fleet: its model, its data partition, its timing profile and its saved state.
+
+The same deterministic split is computed on every device (and the server), so a
+device needs only its partition id; nothing is downloaded at run time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fleet.data import ArrayDataset
+from fleet.device_profile import DeviceProfile
+from fleet.errors import ConfigError
+from fleet.experiment import load_data, make_model, obtain_profile
+from fleet.partition import partition_indices, split_train_test
+from server.checkpoint import load_torch, save_torch
+from server.config import FleetConfig, resolve_path, run_dir
+
+
+@dataclass
+class DeviceData:
+    train: ArrayDataset
+    test: ArrayDataset
+
+
+_DATA: dict[str, tuple[ArrayDataset, ArrayDataset]] = {}  # a simulation actor serves many devices
+
+
+def _dataset(cfg: FleetConfig) -> tuple[ArrayDataset, ArrayDataset]:
+    key = repr((cfg.data, cfg.train.seed))
+    if key not in _DATA:
+        _DATA.clear()
+        _DATA[key] = load_data(cfg.data, cfg.train.seed)
+    return _DATA[key]
+
+
+def fleet_indices(cfg: FleetConfig, labels: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(pretraining indices, one index array per device): disjoint, the same everywhere."""
+    fed = cfg.federation
+    order = np.random.default_rng([cfg.train.seed, 7]).permutation(len(labels))
+    pre = np.sort(order[: fed.pretrained_samples])
+    rest = np.sort(order[fed.pretrained_samples :])
+    parts = partition_indices(
+        labels[rest], fed.num_devices, fed.partition, alpha=fed.alpha, seed=cfg.train.seed, min_partition_size=2
+    )
+    parts = [rest[p] for p in parts]
+    if fed.samples_per_device is not None:
+        rng = np.random.default_rng([cfg.train.seed, 11])
+        parts = [np.sort(rng.permutation(p)[: fed.samples_per_device]) for p in parts]
+    return pre, parts
+
+
+def device_data(cfg: FleetConfig, partition_id: int) -> DeviceData:
+    """The device's own training data and held-out split."""
+    train, _ = _dataset(cfg)
+    _, parts = fleet_indices(cfg, train.labels.numpy())
+    tr, te = split_train_test(parts[partition_id], cfg.federation.test_fraction, seed=cfg.train.seed + partition_id)
+    return DeviceData(train.subset(tr), train.subset(te))
+
+
+def tier_of(cfg: FleetConfig, partition_id: int, node_config: dict[str, Any]) -> float:
+    """The device's speed tier: ``tier`` in the node config, else the config's tiers in turn."""
+    if "tier" in node_config:
+        tier = float(node_config["tier"])
+        if not tier > 0:
+            raise ConfigError(f"node config tier: {tier!r} is not allowed; use a slow-down factor > 0 (1 = as profiled)")
+        return tier
+    tiers = cfg.federation.tiers
+    return float(tiers[partition_id % len(tiers)])
+
+
+def partition_of(cfg: FleetConfig, node_config: dict[str, Any]) -> int:
+    if "partition-id" not in node_config:
+        raise ConfigError("node config: partition-id missing; start the SuperNode with --node-config \"partition-id=0\"")
+    pid = int(node_config["partition-id"])
+    if not 0 <= pid < cfg.federation.num_devices:
+        raise ConfigError(
+            f"node config partition-id: {pid} is outside 0..{cfg.federation.num_devices - 1} "
+            "(federation.num_devices); pick a partition the fleet has"
+        )
+    return pid
+
+
+def device_profile(cfg: FleetConfig, model: nn.Module | None, node_config: dict[str, Any], state_dir: Path) -> DeviceProfile:
+    """This device's measured profile (node config ``profile`` or the config's), times its tier.
+
+    A device with neither measures itself once and keeps the result in its state directory.
+    """
+    path = node_config.get("profile") or cfg.train.profile
+    if path:
+        base = DeviceProfile.load(resolve_path(str(path)))
+    else:
+        if model is None:
+            model = make_model(cfg.model, cfg.train.seed)
+        base = obtain_profile(cfg, model, state_dir / "device-profile.yaml", repeats=5, log=lambda s: None)
+    return base
+
+
+def state_dir_of(cfg: FleetConfig, partition_id: int, node_config: dict[str, Any]) -> Path:
+    """Where device state outlives a round: node config ``state-dir`` or runs/<name>/devices/<id>."""
+    if node_config.get("state-dir"):
+        return Path(str(node_config["state-dir"])).expanduser() / cfg.name
+    return run_dir(cfg) / "devices" / f"device-{partition_id}"
+
+
+def build_model(cfg: FleetConfig) -> nn.Module:
+    return make_model(cfg.model, cfg.train.seed)
+
+
+# --- device state that must outlive a round --------------------------------
+
+
+def save_state(path: Path, state: dict) -> None:
+    """Atomic: a device killed mid-write keeps its previous state."""
+    save_torch(path, state)
+
+
+def load_state(path: Path, run_tag: str | None = None) -> dict | None:
+    """The device's state from earlier rounds of this run (another run's state is ignored)."""
+    state = load_torch(path)
+    if state is not None and run_tag is not None and state.get("run_tag") != run_tag:
+        return None
+    return state

@@ -1,0 +1,84 @@
+"""``fleet simulate CONFIG.yaml`` and ``fleet bench fleet``: the fleet over Flower on one machine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # devices have no internet; flwr reads this on import
+
+DEFAULT_CONFIG = "simulations/fleet.yaml"
+BENCH_CONFIG = "simulations/fleet-bench.yaml"
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    from fleet.config import parse_override
+
+    overrides = dict(parse_override(s) for s in args.set)
+    for flag, path in (("name", "name"), ("rounds", "federation.rounds"), ("strategy", "federation.strategy"), ("output_dir", "output_dir")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides[path] = value
+    return overrides
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("simulate", help="run the fleet on this machine with Flower's simulation engine")
+    p.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"fleet YAML (default: {DEFAULT_CONFIG})")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a field, e.g. federation.rounds=5")
+    p.add_argument("--name")
+    p.add_argument("--output-dir")
+    p.add_argument("--rounds", type=int)
+    p.add_argument("--strategy", help="fleet, naive or fedavg")
+    p.add_argument("--resume", action="store_true", help="continue from runs/<name>/checkpoint.pt")
+    p.set_defaults(func=run_simulate)
+
+
+def register_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fleet", help="FedAvg vs naive ElasticTrainer vs fleet on 8 devices in 4 speed tiers")
+    p.add_argument("--config", default=BENCH_CONFIG, help=f"fleet YAML (default: {BENCH_CONFIG})")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    p.add_argument("--rounds", type=int)
+    p.add_argument("--output-dir")
+    p.add_argument("--target", type=float, default=0.95, help="target = this fraction of FedAvg's final accuracy")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run_bench)
+
+
+def summary_table(summary: dict) -> str:
+    lines = [
+        f"{summary['name']} ({summary['strategy']}): {summary['rounds']} rounds, simulated {summary['sim_time_s']:.1f}s",
+        f"  global accuracy {100 * (summary['final_accuracy'] or 0):.2f}%   personalized mean "
+        f"{100 * (summary['personalized_accuracy_mean'] or 0):.2f}%  p10 {100 * (summary['personalized_accuracy_p10'] or 0):.2f}%"
+        f"   uploaded {summary['bytes_uploaded'] / 1e6:.1f} MB   rejected replies {summary['rejections']}",
+        f"  {'device':>6} {'tier':>5} {'rounds':>6} {'rho':>6} {'speedup':>8} {'trained':>8} {'MB up':>8}",
+    ]
+    for pid, d in summary["devices"].items():
+        lines.append(
+            f"  {pid:>6} {d['tier']:>4g}x {d['rounds_trained']:>6} {d['rho_mean']:>6.2f} {d['speedup_mean']:>7.2f}x "
+            f"{100 * d['trained_fraction_mean']:>7.1f}% {d['bytes_uploaded'] / 1e6:>8.1f}"
+        )
+    lines.append(f"  metrics, summary and plots: {summary['run_dir']}")
+    return "\n".join(lines)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from server.simulation import simulate
+
+    summary = simulate(args.config, _overrides(args), resume=args.resume)
+    print(summary_table(summary))
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from server.bench import bench_fleet
+
+    result = bench_fleet(args.config, _overrides(args), target_fraction=args.target, quiet=args.json)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        from server.bench import bench_table
+
+        print(bench_table(result))
+    return 0

@@ -1,0 +1,153 @@
+"""The fleet's config: the shared model/data/train sections plus a ``federation`` section.
+
+One YAML file (see ``simulations/``) drives ``fleet simulate``, ``flwr run .``
+and the benchmark. Every field is validated on load; a bad one raises
+:class:`~fleet.errors.ConfigError` naming the field, its value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fleet.config import ExperimentConfig, apply_overrides, build_dataclass
+from fleet.errors import ConfigError
+
+STRATEGIES = ("fleet", "naive", "fedavg")
+PARTITIONS = ("iid", "dirichlet", "shards")
+RUN_ONLY_KEYS = ("config", "resume")  # run-config keys that are not fields of the YAML
+APP_ROOT = Path(__file__).resolve().parent.parent  # holds pyproject.toml and simulations/
+
+
+@dataclass
+class FederationConfig:
+    """How the fleet is run: devices, rounds, budgets and the FedEL remedies."""
+
+    strategy: str = "fleet"  # fleet (elastic + window + blending), naive (per-device elastic), fedavg (full training)
+    rounds: int = 10
+    num_devices: int = 8
+    tiers: list[float] = field(default_factory=lambda: [1.0, 2.0, 3.0, 4.0])  # device i gets tiers[i % len]
+    partition: str = "dirichlet"
+    alpha: float = 0.5
+    test_fraction: float = 0.2  # each device's held-out split for personalized accuracy
+    samples_per_device: int | None = None  # cap a device's data (keeps simulations small)
+    local_steps: int = 10  # training batches per device per round
+    deadline_s: float | None = None  # round deadline; null: the fastest device's full-training time
+    deadline_factor: float = 1.0  # scales the automatic deadline
+    importance_interval: int = 2  # re-probe local importance every this many rounds (DP runs every round)
+    window: bool = True  # FedEL sliding block window with rollback (fleet strategy only)
+    window_blocks: int = 2  # blocks inside the window
+    num_blocks: int = 6  # the model's tensors are cut into this many contiguous blocks
+    blend_beta: float | None = 0.6  # I = beta*I_local + (1-beta)*I_global; null disables blending
+    bandwidth_bytes_per_s: float = 1.25e6  # uplink of a simulated device (10 Mbit/s)
+    min_rho_margin: float = 0.02  # rho is clamped to the device floor plus this
+    timeout_s: float = 600.0  # a device that has not replied by then is left out of the round
+    client_cpus: float = 1.0  # simulation: CPUs reserved per ClientApp
+    client_threads: int = 1  # torch threads inside a ClientApp
+    pretrained_samples: int = 0  # bench: samples held out from the devices to pretrain the start model
+    pretrain_epochs: int = 2
+    fail_device: int | None = None  # fault injection for tests: this partition raises ...
+    fail_round: int | None = None  # ... in this round
+
+
+@dataclass
+class FleetConfig(ExperimentConfig):
+    name: str = "fleet"
+    federation: FederationConfig = field(default_factory=FederationConfig)
+
+
+RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
+    "federation.strategy": (lambda v: v in STRATEGIES, "one of " + ", ".join(STRATEGIES)),
+    "federation.rounds": (lambda v: v >= 1, "an integer >= 1"),
+    "federation.num_devices": (lambda v: v >= 1, "an integer >= 1"),
+    "federation.tiers": (lambda v: len(v) >= 1 and all(t >= 1 for t in v), "a non-empty list of slow-down factors >= 1"),
+    "federation.partition": (lambda v: v in PARTITIONS, "one of " + ", ".join(PARTITIONS)),
+    "federation.alpha": (lambda v: v > 0, "a number > 0"),
+    "federation.test_fraction": (lambda v: 0 < v < 1, "a number in (0, 1)"),
+    "federation.samples_per_device": (lambda v: v is None or v >= 4, "an integer >= 4 or null"),
+    "federation.local_steps": (lambda v: v >= 1, "an integer >= 1"),
+    "federation.deadline_s": (lambda v: v is None or v > 0, "a number of seconds > 0 or null (automatic)"),
+    "federation.deadline_factor": (lambda v: v > 0, "a number > 0"),
+    "federation.importance_interval": (lambda v: v >= 1, "an integer >= 1"),
+    "federation.window_blocks": (lambda v: v >= 1, "an integer >= 1"),
+    "federation.num_blocks": (lambda v: v >= 1, "an integer >= 1"),
+    "federation.blend_beta": (lambda v: v is None or 0 <= v <= 1, "a number in [0, 1] or null"),
+    "federation.bandwidth_bytes_per_s": (lambda v: v > 0, "a number > 0"),
+    "federation.min_rho_margin": (lambda v: 0 <= v < 0.5, "a number in [0, 0.5)"),
+    "federation.timeout_s": (lambda v: v > 0, "a number > 0"),
+    "federation.client_cpus": (lambda v: v > 0, "a number > 0"),
+    "federation.client_threads": (lambda v: v >= 1, "an integer >= 1"),
+    "federation.pretrained_samples": (lambda v: v >= 0, "an integer >= 0"),
+    "federation.pretrain_epochs": (lambda v: v >= 1, "an integer >= 1"),
+}
+
+
+def _check_rules(cfg: FleetConfig) -> None:
+    for f in dataclasses.fields(FederationConfig):
+        path = f"federation.{f.name}"
+        value = getattr(cfg.federation, f.name)
+        if path in RULES and not RULES[path][0](value):
+            raise ConfigError(f"{path}: {value!r} is not allowed; use {RULES[path][1]}")
+    fed = cfg.federation
+    if fed.window_blocks > fed.num_blocks:
+        raise ConfigError(
+            f"federation.window_blocks: {fed.window_blocks} exceeds federation.num_blocks={fed.num_blocks}; "
+            "use a window no larger than the number of blocks"
+        )
+    if (fed.fail_device is None) != (fed.fail_round is None):
+        raise ConfigError("federation.fail_device: set both fail_device and fail_round, or neither")
+
+
+def fleet_config_from_dict(data: dict | None, overrides: dict[str, Any] | None = None) -> FleetConfig:
+    data = apply_overrides(dict(data or {}), overrides or {})
+    cfg = build_dataclass(FleetConfig, data, "")
+    _check_rules(cfg)
+    return cfg
+
+
+def resolve_path(path: str | Path) -> Path:
+    """Relative config paths are looked up in the working directory, then the app root."""
+    p = Path(path).expanduser()
+    if p.is_absolute() or p.exists():
+        return p
+    return APP_ROOT / p
+
+
+def load_fleet_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> FleetConfig:
+    data: Any = {}
+    if path is not None:
+        p = resolve_path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {path} not found; pass an existing YAML file (see simulations/)")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"config file {path} is not valid YAML{where}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path}: expected a mapping of sections, got {type(data).__name__}")
+    return fleet_config_from_dict(data, overrides)
+
+
+def config_from_run_config(run_config: dict[str, Any]) -> FleetConfig:
+    """Flower's run config (``[tool.flwr.app.config]`` plus ``--run-config``) to a validated config.
+
+    ``config`` names the YAML file; every other key is a dotted override
+    (``federation.rounds``), so ``flwr run . --run-config "federation.rounds=3"`` works.
+    """
+    overrides = {k: v for k, v in run_config.items() if k not in RUN_ONLY_KEYS and v != ""}
+    path = run_config.get("config") or None
+    return load_fleet_config(path, overrides)
+
+
+def run_dir(cfg: FleetConfig) -> Path:
+    out = Path(cfg.output_dir).expanduser()
+    if not out.is_absolute():
+        out = Path.cwd() / out
+    return out / cfg.name

@@ -1,0 +1,144 @@
+"""Flower ServerApp of the fleet (Message API).
+
+Each round: send the global model and the round's deadline, aggregate only the
+tensors each device trained (:class:`ElasticFedAvg`), evaluate global and
+personalized accuracy on every device, advance the simulated clock, write a
+metrics line and a progress line, and checkpoint. ``resume = true`` in the run
+config continues from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.serverapp import Grid, ServerApp
+
+from fleet.experiment import make_model
+from server.checkpoint import CHECKPOINT_FILE, ServerState, load_checkpoint, save_checkpoint
+from server.config import FleetConfig, config_from_run_config, run_dir
+from server.strategy import ElasticFedAvg
+from server.tracking import Tracker, device_rows, p10, plot_run, progress_line, round_time
+
+app = ServerApp()
+log = logging.getLogger("fleet.server")
+
+
+def initial_arrays(cfg: FleetConfig) -> dict[str, np.ndarray]:
+    model = make_model(cfg.model, cfg.train.seed)
+    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+
+
+def param_names(cfg: FleetConfig) -> list[str]:
+    return [n for n, _ in make_model(cfg.model, cfg.train.seed).named_parameters()]
+
+
+def query_full_times(grid: Grid, cfg: FleetConfig, timeout: float) -> dict[str, float]:
+    """Ask every connected device for its full-training time of one round (for the default deadline)."""
+    node_ids = list(grid.get_node_ids())
+    while len(node_ids) < cfg.federation.num_devices:
+        log.info("waiting for devices: %d of %d connected", len(node_ids), cfg.federation.num_devices)
+        time.sleep(1.0)
+        node_ids = list(grid.get_node_ids())
+    messages = [Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=n, message_type=MessageType.QUERY) for n in node_ids]
+    times = {}
+    for reply in grid.send_and_receive(messages, timeout=timeout):
+        if reply.has_error():
+            log.warning("device on node %d could not report its profile: %s", reply.metadata.src_node_id, reply.error.reason)
+            continue
+        times[str(reply.metadata.src_node_id)] = float(reply.content["metrics"]["full-time-s"])
+    return times
+
+
+def start_state(cfg: FleetConfig, out: Path, resume: bool) -> tuple[dict[str, np.ndarray], ServerState]:
+    """The checkpointed model and state when resuming, else a fresh start (an older run is kept aside)."""
+    if resume:
+        loaded = load_checkpoint(out)
+        if loaded is not None:
+            model, state = loaded
+            print(f"resuming {cfg.name} after round {state.round} (simulated time {state.sim_time_s:.1f}s)", flush=True)
+            return {k: v.numpy() for k, v in model.items()}, state
+        print(f"no checkpoint in {out}; starting {cfg.name} from round 1", flush=True)
+    elif (out / CHECKPOINT_FILE).exists():
+        backup = out.with_name(f"{out.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.move(str(out), backup)
+        print(f"kept the previous run of {cfg.name} in {backup}", flush=True)
+    return initial_arrays(cfg), ServerState(run_tag=uuid.uuid4().hex[:12])
+
+
+def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool) -> dict:
+    """Run (or continue) the fleet until ``federation.rounds``; returns the summary."""
+    fed = cfg.federation
+    out = run_dir(cfg)
+    arrays, state = start_state(cfg, out, resume)
+    out.mkdir(parents=True, exist_ok=True)
+    tracker = Tracker(out, resume_round=state.round if resume else None)
+    strategy = ElasticFedAvg(
+        method=fed.strategy,
+        deadline_s=fed.deadline_s,
+        deadline_factor=fed.deadline_factor,
+        param_names=param_names(cfg),
+        lr=cfg.train.lr,
+        blend=fed.strategy == "fleet" and fed.blend_beta is not None,
+        run_tag=state.run_tag,
+        min_train_nodes=1,
+        min_evaluate_nodes=1,
+        min_available_nodes=fed.num_devices,
+    )
+    strategy.global_importance = dict(state.global_importance)
+    if fed.strategy != "fedavg" and fed.deadline_s is None:
+        if not state.full_times:
+            state.full_times = query_full_times(grid, cfg, fed.timeout_s)
+        strategy.full_times = {int(k): v for k, v in state.full_times.items()}
+    for server_round in range(state.round + 1, fed.rounds + 1):
+        started = time.perf_counter()
+        global_record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+        deadline = strategy.round_deadline()
+        replies = grid.send_and_receive(strategy.configure_train(server_round, global_record, ConfigRecord(), grid), timeout=fed.timeout_s)
+        rejected_before = len(strategy.rejections)
+        new_record, _ = strategy.aggregate_train(server_round, replies)
+        if new_record is not None:
+            arrays = {k: a.numpy() for k, a in new_record.items()}
+            global_record = new_record
+        replies = grid.send_and_receive(strategy.configure_evaluate(server_round, global_record, ConfigRecord(), grid), timeout=fed.timeout_s)
+        accuracy = strategy.aggregate_evaluate(server_round, replies)
+        train = strategy.train_results
+        rt = round_time(train, fed.bandwidth_bytes_per_s)
+        state.round = server_round
+        state.sim_time_s += rt
+        state.wall_time_s += time.perf_counter() - started
+        state.full_times = {str(k): v for k, v in strategy.full_times.items()}
+        state.global_importance = dict(strategy.global_importance)
+        devices = device_rows(train, strategy.eval_results)
+        record = {
+            "round": server_round,
+            "strategy": fed.strategy,
+            "deadline_s": deadline,
+            "round_time_s": rt,
+            "sim_time_s": state.sim_time_s,
+            "wall_time_s": state.wall_time_s,
+            "global_accuracy": None if accuracy is None else accuracy["global-accuracy"],
+            "personal_accuracy": None if accuracy is None else accuracy["personal-accuracy"],
+            "personal_accuracy_p10": p10([d["personal_accuracy"] for d in devices if "personal_accuracy" in d]),
+            "bytes_uploaded": int(sum(d.get("bytes-uploaded", 0) for d in train)),
+            "tensors_trained_by_nobody": sum(1 for k in strategy.param_names if k not in strategy.senders),
+            "rejections": [r.as_dict() for r in strategy.rejections[rejected_before:]],
+            "devices": devices,
+        }
+        tracker.add(record)
+        save_checkpoint(out, arrays, state)
+        print(progress_line(record, fed.rounds), flush=True)
+    summary = tracker.summary({"name": cfg.name, "strategy": fed.strategy, "run_dir": str(out)})
+    plot_run(out, tracker.records, f"{cfg.name} ({fed.strategy})")
+    return summary
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    cfg = config_from_run_config({k: v for k, v in context.run_config.items() if k != "resume"})
+    run_fleet(grid, cfg, resume=bool(context.run_config.get("resume", False)))

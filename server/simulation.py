@@ -1,0 +1,115 @@
+"""``fleet simulate``: the whole fleet on one machine with Flower's simulation engine.
+
+Each device is a virtual SuperNode running the real ClientApp (one CPU each via
+Ray); its clock is simulated from the shared measured profile times its tier.
+The launcher measures the profile and pretrains the starting model once,
+writes the effective config next to the run, then hands over to Flower.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from fleet.config import config_to_dict
+from fleet.errors import FleetError
+from fleet.experiment import make_model, obtain_profile
+from server.checkpoint import CHECKPOINT_FILE
+from server.config import APP_ROOT, FleetConfig, load_fleet_config, run_dir
+from server.tracking import SUMMARY_FILE
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # no internet on devices; read when flwr is imported
+
+EFFECTIVE_CONFIG = "fleet-config.yaml"
+
+
+def prepare(cfg: FleetConfig, *, resume: bool, log: Callable[[str], None] = print) -> tuple[FleetConfig, Path]:
+    """Profile, pretrain and write the effective config; returns it and its path."""
+    out = run_dir(cfg)
+    if not resume and (out / CHECKPOINT_FILE).exists():
+        backup = out.with_name(f"{out.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.move(str(out), backup)
+        log(f"kept the previous run of {cfg.name} in {backup}")
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = dataclasses.replace(cfg, output_dir=str(out.parent))
+    if cfg.federation.pretrained_samples > 0 and cfg.model.weights is None:
+        ckpt = out / "pretrained.pt"
+        if not ckpt.exists():
+            from server.pretrain import pretrain_fleet_model
+
+            pretrain_fleet_model(cfg, ckpt, log)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, weights=str(ckpt)))
+    if cfg.train.profile is None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(cfg.federation.client_threads)  # profile as the ClientApps will run
+        try:
+            profile_path = out / "device-profile.yaml"
+            obtain_profile(cfg, make_model(cfg.model, cfg.train.seed), profile_path, log=log)
+        finally:
+            torch.set_num_threads(threads)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, profile=str(profile_path)))
+    path = out / EFFECTIVE_CONFIG
+    path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    return cfg, path
+
+
+def run_simulation(cfg: FleetConfig, config_path: Path, *, resume: bool, verbose: bool = False) -> dict:
+    """Run the ServerApp and N ClientApps in Flower's simulation engine; returns summary.json."""
+    from flwr.app import Context, RecordDict
+    from flwr.common.config import get_fused_config_from_dir
+    from flwr.common.constant import RUN_ID_NUM_BYTES, SUPERLINK_NODE_ID, TASK_ID_NUM_BYTES
+    from flwr.supercore.constant import NOOP_FEDERATION_ID
+    from flwr.server.superlink.linkstate.utils import generate_rand_int_from_bytes
+    from flwr.simulation.run_simulation import _run_simulation
+    from flwr.supercore.run import Run
+    from flwr.supercore.task_identity import TaskIdentity
+    from flwr.supercore.telemetry import EventType
+
+    # The same launch `flwr-simulation` performs for `flwr run` (apps loaded by their
+    # component names from the app directory, the run config fused with pyproject's),
+    # without a detached local SuperLink left running on a shared machine.
+    overrides: dict[str, Any] = {"config": str(config_path), "resume": resume}
+    fused = get_fused_config_from_dir(APP_ROOT, overrides)
+    run = dataclasses.replace(
+        Run.create_empty(run_id=generate_rand_int_from_bytes(RUN_ID_NUM_BYTES)),
+        override_config=overrides,
+        federation_id=NOOP_FEDERATION_ID,
+        primary_task_id=generate_rand_int_from_bytes(TASK_ID_NUM_BYTES),
+    )
+    TaskIdentity.task_id = 1
+    TaskIdentity.run_id = run.run_id
+    TaskIdentity.node_id = SUPERLINK_NODE_ID
+    fed = cfg.federation
+    backend = {"client_resources": {"num_cpus": fed.client_cpus, "num_gpus": 0.0}}
+    _run_simulation(
+        server_app_attr="server.server_app:app",
+        client_app_attr="client.client_app:app",
+        num_supernodes=fed.num_devices,
+        backend_name="ray",
+        backend_config=backend,
+        app_dir=str(APP_ROOT),
+        run=run,
+        server_app_context=Context(run_id=run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config=fused),
+        is_app=True,
+        verbose_logging=verbose,
+        exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
+    )
+    summary_path = run_dir(cfg) / SUMMARY_FILE
+    if not summary_path.is_file():
+        raise FleetError(f"the simulation of {cfg.name} ended without {summary_path}; see the log above for the failing round")
+    return json.loads(summary_path.read_text())
+
+
+def simulate(path: str | None, overrides: dict[str, Any] | None = None, *, resume: bool = False, log=print) -> dict:
+    cfg = load_fleet_config(path, overrides)
+    cfg, config_path = prepare(cfg, resume=resume, log=log)
+    return run_simulation(cfg, config_path, resume=resume)

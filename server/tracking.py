@@ -1,0 +1,178 @@
+"""Per-round, per-device tracking: runs/<name>/metrics.jsonl, summary.json and PNG plots.
+
+The simulated clock: each device's time is its profile (times its tier) applied to
+what it actually trained; a round lasts as long as its slowest device plus that
+device's upload time (bytes / bandwidth).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from fleet.experiment import write_json
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+
+
+def round_time(devices: list[dict], bandwidth: float) -> float:
+    """The slowest device's simulated training time plus its upload time."""
+    return max((d["predicted-time-s"] + d.get("bytes-uploaded", 0) / bandwidth for d in devices), default=0.0)
+
+
+def device_rows(train: list[dict], evaluation: list[dict]) -> list[dict]:
+    """One row per device: its train metrics joined with its evaluation, keyed by partition."""
+    by_pid: dict[int, dict] = {}
+    for r in train:
+        by_pid.setdefault(int(r["partition-id"]), {}).update(r)
+    for r in evaluation:
+        row = by_pid.setdefault(int(r["partition-id"]), {})
+        row.update({"partition-id": r["partition-id"], "global-accuracy": r["global-accuracy"], "personal-accuracy": r["personal-accuracy"], "test-examples": r["num-examples"]})
+    rows = []
+    for pid in sorted(by_pid):
+        row = {k.replace("-", "_"): v for k, v in by_pid[pid].items() if k not in ("num-examples",)}
+        if "num-examples" in by_pid[pid] and "test-examples" in by_pid[pid]:
+            row["train_examples"] = by_pid[pid]["num-examples"]
+        rows.append(row)
+    return rows
+
+
+def p10(values: list[float]) -> float | None:
+    return float(np.percentile(values, 10)) if values else None
+
+
+class Tracker:
+    """Appends one JSON line per round; on resume, drops lines past the checkpoint."""
+
+    def __init__(self, out: Path, *, resume_round: int | None) -> None:
+        self.out = out
+        self.path = out / METRICS_FILE
+        out.mkdir(parents=True, exist_ok=True)
+        self.records: list[dict] = []
+        if resume_round is not None and self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a kill
+                if rec.get("round", 10**9) <= resume_round:
+                    self.records.append(rec)
+        self._rewrite()
+
+    def _rewrite(self) -> None:
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        os.replace(tmp, self.path)
+
+    def add(self, record: dict) -> None:
+        self.records.append(record)
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def summary(self, extra: dict) -> dict:
+        recs = self.records
+        last = recs[-1] if recs else {}
+        per_device: dict[int, list[dict]] = {}
+        for rec in recs:
+            for d in rec["devices"]:
+                if "speedup" in d:
+                    per_device.setdefault(int(d["partition_id"]), []).append(d)
+        personal = [d["personal_accuracy"] for d in last.get("devices", []) if "personal_accuracy" in d]
+        summary = {
+            **extra,
+            "rounds": len(recs),
+            "sim_time_s": last.get("sim_time_s", 0.0),
+            "final_accuracy": last.get("global_accuracy"),
+            "personalized_accuracy_mean": float(np.mean(personal)) if personal else None,
+            "personalized_accuracy_p10": p10(personal),
+            "bytes_uploaded": int(sum(r["bytes_uploaded"] for r in recs)),
+            "rejections": sum(len(r["rejections"]) for r in recs),
+            "devices": {
+                str(pid): {
+                    "tier": rows[-1]["tier"],
+                    "rounds_trained": len(rows),
+                    "speedup_mean": float(np.mean([r["speedup"] for r in rows])),
+                    "trained_fraction_mean": float(np.mean([r["trained_fraction"] for r in rows])),
+                    "rho_mean": float(np.mean([r["rho"] for r in rows])),
+                    "bytes_uploaded": int(sum(r["bytes_uploaded"] for r in rows)),
+                }
+                for pid, rows in sorted(per_device.items())
+            },
+            "history": [
+                {k: r[k] for k in ("round", "sim_time_s", "global_accuracy", "personal_accuracy")} for r in recs
+            ],
+        }
+        write_json(self.out / SUMMARY_FILE, summary)
+        return summary
+
+
+def progress_line(rec: dict, rounds: int) -> str:
+    def pct(v):
+        return f"{100 * v:5.1f}%" if isinstance(v, (int, float)) else "  n/a "
+
+    speedups = [d["speedup"] for d in rec["devices"] if "speedup" in d]
+    return (
+        f"round {rec['round']:>3}/{rounds}  sim {rec['sim_time_s']:8.1f}s (+{rec['round_time_s']:.1f}s)  "
+        f"global {pct(rec['global_accuracy'])}  personal {pct(rec['personal_accuracy'])}  "
+        f"speedup {min(speedups, default=0):.2f}-{max(speedups, default=0):.2f}x  "
+        f"up {rec['bytes_uploaded'] / 1e6:6.2f} MB  devices {len(speedups)}  rejected {len(rec['rejections'])}"
+    )
+
+
+def plot_run(out: Path, records: list[dict], title: str) -> list[Path]:
+    """Accuracy against simulated time and rounds; per-device speedup, trained fraction; bytes per round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not records:
+        return []
+    rounds = [r["round"] for r in records]
+    sim = [r["sim_time_s"] for r in records]
+    g = [r["global_accuracy"] for r in records]
+    p = [r["personal_accuracy"] for r in records]
+    paths = []
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, x, label in ((axes[0], sim, "simulated time (s)"), (axes[1], rounds, "round")):
+        ax.plot(x, g, marker="o", label="global")
+        ax.plot(x, p, marker="s", label="personalized (mean)")
+        ax.set_xlabel(label)
+        ax.set_ylabel("accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    paths.append(out / "accuracy.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+
+    per_device: dict[int, list[dict]] = {}
+    for rec in records:
+        for d in rec["devices"]:
+            if "speedup" in d:
+                per_device.setdefault(int(d["partition_id"]), []).append(d)
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for pid, rows in sorted(per_device.items()):
+        xs = [r["round"] for r in records if any(int(d["partition_id"]) == pid and "speedup" in d for d in r["devices"])]
+        axes[0].plot(xs, [r["speedup"] for r in rows], marker=".", label=f"dev {pid} ({rows[-1]['tier']:g}x)")
+        axes[1].plot(xs, [r["trained_fraction"] for r in rows], marker=".", label=f"dev {pid}")
+    axes[0].set_title("speedup vs full training")
+    axes[1].set_title("trained fraction of weights")
+    axes[2].bar(rounds, [r["bytes_uploaded"] / 1e6 for r in records])
+    axes[2].set_title("MB uploaded per round")
+    for ax in axes:
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out / "devices.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    return paths

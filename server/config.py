@@ -44,7 +44,7 @@ class FederationConfig:
     window_blocks: int = 2  # blocks inside the window
     num_blocks: int = 6  # the model's tensors are cut into this many contiguous blocks
     blend_beta: float | None = 0.6  # I = beta*I_local + (1-beta)*I_global; null disables blending
-    bandwidth_bytes_per_s: float = 1.25e6  # uplink of a simulated device (10 Mbit/s)
+    bandwidth_bytes_per_s: float = 12.5e6  # uplink of a simulated device (100 Mbit/s Wi-Fi)
     min_rho_margin: float = 0.02  # rho is clamped to the device floor plus this
     timeout_s: float = 600.0  # a device that has not replied by then is left out of the round
     client_cpus: float = 1.0  # simulation: CPUs reserved per ClientApp

@@ -1,0 +1,99 @@
+"""A device's local round: rho from its own profile, window, blending, what it uploads; config errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from client.local import RoundPlan, blend_importance, device_rho, local_round, window_mask
+from client.task import device_data, fleet_indices
+from fleet.errors import ConfigError
+from fleet.experiment import make_model, obtain_profile
+from server.config import fleet_config_from_dict, load_fleet_config
+
+TINY = "simulations/fleet-tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    torch.set_num_threads(1)
+    cfg = load_fleet_config(TINY, {"output_dir": str(tmp_path_factory.mktemp("runs"))})
+    model = make_model(cfg.model, 0)
+    profile = obtain_profile(cfg, model, None, repeats=3, log=lambda s: None)
+    return cfg, profile
+
+
+def test_rho_follows_deadline_and_profile_with_floor(setup):
+    cfg, profile = setup
+    full = cfg.federation.local_steps * profile.full_step_time
+    assert device_rho(cfg, profile, 0.0) == (1.0, full)
+    assert device_rho(cfg, profile.scaled(2.0), full)[0] == pytest.approx(0.5)
+    rho, _ = device_rho(cfg, profile.scaled(100.0), full)
+    assert rho == pytest.approx(profile.min_rho + cfg.federation.min_rho_margin)  # clamped to the floor
+
+
+def test_window_slides_to_input_and_rolls_back():
+    names = [f"t{i}" for i in range(8)] + ["fc.weight"]
+    head = {"fc.weight"}
+    wins = [window_mask(names, head, 4, 2, r) for r in range(1, 6)]
+    # 9 tensors in 4 blocks (3,2,2,2); 3 window positions; head always in
+    assert all(w[-1] for w in wins)
+    assert [i for i, m in enumerate(wins[0]) if m] == [5, 6, 7, 8]  # output side first
+    assert [i for i, m in enumerate(wins[2]) if m] == [0, 1, 2, 3, 4, 8]  # reached the input side
+    assert wins[3] == wins[0]  # rolled back
+
+
+def test_blend_mixes_normalized_signals():
+    out = blend_importance([1.0, 0.0], ["a", "b"], {"a": 0.0, "b": 50.0}, beta=0.6)
+    assert out == pytest.approx([0.6, 0.4])
+
+
+def test_local_round_uploads_only_trained_tensors(setup):
+    cfg, profile = setup
+    slow = profile.scaled(2.0)
+    model = make_model(cfg.model, 0)
+    data = device_data(cfg, 1)
+    deadline = cfg.federation.local_steps * profile.full_step_time
+    plan = RoundPlan(server_round=1, strategy="fleet", deadline_s=deadline)
+    res = local_round(cfg, model, slow, data.train, None, plan, 1)
+    m = res.metrics
+    params = {n for n, _ in model.named_parameters()}
+    trained = [n for n in res.arrays if n in params]
+    assert 0 < m["selected"] < m["num-tensors"] and len(trained) == m["selected"]
+    assert m["rho"] == pytest.approx(0.5)
+    assert m["bytes-uploaded"] == sum(a.numel() * 4 for a in res.arrays.values())
+    steps_time = m["predicted-time-s"] - 2.0 * slow.full_step_time  # one importance probe
+    assert steps_time <= 0.5 * m["full-time-s"] + 1e-9  # the trained selection meets rho
+    assert m["full-time-s"] == pytest.approx(cfg.federation.local_steps * slow.full_step_time)
+    assert set(res.state) >= {"optimizer", "personal", "importance"}
+    # FedAvg trains and uploads every tensor
+    full = local_round(cfg, make_model(cfg.model, 0), slow, data.train, None, dataclasses.replace(plan, strategy="fedavg"), 1)
+    assert full.metrics["selected"] == full.metrics["num-tensors"] and full.metrics["rho"] == 1.0
+
+
+def test_partitions_are_disjoint_and_hold_out_pretraining_data():
+    cfg = fleet_config_from_dict({"data": {"dataset": "synthetic"}, "federation": {"num_devices": 4, "pretrained_samples": 100}})
+    labels = torch.arange(2000).remainder(10).numpy()
+    pre, parts = fleet_indices(cfg, labels)
+    everything = [set(pre.tolist())] + [set(p.tolist()) for p in parts]
+    assert len(pre) == 100 and sum(len(s) for s in everything) == 2000
+    assert len(set().union(*everything)) == 2000  # disjoint, nothing dropped
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"federation": {"strategy": "fedprox"}}, "federation.strategy"),
+        ({"federation": {"tiers": [0.5]}}, "federation.tiers"),
+        ({"federation": {"window_blocks": 9, "num_blocks": 4}}, "federation.window_blocks"),
+        ({"federation": {"rounds": "many"}}, "federation.rounds"),
+        ({"federation": {"blend_beta": 2}}, "federation.blend_beta"),
+        ({"federation": {"speed": 1}}, "federation.speed"),
+    ],
+)
+def test_bad_federation_field_is_one_clear_line(data, field):
+    with pytest.raises(ConfigError) as exc:
+        fleet_config_from_dict(data)
+    assert str(exc.value).startswith(field) and "\n" not in str(exc.value)

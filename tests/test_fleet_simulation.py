@@ -1,0 +1,119 @@
+"""The fleet end to end in Flower's real simulation engine (Ray), through the real CLI.
+
+Each run is a subprocess in its own process group, bounded by a timeout and
+always killed, so a hung simulation never outlives its test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = "simulations/fleet-tiny.yaml"
+
+
+def fleet_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-c", "import sys; from fleet.cli import main; sys.exit(main())", *args]
+
+
+def run_fleet(args: list[str], timeout: float = 420) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
+    proc = subprocess.Popen(fleet_cmd(*args), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+def read_metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_device_failing_mid_round_does_not_stop_the_fleet(tmp_path):
+    res = run_fleet([
+        "simulate", TINY, "--output-dir", str(tmp_path),
+        "--set", "federation.fail_device=1", "--set", "federation.fail_round=1",
+    ])
+    assert res.returncode == 0, res.stdout[-3000:]
+    run = tmp_path / "fleet-tiny"
+    recs = read_metrics(run)
+    assert [r["round"] for r in recs] == [1, 2]
+    r1, r2 = recs
+    # round 1: device 1 raised inside its ClientApp; the other three were aggregated
+    assert len(r1["rejections"]) == 1 and "failed on purpose" in r1["rejections"][0]["reason"]
+    assert sorted(d["partition_id"] for d in r1["devices"] if "speedup" in d) == [0, 2, 3]
+    assert sorted(d["partition_id"] for d in r2["devices"] if "speedup" in d) == [0, 1, 2, 3]
+    assert r2["rejections"] == []
+    # per-device tracking and the simulated clock
+    for d in r2["devices"]:
+        assert 0 <= d["global_accuracy"] <= 1 and 0 <= d["personal_accuracy"] <= 1
+        assert d["bytes_uploaded"] > 0 and 0 < d["trained_fraction"] <= 1
+    slow = [d for d in r2["devices"] if d["tier"] == 2.0]
+    assert slow and all(d["rho"] < 1 and d["selected"] < d["num_tensors"] for d in slow)
+    fast = [d for d in r2["devices"] if d["tier"] == 1.0]
+    assert all(d["rho"] == 1.0 and d["selected"] == d["num_tensors"] for d in fast)
+    bw = 12.5e6
+    assert r2["round_time_s"] == pytest.approx(max(d["predicted_time_s"] + d["bytes_uploaded"] / bw for d in r2["devices"]))
+    assert r2["sim_time_s"] == pytest.approx(r1["sim_time_s"] + r2["round_time_s"])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["rounds"] == 2 and summary["rejections"] == 1
+    assert summary["final_accuracy"] == pytest.approx(r2["global_accuracy"])
+    assert (run / "accuracy.png").stat().st_size > 1000 and (run / "devices.png").stat().st_size > 1000
+    assert (run / "checkpoint.pt").is_file()
+    assert "round   2/2" in res.stdout and "speedup" in res.stdout  # progress lines and summary table
+
+
+def test_bad_config_is_one_line_error(tmp_path):
+    res = run_fleet(["simulate", TINY, "--output-dir", str(tmp_path), "--set", "federation.tiers=[0]"], timeout=120)
+    assert res.returncode == 2
+    assert res.stdout.strip().splitlines()[-1].startswith("error: federation.tiers: [0.0] is not allowed")
+    assert "Traceback" not in res.stdout
+
+
+@pytest.mark.slow
+def test_resume_after_killed_server_loses_nothing(tmp_path):
+    args = ["simulate", TINY, "--output-dir", str(tmp_path), "--rounds", "4"]
+    run = tmp_path / "fleet-tiny"
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    proc = subprocess.Popen(fleet_cmd(*args), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 400
+        while time.time() < deadline:
+            if (run / "metrics.jsonl").is_file() and len(read_metrics(run)) >= 2:
+                break
+            assert proc.poll() is None, "the simulation ended before it could be killed"
+            time.sleep(0.5)
+        else:
+            pytest.fail("no round completed in time")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the server dies mid-run, Ray and all
+        proc.wait()
+    done = read_metrics(run)
+    assert 2 <= len(done) < 4
+    before = {r["round"]: r for r in done}
+    res = run_fleet([*args, "--resume"])
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert "resuming fleet-tiny after round" in res.stdout
+    recs = read_metrics(run)
+    assert [r["round"] for r in recs] == [1, 2, 3, 4]  # every round exactly once
+    for r in recs:
+        if r["round"] in before and r["round"] <= len(done) - 1:
+            assert r == before[r["round"]]  # completed rounds are kept as they were
+    assert all(b["sim_time_s"] > a["sim_time_s"] for a, b in zip(recs, recs[1:]))  # the clock continues
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["rounds"] == 4
+    import torch
+
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert ckpt["meta"]["round"] == 4

@@ -1,0 +1,123 @@
+"""ElasticFedAvg: masked aggregation and rejection of malformed replies, on real Flower messages."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, Error, Message, MessageType, Metadata, MetricRecord, RecordDict
+
+from server.strategy import ElasticFedAvg, check_reply, masked_average
+
+
+def reply(node: int, arrays: dict[str, np.ndarray] | None, samples: int = 10, partition: int | None = None, error: str | None = None) -> Message:
+    """A train reply as the SuperLink hands it to the ServerApp."""
+    meta = Metadata(
+        run_id=1, message_id=f"m{node}", src_node_id=node, dst_node_id=1, reply_to_message_id="i",
+        group_id="1", created_at=time.time(), ttl=60.0, message_type=MessageType.TRAIN,
+    )
+    if error is not None:
+        return Message(error=Error(code=0, reason=error), metadata=meta)
+    metrics = {"num-examples": samples, "loss": 0.5, "partition-id": node if partition is None else partition, "bytes-uploaded": 4}
+    content = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in (arrays or {}).items()}), "metrics": MetricRecord(metrics)})
+    return Message(content=content, metadata=meta)
+
+
+def make_strategy(global_arrays: dict[str, np.ndarray]) -> ElasticFedAvg:
+    s = ElasticFedAvg(param_names=list(global_arrays), min_available_nodes=1, min_train_nodes=1)
+    s.current = {k: v.copy() for k, v in global_arrays.items()}  # what configure_train keeps
+    return s
+
+
+GLOBAL = {
+    "a": np.zeros((2, 2), np.float32),
+    "b": np.ones(3, np.float32),
+    "c": np.full(2, 7.0, np.float32),  # trained by nobody below
+}
+
+
+def test_masked_average_weights_by_samples_over_senders_only():
+    s = make_strategy(GLOBAL)
+    r1 = reply(11, {"a": np.full((2, 2), 1.0, np.float32), "b": np.full(3, 3.0, np.float32)}, samples=10)
+    r2 = reply(12, {"a": np.full((2, 2), 4.0, np.float32)}, samples=30)
+    record, metrics = s.aggregate_train(1, [r1, r2])
+    out = {k: a.numpy() for k, a in record.items()}
+    assert set(out) == set(GLOBAL)  # never truncated to a subset
+    np.testing.assert_allclose(out["a"], (10 * 1.0 + 30 * 4.0) / 40)  # both trained a
+    np.testing.assert_allclose(out["b"], 3.0)  # only device 11 trained b: its value, not diluted by 12
+    np.testing.assert_array_equal(out["c"], GLOBAL["c"])  # trained by nobody: keeps its value
+    assert out["a"].dtype == np.float32
+    assert s.senders == {"a": 2, "b": 1}
+    assert metrics["devices"] == 2
+    assert s.global_importance["c"] == 0.0
+    assert s.global_importance["a"] == pytest.approx(4 * 3.25**2 / s.lr)
+
+
+def test_masked_average_function_matches_formula():
+    rng = np.random.default_rng(0)
+    g = {"w": rng.normal(size=5).astype(np.float32)}
+    ups = [({"w": rng.normal(size=5).astype(np.float32)}, float(m)) for m in (3, 5, 9)]
+    out, counts = masked_average(g, ups)
+    expected = sum(m * u["w"].astype(np.float64) for u, m in ups) / 17
+    np.testing.assert_allclose(out["w"], expected, rtol=1e-6)
+    assert counts == {"w": 3}
+
+
+@pytest.mark.parametrize(
+    "arrays, reason",
+    [
+        ({"zzz": np.zeros(3, np.float32)}, "unknown tensor 'zzz'"),
+        ({"b": np.zeros(4, np.float32)}, "shape (4,)"),
+        ({"b": np.zeros(3, np.float64)}, "dtype float64"),
+        ({"b": np.array([1.0, np.nan, 2.0], np.float32)}, "non-finite"),
+        ({"b": np.array([1.0, np.inf, 2.0], np.float32)}, "non-finite"),
+    ],
+)
+def test_malformed_reply_is_rejected_and_round_goes_on(arrays, reason, caplog):
+    s = make_strategy(GLOBAL)
+    good = reply(11, {"b": np.full(3, 5.0, np.float32)}, samples=10)
+    bad = reply(12, arrays, samples=1000, partition=3)
+    with caplog.at_level(logging.WARNING, logger="fleet.server"):
+        record, _ = s.aggregate_train(4, [good, bad])
+    out = {k: a.numpy() for k, a in record.items()}
+    np.testing.assert_allclose(out["b"], 5.0)  # the bad device's 1000 samples did not count
+    assert len(s.rejections) == 1
+    rej = s.rejections[0]
+    assert (rej.server_round, rej.node_id, rej.partition_id) == (4, 12, 3)
+    assert reason in rej.reason
+    assert "node 12 (device 3)" in caplog.text and reason in caplog.text
+
+
+def test_failed_device_and_bad_weight_are_rejected():
+    s = make_strategy(GLOBAL)
+    failed = reply(13, None, error="device 2 failed on purpose")
+    zero = reply(14, {"b": np.zeros(3, np.float32)}, samples=0)
+    good = reply(11, {"a": np.ones((2, 2), np.float32)}, samples=5)
+    record, _ = s.aggregate_train(2, [failed, zero, good])
+    assert [r.node_id for r in s.rejections] == [13, 14]
+    assert "failed on purpose" in s.rejections[0].reason
+    assert "num-examples" in s.rejections[1].reason
+    np.testing.assert_allclose(record["a"].numpy(), 1.0)
+    np.testing.assert_array_equal(record["b"].numpy(), GLOBAL["b"])
+
+
+def test_no_usable_reply_keeps_global_model():
+    s = make_strategy(GLOBAL)
+    record, metrics = s.aggregate_train(1, [reply(12, {"q": np.zeros(1, np.float32)})])
+    assert record is None and metrics is None
+    assert check_reply(reply(1, {"a": np.zeros((2, 2), np.float32)}), GLOBAL) is None
+
+
+def test_deadline_is_fastest_full_time_and_zero_for_fedavg():
+    s = make_strategy(GLOBAL)
+    assert s.round_deadline() == 0.0  # nothing known yet: devices train fully
+    s.full_times = {1: 4.0, 2: 1.5, 3: 6.0}
+    assert s.round_deadline() == 1.5
+    s.deadline_factor = 2.0
+    assert s.round_deadline() == 3.0
+    s.deadline_s = 0.7
+    assert s.round_deadline() == 0.7
+    s.method = "fedavg"
+    assert s.round_deadline() == 0.0

@@ -60,22 +60,38 @@ class TrainConfig:
 
 
 @dataclass
+class PretrainConfig:
+    """How the starting checkpoint is made (no internet for ImageNet weights)."""
+
+    classes: list[int] | None = None  # labels to pretrain on; None: all
+    train_per_class: int | None = None
+    epochs: int = 2
+    lr: float = 0.05
+    checkpoint: str | None = None  # where it is cached; None: runs/pretrain-<model>-<dataset>.pt
+
+
+@dataclass
 class ExperimentConfig:
     name: str = "experiment"
     output_dir: str = "runs"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    methods: list[str] = field(default_factory=lambda: list(METHODS))  # compared by `fleet personalize`
 
+
+_LABELS = (lambda v: v is None or (len(v) >= 2 and len(set(v)) == len(v) and min(v) >= 0), "a list of >= 2 distinct labels >= 0")
+_OPTIONAL_COUNT = (lambda v: v is None or v >= 1, "an integer >= 1 or null")
 
 # Checks beyond the type: field path -> (predicate, what is allowed).
 RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "model.num_classes": (lambda v: v >= 2, "an integer >= 2"),
     "model.in_channels": (lambda v: v >= 1, "an integer >= 1"),
     "data.input_size": (lambda v: 8 <= v <= 1024, "an integer from 8 to 1024"),
-    "data.classes": (lambda v: v is None or (len(v) >= 2 and len(set(v)) == len(v) and min(v) >= 0), "a list of >= 2 distinct labels >= 0"),
-    "data.train_per_class": (lambda v: v is None or v >= 1, "an integer >= 1 or null"),
-    "data.test_per_class": (lambda v: v is None or v >= 1, "an integer >= 1 or null"),
+    "data.classes": _LABELS,
+    "data.train_per_class": _OPTIONAL_COUNT,
+    "data.test_per_class": _OPTIONAL_COUNT,
     "train.method": (lambda v: v in METHODS, "one of " + ", ".join(METHODS)),
     "train.epochs": (lambda v: v >= 1, "an integer >= 1"),
     "train.batch_size": (lambda v: v >= 1, "an integer >= 1"),
@@ -86,7 +102,12 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "train.interval": (lambda v: v >= 1, "an integer >= 1"),
     "train.interval_unit": (lambda v: v in ("epoch", "step"), "'epoch' or 'step'"),
     "train.prunetrain_lambda": (lambda v: v >= 0, "a number >= 0"),
-    "train.threads": (lambda v: v is None or v >= 1, "an integer >= 1 or null"),
+    "train.threads": _OPTIONAL_COUNT,
+    "pretrain.classes": _LABELS,
+    "pretrain.train_per_class": _OPTIONAL_COUNT,
+    "pretrain.epochs": (lambda v: v >= 1, "an integer >= 1"),
+    "pretrain.lr": (lambda v: 0 < v < 10, "a number in (0, 10)"),
+    "methods": (lambda v: len(v) >= 1 and all(m in METHODS for m in v), "a list drawn from " + ", ".join(METHODS)),
     "name": (lambda v: bool(v) and "/" not in v, "a non-empty name without '/'"),
 }
 

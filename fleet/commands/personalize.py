@@ -1,0 +1,47 @@
+"""``fleet personalize``: all methods from one pretrained model, side by side."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from fleet.commands.common import add_config_args, config_from_args
+
+DEFAULT_CONFIG = "simulations/personalize.yaml"
+
+
+def _add(p: argparse.ArgumentParser) -> None:
+    add_config_args(p, default_config=DEFAULT_CONFIG)
+    p.add_argument("--methods", help="comma-separated subset of full,tl,bn_bias,prunetrain,elastic")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(func=run)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    _add(sub.add_parser("personalize", help="personalize a pretrained model with every method"))
+
+
+def register_bench(bench_sub: argparse._SubParsersAction) -> None:
+    _add(bench_sub.add_parser("personalize", help="final accuracy and training time per method"))
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from fleet.personalize import personalize, summary_table
+
+    if args.methods:
+        args.set.append(f"methods=[{args.methods}]")
+    cfg = config_from_args(args)
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
+    record, path = personalize(cfg, log=log)
+    if args.json:
+        figures = {
+            m: {k: r.get(k) for k in ("final_accuracy", "train_time_s", "predicted_time_s", "time_vs_full", "accuracy_vs_full_points", "rho")}
+            for m, r in record["methods"].items()
+        }
+        print(json.dumps({"start_accuracy": record["start_accuracy"], "methods": figures, "record": str(path)}, indent=2))
+    else:
+        print(summary_table(record))
+        print(f"record: {path}  plot: {path.with_suffix('.png')}")
+    return 0

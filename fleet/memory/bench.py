@@ -1,0 +1,242 @@
+"""``fleet bench memory``: plan a memory budget, run it, and measure what it costs.
+
+One call of :func:`run_memory_bench` profiles the model (blocks and spill
+storage), plans for ``budget_fraction`` of the unconstrained activation peak,
+then times training steps (zero_grad, forward, cross-entropy, backward; no
+optimizer update) with and without the plan, interleaved (the order flips
+every repeat) so drift on a shared machine hits both alike. It reports:
+
+* ``unconstrained_peak_bytes``: activation peak of an unplanned step;
+* ``budget_bytes``, ``predicted_peak_bytes`` (planner's model) and
+  ``measured_peak_bytes``: the largest activation peak of the planned steps,
+  counted by :class:`~fleet.memory.meter.StorageMeter` (saved tensors,
+  checkpoint inputs, recomputed and paged-in copies, while alive);
+* ``time_overhead``: median over repeats of planned / unplanned step time,
+  minus 1 (and the median step times);
+* ``process_hwm_bytes``: the process's RSS high-water mark (VmHWM), which
+  includes weights, gradients, allocator caches and the profiling steps.
+
+With ``rho`` it also runs the same budget with elastic selection: blocks below
+the input-most trained one are frozen (``requires_grad=False``), chosen as the
+input-most block such that training everything from it to the output fits
+``rho`` of the full step by the profile's block times (ElasticTrainer picks a
+subset above that block; the memory saved depends only on where it starts).
+The overhead there is against an unplanned step with the same blocks frozen.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fleet.errors import ConfigError
+from fleet.memory.costs import MemoryProfile, measure_block_costs, measure_storage
+from fleet.memory.executor import apply_plan
+from fleet.memory.planner import MB, plan_memory, resolve_budget
+
+
+def build_model(
+    name: str, num_classes: int = 10, *, in_channels: int = 3, small_input: bool = False
+) -> nn.Module:
+    """A zoo model by name (fleet.models when available, else torchvision)."""
+    try:
+        from fleet.models import build_model as zoo_build
+    except ImportError:
+        zoo_build = None
+    if zoo_build is not None:
+        return zoo_build(name, num_classes, in_channels=in_channels, small_input=small_input)
+    import torchvision.models as tvm
+
+    from fleet.errors import ModelError
+
+    if not hasattr(tvm, name) or name.startswith("_"):
+        raise ModelError(f"model.name: unknown model {name!r}; use a torchvision model name such as resnet18")
+    if in_channels != 3 or small_input:
+        raise ModelError("model: in_channels/small_input need fleet.models; use the defaults")
+    return getattr(tvm, name)(weights=None, num_classes=num_classes)
+
+
+def frozen_below_for_rho(profile: MemoryProfile, rho: float) -> int:
+    """Input-most block k such that forward + backward of blocks >= k fits ``rho`` of a full step."""
+    if not (isinstance(rho, (int, float)) and 0 < rho <= 1):
+        raise ConfigError(f"rho: got {rho!r}; use a time fraction in (0, 1], e.g. --rho 0.5")
+    fwd = sum(b.forward_s for b in profile.blocks)
+    full = fwd + sum(b.backward_s for b in profile.blocks)
+    with_params = [k for k, b in enumerate(profile.blocks) if b.params > 0]
+    for k in with_params:
+        if fwd + sum(b.backward_s for b in profile.blocks[k:]) <= rho * full:
+            return k
+    return with_params[-1] if with_params else len(profile.blocks)
+
+
+def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=False)  # gradient buffers stay allocated in both variants
+    F.cross_entropy(model(x), y).backward()
+
+
+def _rss_hwm() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def compare_steps(model, plan, x, y, spill_dir, *, repeats: int, sync: bool = False) -> dict:
+    """Interleaved timing of unplanned and planned steps; measured activation peaks."""
+    peaks: list[int] = []
+
+    def planned() -> None:
+        with apply_plan(model, plan, spill_dir, sync=sync) as run:
+            _step(model, x, y)
+        peaks.append(run.peak_bytes)
+
+    def unplanned() -> None:
+        _step(model, x, y)
+
+    unplanned()
+    planned()  # warm-up
+    peaks.clear()
+    t_plain, t_plan, ratios = [], [], []
+    for r in range(repeats):
+        if r % 2 == 0:
+            a = _timed(unplanned)
+            b = _timed(planned)
+        else:
+            b = _timed(planned)
+            a = _timed(unplanned)
+        t_plain.append(a)
+        t_plan.append(b)
+        ratios.append(b / a)
+    with apply_plan(model, None) as run:
+        _step(model, x, y)
+    return {
+        "measured_peak_bytes": max(peaks),
+        "measured_unplanned_peak_bytes": run.peak_bytes,
+        "time_overhead": statistics.median(ratios) - 1.0,
+        "planned_step_s": statistics.median(t_plan),
+        "unplanned_step_s": statistics.median(t_plain),
+        "repeats": repeats,
+    }
+
+
+def run_memory_bench(
+    model_name: str,
+    budget_fraction: float,
+    batch_size: int = 32,
+    input_size: int = 32,
+    *,
+    repeats: int = 9,
+    rho: float | None = None,
+    spill_dir: str | os.PathLike | None = None,
+    num_classes: int = 10,
+    in_channels: int = 3,
+    small_input: bool = False,
+    objective: str = "time",
+    sync: bool = False,
+    seed: int = 0,
+) -> dict:
+    """Profile, plan for ``budget_fraction`` of the unconstrained peak, run and measure."""
+    if repeats < 1:
+        raise ConfigError(f"repeats: got {repeats}; use 1 or more")
+    for field, value in (("batch_size", batch_size), ("input_size", input_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{field}: got {value!r}; use a positive integer")
+    torch.manual_seed(seed)
+    model = build_model(model_name, num_classes, in_channels=in_channels, small_input=small_input)
+    shape = (batch_size, in_channels, input_size, input_size)
+    own_dir = spill_dir is None
+    spill = os.fspath(spill_dir) if spill_dir is not None else tempfile.mkdtemp(prefix="fleet-bench-")
+    try:
+        storage = measure_storage(spill, sync=sync)
+        t0 = time.perf_counter()
+        profile = measure_block_costs(model, shape, model_name=model_name, storage=storage, seed=seed)
+        profile_s = time.perf_counter() - t0
+        budget = resolve_budget(profile, budget_fraction=budget_fraction)
+        plan = plan_memory(profile, budget, objective=objective)
+        gen = torch.Generator().manual_seed(seed + 1)
+        x = torch.randn(shape, generator=gen)
+        y = torch.randint(0, num_classes, (batch_size,), generator=gen)
+        run = compare_steps(model, plan, x, y, spill, repeats=repeats, sync=sync)
+        out = {
+            "model": model_name,
+            "batch_size": batch_size,
+            "input_size": input_size,
+            "budget_fraction": budget_fraction,
+            "unconstrained_peak_bytes": profile.unconstrained_peak_bytes,
+            "budget_bytes": budget,
+            "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "measured_peak_bytes": run["measured_peak_bytes"],
+            "within_budget": run["measured_peak_bytes"] <= budget,
+            "time_overhead": run["time_overhead"],
+            "planned_step_s": run["planned_step_s"],
+            "unplanned_step_s": run["unplanned_step_s"],
+            "predicted_added_s": plan.added_time_s,
+            "plan": plan.summary(),
+            "actions": dict(zip(plan.blocks, plan.actions)),
+            "solve_time_s": plan.solve_time_s,
+            "profile_s": profile_s,
+            "repeats": repeats,
+            "threads": torch.get_num_threads(),
+            "spill_sync": sync,
+            "storage": {
+                "write_MBps": storage.write_bytes_per_s / MB,
+                "read_MBps": storage.read_bytes_per_s / MB,
+                "write_latency_s": storage.write_latency_s,
+                "read_latency_s": storage.read_latency_s,
+            },
+        }
+        if rho is not None:
+            fb = frozen_below_for_rho(profile, rho)
+            names = [b.name for b in profile.blocks]
+            flags = [(p, p.requires_grad) for p in model.parameters()]
+            try:
+                for k in range(fb):
+                    m = model.get_submodule(names[k]) if names[k] else model
+                    for p in m.parameters():
+                        p.requires_grad_(False)
+                eplan = plan_memory(profile, budget, objective=objective, frozen_below=fb)
+                erun = compare_steps(model, eplan, x, y, spill, repeats=repeats, sync=sync)
+            finally:
+                for p, flag in flags:
+                    p.requires_grad_(flag)
+            out["elastic"] = {
+                "rho": rho,
+                "frozen_below": fb,
+                "first_trained_block": names[fb] if fb < len(names) else None,
+                "unconstrained_peak_bytes": erun["measured_unplanned_peak_bytes"],
+                "budget_bytes": budget,
+                "predicted_peak_bytes": eplan.predicted_peak_bytes,
+                "measured_peak_bytes": erun["measured_peak_bytes"],
+                "within_budget": erun["measured_peak_bytes"] <= budget,
+                "time_overhead": erun["time_overhead"],
+                "planned_step_s": erun["planned_step_s"],
+                "unplanned_step_s": erun["unplanned_step_s"],
+                "predicted_added_s": eplan.added_time_s,
+                "plan": eplan.summary(),
+            }
+            out["time_overhead_full"] = out["time_overhead"]
+            out["time_overhead_elastic"] = erun["time_overhead"]
+        out["process_hwm_bytes"] = _rss_hwm()
+        return out
+    finally:
+        if own_dir:
+            import shutil
+
+            shutil.rmtree(spill, ignore_errors=True)

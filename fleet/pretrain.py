@@ -1,0 +1,80 @@
+"""``fleet pretrain``: the starting checkpoint personalization begins from.
+
+There is no internet for ImageNet weights, so fleet trains its own on one
+part of the data (by default other classes than the ones devices personalize
+to), as a vendor would before shipping a model to the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from fleet.config import ExperimentConfig
+from fleet.experiment import load_data, make_model, trainer_options
+from fleet.models import load_checkpoint_meta, save_checkpoint
+from fleet.trainer import Trainer
+
+
+def checkpoint_path(cfg: ExperimentConfig) -> Path:
+    if cfg.pretrain.checkpoint:
+        return Path(cfg.pretrain.checkpoint)
+    classes = "all" if cfg.pretrain.classes is None else "-".join(map(str, cfg.pretrain.classes))
+    return Path(cfg.output_dir) / "pretrained" / f"{cfg.model.name}-{cfg.data.dataset}-c{classes}-s{cfg.data.input_size}.pt"
+
+
+def pretrain_config(cfg: ExperimentConfig) -> ExperimentConfig:
+    """The same model on the pretraining part of the data, trained in full."""
+    classes = cfg.pretrain.classes
+    num_classes = len(classes) if classes is not None else cfg.model.num_classes
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, num_classes=num_classes, weights=None, reset_head=False),
+        data=dataclasses.replace(cfg.data, classes=classes, train_per_class=cfg.pretrain.train_per_class),
+        train=dataclasses.replace(cfg.train, method="full", epochs=cfg.pretrain.epochs, lr=cfg.pretrain.lr),
+    )
+
+
+def pretrain(cfg: ExperimentConfig, out: Path | None = None, log: Callable[[str], None] = print) -> Path:
+    """Train and save a checkpoint whose meta records how it was made."""
+    pcfg = pretrain_config(cfg)
+    out = out or checkpoint_path(cfg)
+    train_ds, test_ds = load_data(pcfg.data, pcfg.train.seed)
+    model = make_model(pcfg.model, pcfg.train.seed)
+    trainer = Trainer(model, trainer_options(pcfg.train, pcfg.data.input_size))
+    log(f"pretraining {pcfg.model.name} on {len(train_ds)} {train_ds.name} samples (classes {pcfg.data.classes or 'all'})")
+    accuracy = 0.0
+    for epoch in range(pcfg.train.epochs):
+        start = time.perf_counter()
+        stats = trainer.train_epoch(train_ds, epoch)
+        accuracy = trainer.evaluate(test_ds)
+        log(
+            f"[  pretrain] epoch {epoch + 1}/{pcfg.train.epochs}  acc {100 * accuracy:5.1f}%  "
+            f"loss {stats.loss:.3f}  {time.perf_counter() - start:6.1f}s"
+        )
+    meta = {
+        "model": pcfg.model.name,
+        "num_classes": pcfg.model.num_classes,
+        "in_channels": pcfg.model.in_channels,
+        "small_input": pcfg.model.small_input,
+        "dataset": pcfg.data.dataset,
+        "classes": pcfg.data.classes,
+        "input_size": pcfg.data.input_size,
+        "epochs": pcfg.train.epochs,
+        "accuracy": accuracy,
+    }
+    save_checkpoint(model, out, meta)
+    log(f"saved {out} (accuracy {100 * accuracy:.1f}% on held-out pretraining classes)")
+    return out
+
+
+def ensure_pretrained(cfg: ExperimentConfig, log: Callable[[str], None] = print) -> Path:
+    """The cached checkpoint for ``cfg``, made on first use."""
+    path = checkpoint_path(cfg)
+    if path.is_file():
+        meta = load_checkpoint_meta(path)
+        log(f"using pretrained checkpoint {path} (accuracy {100 * float(meta.get('accuracy', 0)):.1f}%)")
+        return path
+    return pretrain(cfg, path, log)

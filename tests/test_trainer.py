@@ -1,0 +1,127 @@
+"""Elastic training: frozen tensors really get nothing, selections change, state survives."""
+
+import json
+
+import pytest
+import torch
+
+from fleet.cli import main
+from fleet.data import batches
+from fleet.errors import BudgetError
+from fleet.trainer import Trainer, TrainerOptions
+from tests.conftest import BATCH, INPUT, small_model
+
+
+def make(method="elastic", profile=None, **kw):
+    return Trainer(small_model(), TrainerOptions(method=method, batch_size=BATCH, input_size=INPUT, **kw), profile)
+
+
+def first_batch(synthetic):
+    return next(batches(synthetic[0], BATCH, shuffle=False, input_size=INPUT))
+
+
+def test_frozen_tensors_get_no_gradient_and_do_not_move(synthetic, small_profile):
+    t = make(profile=small_profile)
+    n = len(t.names)
+    mask = [False] * n
+    kmin = n - 10
+    mask[kmin] = mask[n - 1] = mask[n - 4] = True
+    t.set_mask(mask)
+    before = [p.detach().clone() for p in t.params]
+    # Record which layers autograd actually back-propagates through.
+    reached = set()
+    for name, module in t.model.named_modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            def on_forward(m, inputs, out, name=name):
+                if out.requires_grad:
+                    out.register_hook(lambda grad, name=name: reached.add(name))
+
+            module.register_forward_hook(on_forward)
+    t.train_step(*first_batch(synthetic))
+    for k, (name, p, b) in enumerate(zip(t.names, t.params, before)):
+        if mask[k]:
+            assert p.grad is not None and not torch.equal(p, b), name
+        else:
+            assert p.grad is None, name
+            assert torch.equal(p, b), name
+    kmin_layer = t.names[kmin].rsplit(".", 1)[0]
+    input_side_layers = {n.rsplit(".", 1)[0] for n in t.names[:kmin]} - {kmin_layer}
+    assert not (reached & input_side_layers), "back-propagation went below the input-most selected tensor"
+    assert "fc" in reached and kmin_layer in reached
+
+
+def test_static_masks_of_baselines():
+    tl = make("tl")
+    assert [n for n, m in zip(tl.names, tl.mask) if m] == ["fc.weight", "fc.bias"]
+    bn = make("bn_bias")
+    chosen = [n for n, m in zip(bn.names, bn.mask) if m]
+    assert "fc.weight" in chosen and "bn1.weight" in chosen and "bn1.bias" in chosen
+    assert not any(n.endswith("conv1.weight") or n.endswith("conv2.weight") for n in chosen)
+    assert all(make("full").mask) and all(make("prunetrain").mask)
+
+
+def test_prunetrain_penalty_shrinks_channel_norms(synthetic):
+    plain, pruned = make("full"), make("prunetrain", prunetrain_lambda=1.0)
+    for t in (plain, pruned):
+        for x, y in batches(synthetic[0], BATCH, shuffle=False, input_size=INPUT):
+            t.train_step(x, y)
+            if t.step_count == 10:
+                break
+    norm = lambda t: float(t.model.layer4[1].conv2.weight.detach().flatten(1).norm(dim=1).sum())
+    assert norm(pruned) < 0.97 * norm(plain)
+
+
+def test_reselection_tensors_leave_and_rejoin_with_momentum_kept(synthetic, small_profile):
+    t = make(profile=small_profile, rho=0.6)
+    x, y = first_batch(synthetic)
+    t.set_mask([True] * len(t.names))
+    t.train_step(x, y)  # every tensor gets a momentum buffer
+    head = t.names.index("fc.weight")
+    t.set_mask([k != head for k in range(len(t.names))])
+    momentum = t.optimizer.state[t.params[head]]["momentum_buffer"].clone()
+    weight = t.params[head].detach().clone()
+    t.train_step(x, y)
+    assert torch.equal(t.params[head], weight)  # frozen: not even weight decay or momentum moved it
+    assert torch.equal(t.optimizer.state[t.params[head]]["momentum_buffer"], momentum)
+    t.set_mask([True] * len(t.names))
+    t.train_step(x, y)
+    assert not torch.equal(t.params[head], weight)
+
+
+def test_selection_fits_budget_and_memory_does_not_grow(synthetic, small_profile):
+    t = make(profile=small_profile, rho=0.5, interval=1, interval_unit="step")
+    counts = []
+    for x, y in batches(synthetic[0], BATCH, shuffle=True, generator=torch.Generator().manual_seed(1), input_size=INPUT):
+        t.reselect(t.probe_batch(synthetic[0]))
+        t.train_step(x, y)
+        counts.append(sum(p.grad is not None for p in t.params))
+        assert counts[-1] == sum(t.mask)  # frozen tensors hold no gradient buffers
+        assert small_profile.step_time(t.mask) <= 0.5 * small_profile.full_step_time + 1e-12
+        if len(t.selections) == 12:
+            break
+    assert len(t.optimizer.state) <= len(t.params)
+    assert len({tuple(s.mask) for s in t.selections}) > 1  # the selection really changes
+
+
+def test_rho_below_forward_floor_is_refused(small_profile):
+    with pytest.raises(BudgetError, match=r"train.rho: 0.01 is below this device's floor"):
+        make(profile=small_profile, rho=0.01)
+
+
+def test_elastic_learns_and_writes_record(tmp_path, synthetic, small_profile, capsys):
+    profile_path = small_profile.save(tmp_path / "p.yaml")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        f"name: t\noutput_dir: {tmp_path}\nmodel: {{name: resnet18, in_channels: 1}}\n"
+        f"data: {{dataset: synthetic, input_size: {INPUT}, train_per_class: 40, test_per_class: 30}}\n"
+        f"train: {{epochs: 2, batch_size: {BATCH}, rho: 0.5, lr: 0.05, profile: {profile_path}}}\n"
+    )
+    assert main(["train", "-c", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "epoch 2/2" in out
+    record = json.loads((tmp_path / "t" / "train-elastic-rho0.5.json").read_text())
+    assert record["final_accuracy"] > 0.3  # 10 classes: chance is 0.1
+    assert len(record["epochs"]) == 2 and record["train_time_s"] > 0
+    assert record["epochs"][0]["predicted_time_s"] > 0
+    assert len(record["selections"]) == 2
+    assert all(s["predicted_step_time_s"] <= 0.5 * record["profile"]["t_full_s"] + 1e-9 for s in record["selections"])

@@ -17,7 +17,7 @@ from torch import nn
 from fleet.data import ArrayDataset
 from fleet.device_profile import DeviceProfile
 from fleet.errors import ConfigError
-from fleet.experiment import load_data, make_model, obtain_profile
+from fleet.experiment import check_profile, load_data, make_model, obtain_profile
 from fleet.partition import partition_indices, split_train_test
 from server.checkpoint import load_torch, save_torch
 from server.config import FleetConfig, resolve_path, run_dir
@@ -95,6 +95,9 @@ def device_profile(cfg: FleetConfig, model: nn.Module | None, node_config: dict[
     path = node_config.get("profile") or cfg.train.profile
     if path:
         base = DeviceProfile.load(resolve_path(str(path)))
+        if model is not None:
+            where = "node config profile" if node_config.get("profile") else "train.profile"
+            check_profile(base, model, cfg.train.batch_size, cfg.data.input_size, f"profile {path} ({where})")
     else:
         if model is None:
             model = make_model(cfg.model, cfg.train.seed)

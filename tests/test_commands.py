@@ -48,9 +48,9 @@ def test_personalize_from_pretrained(tmp_path, capsys):
     cfg.write_text(
         f"name: p\noutput_dir: {tmp_path}\n"
         "model: {name: resnet18, num_classes: 5, in_channels: 1}\n"
-        f"data: {{dataset: synthetic, input_size: {INPUT}, classes: [5, 6, 7, 8, 9], train_per_class: 24, test_per_class: 20}}\n"
-        f"train: {{epochs: 2, batch_size: {BATCH}, rho: 0.6, lr: 0.05}}\n"
-        "pretrain: {classes: [0, 1, 2, 3, 4], train_per_class: 40, epochs: 1}\n"
+        f"data: {{dataset: synthetic, input_size: {INPUT}, classes: [5, 6, 7, 8, 9], train_per_class: 16, test_per_class: 10}}\n"
+        f"train: {{epochs: 1, batch_size: {BATCH}, rho: 0.6, lr: 0.05}}\n"
+        "pretrain: {classes: [0, 1, 2, 3, 4], train_per_class: 16, epochs: 1}\n"
     )
     r = run_json(capsys, ["bench", "personalize", "-c", str(cfg), "--methods", "full,tl,elastic", "--json"])
     assert set(r["methods"]) == {"full", "tl", "elastic"}

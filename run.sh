@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The main job: install (first time), then personalize a pretrained model on a real dataset with every method.
+# The main job: install (first time), then simulate the default fleet (simulations/fleet.yaml):
+# 8 devices in 4 speed tiers personalizing a pretrained ResNet-18 on non-IID Fashion-MNIST.
+# Extra arguments go to `fleet simulate` (e.g. --rounds 5, --strategy fedavg).
 set -euo pipefail
 cd "$(dirname "$0")"
 bash scripts/install.sh
 . .venv/bin/activate
-exec fleet personalize "$@"
+exec fleet simulate "$@"

@@ -17,6 +17,9 @@ pooling, residual adds) are paid as they really are:
 * The optimizer update is timed per tensor with the trainer's own optimizer.
 * ``t_fw`` is the fixed part of any training step: forward, loss, the loss's
   own backward and the optimizer call overhead.
+* Real full training steps, timed as the trainer runs them, calibrate the sums
+  of the forward pieces and of the backward pieces (two factors, recorded in
+  the profile).
 
 Runs are interleaved and repeated; every figure is a median.
 """
@@ -212,8 +215,8 @@ def measure_tensor_timings(
     loss_fn: Callable = nn.functional.cross_entropy,
     repeats: int = 7,
     warmup: int = 2,
-) -> tuple[float, list[TensorTiming]]:
-    """Measure ``t_fw`` and per-tensor timings on a private copy of ``model``.
+) -> tuple[float, list[TensorTiming], dict[str, float]]:
+    """Measure ``t_fw``, per-tensor timings and the calibration factor on a private copy of ``model``.
 
     ``x``/``y`` is one training batch of the size the profile is for.
     """
@@ -233,7 +236,19 @@ def measure_tensor_timings(
     fw_plain: dict[int, list[float]] = {i: [] for i in range(len(layers))}
     fw_times: list[float] = []
     head_times: list[float] = []
+    step_times: list[tuple[float, float]] = []  # (forward, backward + update) of real steps
+    step_optimizer = make_optimizer(params)
     for _ in range(repeats):
+        # A real full training step, timed exactly as the trainer runs it: the anchor for calibration.
+        _set_trainable(params, True)
+        start = time.perf_counter()
+        step_optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        middle = time.perf_counter()
+        loss.backward()
+        step_optimizer.step()
+        step_times.append((middle - start, time.perf_counter() - middle))
+        del loss
         # Forward with nothing trainable (no graph recorded) and with everything trainable:
         # the difference is each layer's recording cost, paid only above the input-most selected tensor.
         _set_trainable(params, False)
@@ -259,20 +274,36 @@ def measure_tensor_timings(
     _set_trainable(params, True)
 
     inputs = _layer_inputs(model, layers, x)
-    layer_dy: list[float] = []
+    layer_b: list[float] = []
+    layer_rec: list[float] = []
     layer_dw: list[list[float]] = []
     for i, (_, layer) in enumerate(layers):
         a, b = _median_or_zero(gaps_a[i]), _median_or_zero(gaps_b[i])
-        dw = max(a - b, 0.0)
         shares = _split_within_layer(layer, inputs[i], max(3, repeats // 2)) if i in inputs else None
         n_params = len(list(layer.parameters(recurse=False)))
         shares = shares or [1.0 / n_params] * n_params
-        recording = max(_median_or_zero(fw_rec[i]) - _median_or_zero(fw_plain[i]), 0.0)
-        layer_dy.append(b + recording)
-        layer_dw.append([dw * s for s in shares])
-
+        layer_b.append(b)
+        layer_rec.append(max(_median_or_zero(fw_rec[i]) - _median_or_zero(fw_plain[i]), 0.0))
+        layer_dw.append([max(a - b, 0.0) * s for s in shares])
     t_opt, t_opt_fixed = _optimizer_times(params, make_optimizer, repeats)
-    t_fw = statistics.median(fw_times) + (statistics.median(head_times) if head_times else 0.0) + t_opt_fixed
+    fw_plain_total = statistics.median(fw_times)
+    fixed_backward = (statistics.median(head_times) if head_times else 0.0) + t_opt_fixed
+
+    # Isolated pieces miss part of what a real step pays between them (allocator, thread
+    # wake-ups, caches refilled after the optimizer pass). Scale the forward pieces and the
+    # backward/update pieces so that a real full step costs what it measurably costs; partial
+    # selections are then predicted from the pieces' relative costs.
+    real_forward = statistics.median(f for f, _ in step_times)
+    real_backward = statistics.median(b for _, b in step_times)
+    pieces_forward = fw_plain_total + sum(layer_rec)
+    pieces_backward = fixed_backward + sum(layer_b[1:]) + sum(map(sum, layer_dw)) + sum(t_opt)
+    cal_f = real_forward / pieces_forward if pieces_forward > 0 else 1.0
+    cal_b = real_backward / pieces_backward if pieces_backward > 0 else 1.0
+    t_fw = fw_plain_total * cal_f + fixed_backward * cal_b
+    layer_dy = [b * cal_b + r * cal_f for b, r in zip(layer_b, layer_rec)]
+    layer_dw = [[v * cal_b for v in row] for row in layer_dw]
+    t_opt = [v * cal_b for v in t_opt]
+    calibration = {"forward": cal_f, "backward": cal_b}
 
     timings: list[TensorTiming] = []
     k = 0
@@ -290,7 +321,7 @@ def measure_tensor_timings(
                 )
             )
             k += 1
-    return t_fw, timings
+    return t_fw, timings, calibration
 
 
 def _optimizer_times(
@@ -345,7 +376,7 @@ def profile_device(
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(batch_size, in_channels, input_size, input_size, generator=gen)
     y = torch.randint(0, int(model_meta.get("num_classes", 2)), (batch_size,), generator=gen)
-    t_fw, tensors = measure_tensor_timings(model, x, y, make_optimizer=make_optimizer, repeats=repeats)
+    t_fw, tensors, calibration = measure_tensor_timings(model, x, y, make_optimizer=make_optimizer, repeats=repeats)
     info = host_info()
     return DeviceProfile(
         model=dict(model_meta),
@@ -357,4 +388,5 @@ def profile_device(
         threads=int(info["threads"]),
         host=info,
         repeats=repeats,
+        calibration=calibration,
     )

@@ -46,6 +46,7 @@ class DeviceProfile:
     optimizer: str = "sgd"
     created: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     speed_factor: float = 1.0  # > 1 for a simulated slower device tier
+    profiling_time_s: float = 0.0  # what measuring this profile cost
     calibration: dict = field(default_factory=dict)  # real step / sum of pieces, forward and backward (applied)
 
     # --- the timing model -------------------------------------------------

@@ -59,6 +59,8 @@ def personalize(
         "checkpoint": checkpoint,
         "train_samples": len(train_ds),
         "test_samples": len(test_ds),
+        "profiling_time_s": profile.profiling_time_s,
+        "full_epoch_time_s": results["full"]["epochs"][0]["train_time_s"] if "full" in results else None,
         "methods": results,
         "config": config_to_dict(cfg),
         "host": profile.host,

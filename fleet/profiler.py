@@ -376,6 +376,7 @@ def profile_device(
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(batch_size, in_channels, input_size, input_size, generator=gen)
     y = torch.randint(0, int(model_meta.get("num_classes", 2)), (batch_size,), generator=gen)
+    started = time.perf_counter()
     t_fw, tensors, calibration = measure_tensor_timings(model, x, y, make_optimizer=make_optimizer, repeats=repeats)
     info = host_info()
     return DeviceProfile(
@@ -389,4 +390,5 @@ def profile_device(
         host=info,
         repeats=repeats,
         calibration=calibration,
+        profiling_time_s=time.perf_counter() - started,
     )

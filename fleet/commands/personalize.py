@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
             m: {k: r.get(k) for k in ("final_accuracy", "train_time_s", "predicted_time_s", "time_vs_full", "accuracy_vs_full_points", "rho")}
             for m, r in record["methods"].items()
         }
-        print(json.dumps({"start_accuracy": record["start_accuracy"], "methods": figures, "record": str(path)}, indent=2))
+        head = {k: record[k] for k in ("start_accuracy", "profiling_time_s", "full_epoch_time_s")}
+        print(json.dumps({**head, "methods": figures, "record": str(path)}, indent=2))
     else:
         print(summary_table(record))
         print(f"record: {path}  plot: {path.with_suffix('.png')}")

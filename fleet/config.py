@@ -56,6 +56,8 @@ class TrainConfig:
     prunetrain_lambda: float = 1e-4  # L1 group penalty weight (prunetrain)
     threads: int | None = None  # torch threads; None keeps torch's default
     profile: str | None = None  # device profile YAML; None measures one before training
+    memory_budget_mb: float | None = None  # activation memory budget (POET-style plan); None: unlimited
+    spill_dir: str | None = None  # where paged activations go; None: a folder in the system temp dir
     seed: int = 0
 
 
@@ -103,6 +105,7 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "train.interval_unit": (lambda v: v in ("epoch", "step"), "'epoch' or 'step'"),
     "train.prunetrain_lambda": (lambda v: v >= 0, "a number >= 0"),
     "train.threads": _OPTIONAL_COUNT,
+    "train.memory_budget_mb": (lambda v: v is None or v > 0, "a positive number of MB or null"),
     "pretrain.classes": _LABELS,
     "pretrain.train_per_class": _OPTIONAL_COUNT,
     "pretrain.epochs": (lambda v: v >= 1, "an integer >= 1"),

@@ -63,7 +63,17 @@ def run_training(cfg: ExperimentConfig, log: Callable[[str], None] = print) -> t
     train_ds, test_ds = load_data(cfg.data, cfg.train.seed)
     model = make_model(cfg.model, cfg.train.seed)
     profile = obtain_profile(cfg, model, out / "device-profile.yaml", log=log)
-    trainer = Trainer(model, trainer_options(cfg.train, cfg.data.input_size), profile)
+    memory = None
+    if cfg.train.memory_budget_mb is not None:
+        from fleet.memory.budgeted import MemoryBudget
+
+        shape = (cfg.train.batch_size, cfg.model.in_channels, cfg.data.input_size, cfg.data.input_size)
+        memory = MemoryBudget.measure(model, shape, cfg.train.memory_budget_mb, cfg.train.spill_dir, model_name=cfg.model.name)
+        log(
+            f"memory budget {cfg.train.memory_budget_mb:g} MB for activations "
+            f"(unconstrained peak {memory.profile.unconstrained_peak_bytes / 1e6:.1f} MB); spill dir {memory.spill_dir}"
+        )
+    trainer = Trainer(model, trainer_options(cfg.train, cfg.data.input_size), profile, memory)
     log(
         f"training {cfg.model.name} with {cfg.train.method} on {len(train_ds)} samples "
         f"({train_ds.name}), testing on {len(test_ds)}"
@@ -79,6 +89,14 @@ def run_training(cfg: ExperimentConfig, log: Callable[[str], None] = print) -> t
         "name": cfg.name,
         **trainer_record(trainer, history, profile),
         "elapsed_s": time.time() - started,
+        "memory": None
+        if memory is None
+        else {
+            "budget_bytes": memory.budget_bytes,
+            "unconstrained_peak_bytes": memory.profile.unconstrained_peak_bytes,
+            "measured_peak_bytes": max((r.peak_bytes for r in memory._runners.values()), default=0),
+            "plans": {str(fb): {"actions": p.actions, "predicted_peak_bytes": p.predicted_peak_bytes, "added_time_s": p.added_time_s} for fb, p in memory.plans.items()},
+        },
         "config": config_to_dict(cfg),
         "host": profile.host if profile else {},
     }

@@ -10,10 +10,12 @@ momentum for when it rejoins.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,6 +28,9 @@ from fleet.methods import group_lasso_penalty, static_mask
 from fleet.models import head_parameter_names
 from fleet.profiler import parametric_layers, tensor_order
 from fleet.selection import select_tensors
+
+if TYPE_CHECKING:
+    from fleet.memory.budgeted import MemoryBudget
 
 
 @dataclass
@@ -85,6 +90,7 @@ class Trainer:
     model: nn.Module
     options: TrainerOptions
     profile: DeviceProfile | None = None
+    memory: MemoryBudget | None = None  # run every step under a memory plan for the current selection
     names: list[str] = field(init=False)
     params: list[nn.Parameter] = field(init=False)
     mask: list[bool] = field(init=False)
@@ -167,11 +173,12 @@ class Trainer:
     # --- training ---------------------------------------------------------
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.optimizer.zero_grad(set_to_none=True)
-        loss = nn.functional.cross_entropy(self.model(x), y)
-        total = loss
-        if self.options.method == "prunetrain" and self.options.prunetrain_lambda > 0:
-            total = loss + self.options.prunetrain_lambda * group_lasso_penalty(self.params)
-        total.backward()
+        with self.memory.runner(self.model) if self.memory is not None else contextlib.nullcontext():
+            loss = nn.functional.cross_entropy(self.model(x), y)
+            total = loss
+            if self.options.method == "prunetrain" and self.options.prunetrain_lambda > 0:
+                total = loss + self.options.prunetrain_lambda * group_lasso_penalty(self.params)
+            total.backward()
         self.optimizer.step()
         self.step_count += 1
         return float(loss.detach())

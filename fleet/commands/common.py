@@ -24,6 +24,8 @@ CONFIG_FLAGS = {
     "profile": "train.profile",
     "threads": "train.threads",
     "seed": "train.seed",
+    "memory_budget_mb": "train.memory_budget_mb",
+    "spill_dir": "train.spill_dir",
 }
 
 
@@ -47,6 +49,8 @@ def add_config_args(parser: argparse.ArgumentParser, *, default_config: str | No
     g.add_argument("--profile", help="device profile YAML from `fleet profile`")
     g.add_argument("--threads", type=int)
     g.add_argument("--seed", type=int)
+    g.add_argument("--memory-budget-mb", type=float, help="activation memory budget; steps follow a keep/recompute/page plan")
+    g.add_argument("--spill-dir", help="where paged-out activations are written")
 
 
 def config_from_args(args: argparse.Namespace) -> ExperimentConfig:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,7 +21,7 @@ from fleet.data import ArrayDataset, batches
 from fleet.device_profile import DeviceProfile
 from fleet.importance import evaluate_importance, normalize
 from fleet.models import head_parameter_names
-from fleet.selection import select_tensors
+from fleet.selection import select_tensors, selection_cost
 from fleet.trainer import Trainer, TrainerOptions
 from server.config import FleetConfig
 
@@ -44,17 +45,44 @@ class RoundResult:
     state: dict  # device state to keep for the next round
 
 
-def window_mask(names: list[str], head: set[str], num_blocks: int, window_blocks: int, server_round: int) -> list[bool]:
-    """FedEL's window: ``window_blocks`` contiguous blocks that slide one block per round from
-    the output side toward the input, then roll back to the output side. The head is always in."""
-    blocks = np.array_split(np.arange(len(names)), min(num_blocks, len(names)))
+def _window_bounds(n: int, num_blocks: int, window_blocks: int, server_round: int) -> tuple[list[np.ndarray], int, int]:
+    blocks = np.array_split(np.arange(n), min(num_blocks, n))
     b = len(blocks)
     w = min(window_blocks, b)
     positions = b - w + 1
     p = (server_round - 1) % positions
     hi = b - p
-    inside = set(int(i) for blk in blocks[hi - w : hi] for i in blk)
+    return blocks, hi - w, hi
+
+
+def _blocks_mask(names: list[str], head: set[str], blocks: list[np.ndarray], lo: int, hi: int) -> list[bool]:
+    inside = set(int(i) for blk in blocks[lo:hi] for i in blk)
     return [i in inside or n in head for i, n in enumerate(names)]
+
+
+def window_mask(names: list[str], head: set[str], num_blocks: int, window_blocks: int, server_round: int) -> list[bool]:
+    """FedEL's window: ``window_blocks`` contiguous blocks that slide one block per round from
+    the output side toward the input, then roll back to the output side. The head is always in."""
+    blocks, lo, hi = _window_bounds(len(names), num_blocks, window_blocks, server_round)
+    return _blocks_mask(names, head, blocks, lo, hi)
+
+
+def fitted_window_mask(
+    names: list[str], head: set[str], num_blocks: int, window_blocks: int, server_round: int, fits: Callable[[list[bool]], bool]
+) -> list[bool]:
+    """The round's window (:func:`window_mask`), widened one whole block at a time, first toward
+    the output side and then toward the input side, while training *every* tensor in it still
+    fits this device's budget (``fits``). A fixed window starves devices with budget to spare
+    (at the input-side positions a 2x device used only a third of its budget); the widened
+    window keeps the slide's input end, so slow devices still reach the front layers."""
+    blocks, lo, hi = _window_bounds(len(names), num_blocks, window_blocks, server_round)
+    while True:
+        if hi < len(blocks) and fits(_blocks_mask(names, head, blocks, lo, hi + 1)):
+            hi += 1
+        elif lo > 0 and fits(_blocks_mask(names, head, blocks, lo - 1, hi)):
+            lo -= 1
+        else:
+            return _blocks_mask(names, head, blocks, lo, hi)
 
 
 def blend_importance(local: list[float], names: list[str], global_imp: dict[str, float], beta: float) -> list[float]:
@@ -71,6 +99,20 @@ def device_rho(cfg: FleetConfig, profile: DeviceProfile, deadline_s: float) -> t
     rho = min(1.0, deadline_s / full)
     floor = min(1.0, profile.min_rho + cfg.federation.min_rho_margin)  # the Trainer refuses rho below the floor
     return max(rho, floor), full
+
+
+def step_budget(cfg: FleetConfig, profile: DeviceProfile, round_budget_s: float) -> float:
+    """Backward seconds per local step when the round's local work may take ``round_budget_s``
+    (the deadline minus what the device must spend anyway: an importance probe, norm statistics'
+    upload). Never below the device's floor (forward pass plus ``min_rho_margin`` of a full step)."""
+    per_step = round_budget_s / cfg.federation.local_steps - profile.forward_time
+    floor = min(1.0, profile.min_rho + cfg.federation.min_rho_margin) * profile.full_step_time - profile.forward_time
+    return max(per_step, floor)
+
+
+def tensor_upload_s(cfg: FleetConfig, params: list[torch.Tensor]) -> list[float]:
+    """Seconds to upload each trainable tensor over the device's uplink."""
+    return [p.numel() * p.element_size() / cfg.federation.bandwidth_bytes_per_s for p in params]
 
 
 def float_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -90,13 +132,13 @@ def local_round(
     """Train ``model`` (already holding the global weights) for ``federation.local_steps`` batches."""
     fed = cfg.federation
     t = cfg.train
-    rho, full_time = device_rho(cfg, profile, plan.deadline_s if plan.strategy != "fedavg" else 0.0)
+    full_time = fed.local_steps * profile.full_step_time
     options = TrainerOptions(
         method="full",
         lr=t.lr,
         momentum=t.momentum,
         weight_decay=t.weight_decay,
-        rho=rho,
+        rho=1.0,
         batch_size=t.batch_size,
         input_size=cfg.data.input_size,
         seed=t.seed + 1000 * plan.server_round + partition_id,
@@ -113,7 +155,12 @@ def local_round(
     probe_cost = 0.0
     importance: list[float] = list(prev_state.get("importance", []))
     imp_round = int(prev_state.get("importance_round", -10**9))
-    if plan.strategy == "fedavg" or rho >= 1.0:
+    deadline = plan.deadline_s if plan.strategy != "fedavg" else 0.0
+    upload_s = tensor_upload_s(cfg, trainer.params)
+    buffers_s = sum(b.numel() * b.element_size() for b in float_buffers(model).values()) / fed.bandwidth_bytes_per_s
+    if not fed.deadline_includes_upload:
+        upload_s, buffers_s = [0.0] * len(names), 0.0
+    if deadline <= 0 or deadline >= (full_time + sum(upload_s) + buffers_s) * (1 - 1e-9):
         mask = [True] * len(names)
     else:
         if len(importance) != len(names) or plan.server_round - imp_round >= fed.importance_interval:
@@ -124,10 +171,18 @@ def local_round(
         ranked = importance
         if plan.strategy == "fleet" and fed.blend_beta is not None and plan.global_importance:
             ranked = blend_importance(importance, names, plan.global_importance, fed.blend_beta)
+        budget = step_budget(cfg, profile, deadline - probe_cost - buffers_s)
+        costs = [dw + u / fed.local_steps for dw, u in zip(profile.t_dw, upload_s)]  # a tensor's upload, spread over the steps
         if plan.strategy == "fleet" and fed.window:
-            allowed = window_mask(names, set(head_parameter_names(model)), fed.num_blocks, fed.window_blocks, plan.server_round)
+            head = set(head_parameter_names(model))
+            if fed.window_fit:
+                allowed = fitted_window_mask(names, head, fed.num_blocks, fed.window_blocks, plan.server_round,
+                                             lambda m: selection_cost(m, costs, profile.t_dy) <= budget)
+            else:
+                allowed = window_mask(names, head, fed.num_blocks, fed.window_blocks, plan.server_round)
             ranked = [v if a else 0.0 for v, a in zip(ranked, allowed)]
-        mask = select_tensors(ranked, profile.t_dw, profile.t_dy, profile.backward_budget(rho))
+        mask = select_tensors(ranked, costs, profile.t_dy, budget)
+    rho = profile.step_time(mask) / profile.full_step_time
     trainer.set_mask(mask)
 
     losses: list[float] = []

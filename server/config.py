@@ -39,9 +39,11 @@ class FederationConfig:
     local_steps: int = 10  # training batches per device per round
     deadline_s: float | None = None  # round deadline; null: the fastest device's full-training time
     deadline_factor: float = 1.0  # scales the automatic deadline
+    deadline_includes_upload: bool = True  # the deadline bounds compute + upload; each tensor's upload is charged to the device's budget
     importance_interval: int = 2  # re-probe local importance every this many rounds (DP runs every round)
     window: bool = True  # FedEL sliding block window with rollback (fleet strategy only)
     window_blocks: int = 2  # blocks inside the window
+    window_fit: bool = True  # widen a device's window block by block while training all of it fits its budget
     num_blocks: int = 6  # the model's tensors are cut into this many contiguous blocks
     blend_beta: float | None = 0.6  # I = beta*I_local + (1-beta)*I_global; null disables blending
     bandwidth_bytes_per_s: float = 12.5e6  # uplink of a simulated device (100 Mbit/s Wi-Fi)

@@ -78,10 +78,12 @@ def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool) -> dict:
     arrays, state = start_state(cfg, out, resume)
     out.mkdir(parents=True, exist_ok=True)
     tracker = Tracker(out, resume_round=state.round if resume else None)
+    full_upload_s = sum(a.nbytes for a in arrays.values() if a.dtype.kind == "f") / fed.bandwidth_bytes_per_s
     strategy = ElasticFedAvg(
         method=fed.strategy,
         deadline_s=fed.deadline_s,
         deadline_factor=fed.deadline_factor,
+        full_upload_s=full_upload_s if fed.deadline_includes_upload else 0.0,
         param_names=param_names(cfg),
         lr=cfg.train.lr,
         blend=fed.strategy == "fleet" and fed.blend_beta is not None,

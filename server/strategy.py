@@ -106,6 +106,7 @@ class ElasticFedAvg(FedAvg):
         method: str = "fleet",
         deadline_s: float | None = None,
         deadline_factor: float = 1.0,
+        full_upload_s: float = 0.0,
         param_names: Iterable[str] = (),
         lr: float = 0.01,
         blend: bool = True,
@@ -117,6 +118,7 @@ class ElasticFedAvg(FedAvg):
         self.method = method
         self.deadline_s = deadline_s
         self.deadline_factor = deadline_factor
+        self.full_upload_s = full_upload_s  # uploading every tensor and norm statistic (0: the deadline is compute only)
         self.param_names = list(param_names)
         self.lr = lr
         self.blend = blend
@@ -131,14 +133,16 @@ class ElasticFedAvg(FedAvg):
 
     # --- round deadline ---------------------------------------------------
     def round_deadline(self) -> float:
-        """0 (train fully) for FedAvg; else the configured deadline or the fastest device's full time."""
+        """0 (train fully) for FedAvg; else the configured deadline or the fastest device's round time
+        when it trains fully: its full-training time plus, when the deadline covers uploads, the
+        upload of the whole model. A slower device then spends on compute what it saves on upload."""
         if self.method == "fedavg":
             return 0.0
         if self.deadline_s is not None:
             return self.deadline_s
         if not self.full_times:
             return 0.0
-        return self.deadline_factor * min(self.full_times.values())
+        return self.deadline_factor * (min(self.full_times.values()) + self.full_upload_s)
 
     # --- training ---------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:

@@ -121,3 +121,9 @@ def test_deadline_is_fastest_full_time_and_zero_for_fedavg():
     assert s.round_deadline() == 0.7
     s.method = "fedavg"
     assert s.round_deadline() == 0.0
+
+
+def test_deadline_adds_the_full_upload_when_it_covers_uploads():
+    s = ElasticFedAvg(param_names=["a"], full_upload_s=2.5, min_available_nodes=1, min_train_nodes=1)
+    s.full_times = {1: 4.0, 2: 1.5}
+    assert s.round_deadline() == 4.0  # the fastest device's round: full training plus full upload

@@ -120,6 +120,22 @@ def float_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: b for n, b in model.named_buffers() if b.is_floating_point()}
 
 
+def drop_stale_momentum(optimizer: torch.optim.Optimizer, names: list[str], params: list[torch.Tensor], trained: list[str] | None) -> None:
+    """Forget the optimizer state of tensors this device did not train in its previous round.
+
+    Momentum is kept between rounds, but a tensor that sat out (outside the sliding window, or not
+    selected) has a buffer built on an older global model, worth several steps in a stale
+    direction: left in place it kicks the tensor on the first step after it rejoins. Tensors
+    trained last round keep their momentum, so full training (FedAvg) is unaffected.
+    """
+    if trained is None:
+        return  # no record of the last round: keep everything
+    keep = set(trained)
+    for n, p in zip(names, params):
+        if n not in keep:
+            optimizer.state.pop(p, None)
+
+
 def local_round(
     cfg: FleetConfig,
     model: nn.Module,
@@ -151,6 +167,7 @@ def local_round(
         except (ValueError, KeyError, RuntimeError):
             pass  # another model layout: start with fresh momentum
     names = trainer.names
+    drop_stale_momentum(trainer.optimizer, names, trainer.params, prev_state.get("trained"))
     started = time.perf_counter()
     probe_cost = 0.0
     importance: list[float] = list(prev_state.get("importance", []))
@@ -224,6 +241,7 @@ def local_round(
         "personal": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "importance": [float(v) for v in importance],
         "importance_round": imp_round,
+        "trained": [n for n, m in zip(names, mask) if m] if steps else [],
     }
     return RoundResult(arrays, metrics, state)
 

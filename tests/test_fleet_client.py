@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from client.local import RoundPlan, blend_importance, device_rho, fitted_window_mask, local_round, window_mask
+from client.local import RoundPlan, blend_importance, device_rho, drop_stale_momentum, fitted_window_mask, local_round, window_mask
 from client.task import device_data, fleet_indices
 from fleet.errors import ConfigError
 from fleet.experiment import make_model, obtain_profile
@@ -57,6 +57,20 @@ def test_fitted_window_widens_while_it_fits_and_keeps_its_front():
     # round 1 (output side) widens toward the input once the output end is reached
     got = fitted_window_mask(names, head, 4, 2, 1, fits)
     assert [i for i, m in enumerate(got) if m] == [3, 4, 5, 6, 7, 8]
+
+
+def test_stale_momentum_is_dropped_for_tensors_that_sat_out():
+    """Regression: momentum of a tensor that was not trained last round used to survive and kick
+    it (about 7 steps' worth, in a stale direction) when the sliding window brought it back."""
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([a, b], lr=0.1, momentum=0.9)
+    (a.sum() + b.sum()).backward()
+    opt.step()
+    assert set(opt.state) == {a, b}
+    drop_stale_momentum(opt, ["a", "b"], [a, b], ["a"])
+    assert a in opt.state and b not in opt.state
+    drop_stale_momentum(opt, ["a", "b"], [a, b], None)  # no record: nothing dropped
+    assert a in opt.state
 
 
 def test_blend_mixes_normalized_signals():

@@ -6,13 +6,13 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
 
+from fleet.atomic import write_text_atomic
 from fleet.errors import ProfileMismatchError
 
 FORMAT_VERSION = 1
@@ -157,14 +157,7 @@ class DeviceProfile:
         return profile
 
     def save(self, path: str | os.PathLike) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        text = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-        return path
+        return write_text_atomic(path, yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> DeviceProfile:

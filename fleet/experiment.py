@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
+from fleet.atomic import write_text_atomic
 from fleet.config import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
 from fleet.data import ArrayDataset, ensure_fashion_mnist, load_dataset
 from fleet.device_profile import DeviceProfile
@@ -129,11 +129,4 @@ def obtain_profile(
 
 def write_json(path: str | os.PathLike, data: dict) -> Path:
     """Atomic JSON write: a crash never leaves half a results file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(data, indent=2)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, json.dumps(data, indent=2))

@@ -7,7 +7,6 @@ internet; pretrained weights come only from local files.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -15,6 +14,7 @@ import torch
 import torchvision.models as tvm
 from torch import nn
 
+from fleet.atomic import write_atomic
 from fleet.errors import ModelError
 
 MODEL_NAMES: tuple[str, ...] = (
@@ -224,20 +224,8 @@ def _check_meta(value: Any, where: str) -> None:
 def save_checkpoint(model: nn.Module, path: str | os.PathLike, meta: dict) -> None:
     """Write {"model", "meta"} atomically so a crash never leaves a half-written checkpoint."""
     _check_meta(meta, "meta")
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save({"model": state, "meta": dict(meta)}, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, lambda fh: torch.save({"model": state, "meta": dict(meta)}, fh), binary=True)
 
 
 def load_checkpoint_meta(path: str | os.PathLike) -> dict:

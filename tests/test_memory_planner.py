@@ -68,21 +68,23 @@ def chain(n: int, seed: int, *, page_min=1000, lingering=True) -> MemoryProfile:
     )
 
 
-def brute_force(profile: MemoryProfile, budget: float, frozen_below: int = 0):
-    """(cheapest time, smallest peak) over every action list."""
+def all_plans(profile: MemoryProfile, frozen_below: int = 0) -> list[tuple[int, float]]:
+    """(peak, added time) of every action list."""
     options = []
     for k, b in enumerate(profile.blocks):
         if k < frozen_below:
             options.append([FROZEN])
         else:
             options.append([KEEP, PAGE] + ([RECOMPUTE] if b.can_recompute else []))
-    best_cost, best_peak = math.inf, math.inf
+    out = []
     for acts in itertools.product(*options):
         ev = evaluate_plan(profile, list(acts), frozen_below=frozen_below)
-        best_peak = min(best_peak, ev["peak_bytes"])
-        if ev["peak_bytes"] <= budget:
-            best_cost = min(best_cost, ev["recompute_s"] + ev["io_s"])
-    return best_cost, best_peak
+        out.append((ev["peak_bytes"], ev["recompute_s"] + ev["io_s"]))
+    return out
+
+
+def cheapest(plans: list[tuple[int, float]], budget: float) -> float:
+    return min((cost for peak, cost in plans if peak <= budget), default=math.inf)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -91,12 +93,14 @@ def test_dp_matches_brute_force(seed):
     full = evaluate_plan(profile, [KEEP] * 6)["peak_bytes"]
     assert full == profile.model_peak_bytes
     smallest = min_feasible_budget(profile)
-    _, brute_peak = brute_force(profile, math.inf)
-    assert smallest == brute_peak
+    plans = all_plans(profile)
+    assert smallest == min(peak for peak, _ in plans)
     for frac in (0.9, 0.6, 0.4):
         budget = max(int(frac * full), smallest)
-        cost, _ = brute_force(profile, budget)
-        plan = plan_memory(profile, budget)
+        cost = cheapest(plans, budget)
+        plan = plan_memory(profile, budget, overlap=True)
+        assert plan.actions == plan_memory(profile, budget).actions
+        assert not any(plan_memory(profile, budget).overlap)
         bare = evaluate_plan(profile, plan.actions)
         assert bare["peak_bytes"] <= budget
         assert bare["recompute_s"] + bare["io_s"] == pytest.approx(cost, rel=1e-9, abs=1e-12)
@@ -111,8 +115,9 @@ def test_dp_matches_brute_force_with_frozen_blocks(seed):
     profile = chain(6, 100 + seed)
     fb = 2
     smallest = min_feasible_budget(profile, frozen_below=fb)
-    cost, peak = brute_force(profile, smallest, frozen_below=fb)
-    assert smallest == peak
+    plans = all_plans(profile, frozen_below=fb)
+    assert smallest == min(peak for peak, _ in plans)
+    cost = cheapest(plans, smallest)
     plan = plan_memory(profile, smallest, frozen_below=fb)
     assert plan.actions[:fb] == [FROZEN] * fb
     ev = evaluate_plan(profile, plan.actions, frozen_below=fb)
@@ -137,7 +142,7 @@ def test_infeasible_budget_names_the_smallest_feasible_one():
 
 def test_real_scale_message():
     profile = chain(8, 3)
-    with pytest.raises(BudgetError, match=r"memory budget 0\.0 MB is infeasible"):
+    with pytest.raises(BudgetError, match=r"memory budget 1e-05 MB is infeasible"):
         plan_memory(profile, 10)
 
 

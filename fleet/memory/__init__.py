@@ -22,6 +22,7 @@ from fleet.memory.planner import (
     plan_memory,
     resolve_budget,
 )
+from fleet.memory.bench import run_memory_bench
 from fleet.memory.segment import segment_model
 
 __all__ = [
@@ -39,5 +40,6 @@ __all__ = [
     "min_feasible_budget",
     "plan_memory",
     "resolve_budget",
+    "run_memory_bench",
     "segment_model",
 ]

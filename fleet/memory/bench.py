@@ -8,11 +8,15 @@ every repeat) so drift on a shared machine hits both alike. It reports:
 
 * ``unconstrained_peak_bytes``: activation peak of an unplanned step;
 * ``budget_bytes``, ``predicted_peak_bytes`` (planner's model) and
-  ``measured_peak_bytes``: the largest activation peak of the planned steps,
-  counted by :class:`~fleet.memory.meter.StorageMeter` (saved tensors,
-  checkpoint inputs, recomputed and paged-in copies, while alive);
-* ``time_overhead``: median over repeats of planned / unplanned step time,
-  minus 1 (and the median step times);
+  ``measured_peak_bytes``: the largest activation peak of planned steps run
+  with :class:`~fleet.memory.meter.StorageMeter` (saved tensors, checkpoint
+  inputs, recomputed and paged-in copies, while alive); the timed steps run
+  without the meter;
+* ``time_overhead``: median over repeats of planned / unplanned wall-clock
+  step time, minus 1, with its interquartile range (and the median step
+  times); ``cpu_time_overhead`` the
+  same with the process's CPU time (all threads, I/O threads included),
+  which is steadier when other jobs share the cores;
 * ``process_hwm_bytes``: the process's RSS high-water mark (VmHWM), which
   includes weights, gradients, allocator caches and the profiling steps.
 
@@ -92,28 +96,30 @@ def _rss_hwm() -> int | None:
     return None
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
+def _timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of all this process's threads)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def compare_steps(model, plan, x, y, spill_dir, *, repeats: int, sync: bool = False) -> dict:
-    """Interleaved timing of unplanned and planned steps; measured activation peaks."""
-    peaks: list[int] = []
+    """Interleaved timing of unplanned and planned steps, then the measured activation peaks.
+
+    Timed steps run without the meter (instrumentation is not the plan's cost);
+    the peaks come from extra steps with it."""
+    timed = apply_plan(model, plan, spill_dir, sync=sync, track=False)  # entered once per step
 
     def planned() -> None:
-        with apply_plan(model, plan, spill_dir, sync=sync) as run:
+        with timed:
             _step(model, x, y)
-        peaks.append(run.peak_bytes)
 
     def unplanned() -> None:
         _step(model, x, y)
 
     unplanned()
     planned()  # warm-up
-    peaks.clear()
-    t_plain, t_plan, ratios = [], [], []
+    t_plain, t_plan, ratios, cpu_ratios = [], [], [], []
     for r in range(repeats):
         if r % 2 == 0:
             a = _timed(unplanned)
@@ -121,15 +127,25 @@ def compare_steps(model, plan, x, y, spill_dir, *, repeats: int, sync: bool = Fa
         else:
             b = _timed(planned)
             a = _timed(unplanned)
-        t_plain.append(a)
-        t_plan.append(b)
-        ratios.append(b / a)
+        t_plain.append(a[0])
+        t_plan.append(b[0])
+        ratios.append(b[0] / a[0])
+        cpu_ratios.append(b[1] / a[1] if a[1] > 0 else float("nan"))
+    measured = apply_plan(model, plan, spill_dir, sync=sync)
+    peaks = []
+    for _ in range(2):
+        with measured:
+            _step(model, x, y)
+        peaks.append(measured.peak_bytes)
     with apply_plan(model, None) as run:
         _step(model, x, y)
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     return {
         "measured_peak_bytes": max(peaks),
         "measured_unplanned_peak_bytes": run.peak_bytes,
         "time_overhead": statistics.median(ratios) - 1.0,
+        "time_overhead_iqr": [quartiles[0] - 1.0, quartiles[2] - 1.0],
+        "cpu_time_overhead": statistics.median(cpu_ratios) - 1.0,
         "planned_step_s": statistics.median(t_plan),
         "unplanned_step_s": statistics.median(t_plain),
         "repeats": repeats,
@@ -150,6 +166,7 @@ def run_memory_bench(
     small_input: bool = False,
     objective: str = "time",
     sync: bool = False,
+    overlap: bool = False,
     seed: int = 0,
 ) -> dict:
     """Profile, plan for ``budget_fraction`` of the unconstrained peak, run and measure."""
@@ -164,12 +181,13 @@ def run_memory_bench(
     own_dir = spill_dir is None
     spill = os.fspath(spill_dir) if spill_dir is not None else tempfile.mkdtemp(prefix="fleet-bench-")
     try:
-        storage = measure_storage(spill, sync=sync)
+        probe = measure_storage(spill, sync=sync)
         t0 = time.perf_counter()
-        profile = measure_block_costs(model, shape, model_name=model_name, storage=storage, seed=seed)
+        profile = measure_block_costs(model, shape, model_name=model_name, storage=probe, seed=seed)
         profile_s = time.perf_counter() - t0
+        storage = profile.storage
         budget = resolve_budget(profile, budget_fraction=budget_fraction)
-        plan = plan_memory(profile, budget, objective=objective)
+        plan = plan_memory(profile, budget, objective=objective, overlap=overlap)
         gen = torch.Generator().manual_seed(seed + 1)
         x = torch.randn(shape, generator=gen)
         y = torch.randint(0, num_classes, (batch_size,), generator=gen)
@@ -185,6 +203,8 @@ def run_memory_bench(
             "measured_peak_bytes": run["measured_peak_bytes"],
             "within_budget": run["measured_peak_bytes"] <= budget,
             "time_overhead": run["time_overhead"],
+            "time_overhead_iqr": run["time_overhead_iqr"],
+            "cpu_time_overhead": run["cpu_time_overhead"],
             "planned_step_s": run["planned_step_s"],
             "unplanned_step_s": run["unplanned_step_s"],
             "predicted_added_s": plan.added_time_s,
@@ -195,11 +215,15 @@ def run_memory_bench(
             "repeats": repeats,
             "threads": torch.get_num_threads(),
             "spill_sync": sync,
+            "overlap": overlap,
             "storage": {
                 "write_MBps": storage.write_bytes_per_s / MB,
                 "read_MBps": storage.read_bytes_per_s / MB,
                 "write_latency_s": storage.write_latency_s,
                 "read_latency_s": storage.read_latency_s,
+                "source": storage.source,
+                "probe_write_MBps": probe.write_bytes_per_s / MB,
+                "probe_read_MBps": probe.read_bytes_per_s / MB,
             },
         }
         if rho is not None:
@@ -211,7 +235,7 @@ def run_memory_bench(
                     m = model.get_submodule(names[k]) if names[k] else model
                     for p in m.parameters():
                         p.requires_grad_(False)
-                eplan = plan_memory(profile, budget, objective=objective, frozen_below=fb)
+                eplan = plan_memory(profile, budget, objective=objective, frozen_below=fb, overlap=overlap)
                 erun = compare_steps(model, eplan, x, y, spill, repeats=repeats, sync=sync)
             finally:
                 for p, flag in flags:
@@ -226,6 +250,8 @@ def run_memory_bench(
                 "measured_peak_bytes": erun["measured_peak_bytes"],
                 "within_budget": erun["measured_peak_bytes"] <= budget,
                 "time_overhead": erun["time_overhead"],
+                "time_overhead_iqr": erun["time_overhead_iqr"],
+                "cpu_time_overhead": erun["cpu_time_overhead"],
                 "planned_step_s": erun["planned_step_s"],
                 "unplanned_step_s": erun["unplanned_step_s"],
                 "predicted_added_s": eplan.added_time_s,

@@ -29,6 +29,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--objective", choices=("time", "energy"), default="time", help="what the plan minimizes")
     p.add_argument("--spill-dir", help="directory for paged activations (default: a temporary directory)")
     p.add_argument("--sync", action="store_true", help="fsync spill files and drop them from the page cache")
+    p.add_argument("--overlap", action="store_true", help="page in the background and prefetch where memory allows")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -104,7 +105,7 @@ def run_plan(args: argparse.Namespace) -> int:
     blocks = [b.name for b in profile.blocks]
     fb = _frozen_below(args.frozen_below, blocks)
     budget = resolve_budget(profile, budget_mb=args.budget_mb, budget_fraction=args.budget_fraction)
-    plan = plan_memory(profile, budget, objective=args.objective, frozen_below=fb)
+    plan = plan_memory(profile, budget, objective=args.objective, frozen_below=fb, overlap=args.overlap)
     if args.profile_out:
         with open(args.profile_out, "w") as f:
             yaml.safe_dump(profile.to_dict(), f, sort_keys=False)
@@ -154,6 +155,7 @@ def run_bench(args: argparse.Namespace) -> int:
         small_input=args.small_input,
         objective=args.objective,
         sync=args.sync,
+        overlap=args.overlap,
         seed=args.seed,
     )
     if args.json:

@@ -8,18 +8,26 @@ chain (:mod:`fleet.memory.segment`):
 * every storage autograd saves for backward, with the blocks that save it
   (``savers``) and the blocks whose input it is (``inputs_of``; a recomputed
   block's checkpoint keeps its input). Parameters, buffers and the model
-  input are not activations and are left out. Storages saved outside every
+  input are not activations and are left out, and so are tensors the loss
+  saves that did not come out of the graph (its targets). Storages saved outside every
   block (the loss, functional glue such as ``flatten``) or shared by blocks
   that are not neighbours are ``pinned``: always held.
 * how long each block's input stays referenced by the calling code during
   the forward pass (a paged input cannot be freed before that);
-* forward time (what recomputing the block costs) and backward time, medians
-  over repeats;
+* forward and backward time, and what recomputing the block really costs:
+  the extra backward time of the block when it is checkpointed (steps with
+  every block checkpointed alternate with plain ones), never less than its
+  forward time; medians over repeats;
 * whether it may be recomputed (a block that modifies its input in place,
   such as ``ReLU(inplace=True)``, may not: its checkpointed input would be
   stale);
 * the activation peak of an unplanned step, measured by
-  :class:`~fleet.memory.meter.StorageMeter`.
+  :class:`~fleet.memory.meter.StorageMeter`;
+* with a storage profile, steps that page every block alternate with the
+  plain ones, and the pager's own writes, reads (into fresh buffers) and
+  deletions during them are fitted to ``latency + bytes / throughput``: the
+  profile's storage costs are those in-step figures (``source="in-step"``),
+  which include what a probe of a quiet file misses.
 
 ``measure_storage`` times writing and reading spill files of a few sizes and
 fits ``time = latency + bytes / throughput`` for each direction.
@@ -58,9 +66,10 @@ class BlockCost:
 
     name: str  # qualified module name
     kind: str  # module class
-    forward_s: float  # forward time in a training step: the cost of recomputing it
+    forward_s: float  # forward time in a training step
     backward_s: float
     params: int
+    recompute_s: float = 0.0  # measured extra backward time when checkpointed (>= forward_s)
     can_recompute: bool = True
     note: str = ""  # why it cannot be recomputed
 
@@ -89,6 +98,7 @@ class StorageProfile:
     read_bytes_per_s: float
     storage_watts: float | None = None  # power drawn while paging, for the energy objective
     samples: list[dict] = field(default_factory=list)  # bytes, write_s, read_s (medians)
+    source: str = "probe"  # "probe": measure_storage's files; "in-step": the pager during real steps
 
     def write_time(self, nbytes: float) -> float:
         return self.write_latency_s + nbytes / self.write_bytes_per_s
@@ -131,7 +141,7 @@ class MemoryProfile:
     @property
     def model_peak_bytes(self) -> int:
         """Unplanned peak by the planner's memory model: everything held at once."""
-        return self.pinned_bytes + sum(i.bytes for i in self.items)
+        return self.pinned_bytes + sum(i.bytes for i in self.items if i.savers)
 
     @property
     def unconstrained_peak_bytes(self) -> int:
@@ -205,6 +215,12 @@ def _first_tensor(obj: Any) -> torch.Tensor | None:
     return None
 
 
+def _caller_data(t: torch.Tensor) -> bool:
+    """Saved outside the model's forward and not computed in the graph: the loss's
+    targets, say, which belong to the caller (often a view into the whole dataset)."""
+    return t.grad_fn is None and not t.requires_grad
+
+
 def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     model.zero_grad(set_to_none=True)
     F.cross_entropy(model(x), y).backward()
@@ -231,10 +247,16 @@ def _record(model: nn.Module, names: list[str], x: torch.Tensor, y: torch.Tensor
     sizes: dict[int, int] = {}
     keep: list[torch.Tensor] = []  # hold everything seen so no address is reused during the step
 
+    outside = [True]  # not inside the model's forward (the loss, say)
+
     def root_pre(_m, args):
+        outside[0] = False
         for a in args if isinstance(args, tuple) else (args,):
             if isinstance(a, torch.Tensor):
                 excluded.add(storage_key(a))
+
+    def root_post(_m, _args, _out):
+        outside[0] = True
 
     def make_pre(i: int):
         def pre(_m, args):
@@ -263,14 +285,14 @@ def _record(model: nn.Module, names: list[str], x: torch.Tensor, y: torch.Tensor
 
     def pack(t: torch.Tensor):
         key = storage_key(t)
-        if key in excluded or t.untyped_storage().nbytes() == 0:
+        if key in excluded or t.untyped_storage().nbytes() == 0 or (outside[0] and _caller_data(t)):
             return t
         keep.append(t)
         savers.setdefault(key, set()).add(current[0])
         sizes[key] = t.untyped_storage().nbytes()
         return t
 
-    handles = [model.register_forward_pre_hook(root_pre)]
+    handles = [model.register_forward_pre_hook(root_pre), model.register_forward_hook(root_post)]
     for i, m in enumerate(modules):
         handles.append(m.register_forward_pre_hook(make_pre(i)))
         handles.append(m.register_forward_hook(make_post(i)))
@@ -353,14 +375,23 @@ def _input_lifetimes(model: nn.Module, modules: list[nn.Module], x: torch.Tensor
     return until
 
 
-def _time_blocks(model, names, order, x, y, repeats):
+def _time_blocks(model, names, order, x, y, repeats, recompute_runner=None, page_runner=None):
+    """Median forward and backward time per block and of the whole step.
+
+    With ``recompute_runner`` (every recomputable block checkpointed), steps
+    alternate plain / recomputed and the third result is each block's extra
+    backward time when recomputed: what recomputing it really costs
+    (checkpoint bookkeeping and fresh allocations included). With
+    ``page_runner`` (every block paged) steps alternate with those too."""
     modules = [model.get_submodule(names[b]) if names[b] else model for b in order]
     n = len(modules)
     fwd: list[list[float]] = [[] for _ in range(n)]
     bwd: list[list[float]] = [[] for _ in range(n)]
+    extra: list[list[float]] = [[] for _ in range(n)]
     steps: list[float] = []
     start: dict[int, float] = {}
     stamps: dict[int, float] = {}
+    recording = [True]
 
     def make_pre(i):
         def pre(_m, _args):
@@ -370,12 +401,23 @@ def _time_blocks(model, names, order, x, y, repeats):
 
     def make_post(i):
         def post(_m, _args, out):
-            fwd[i].append(time.perf_counter() - start[i])
+            if recording[0]:
+                fwd[i].append(time.perf_counter() - start[i])
             t = _first_tensor(out)
             if t is not None and t.requires_grad:
                 t.register_hook(lambda _g: stamps.__setitem__(i, time.perf_counter()))
 
         return post
+
+    def backward_times(end: float) -> list[float | None]:
+        out: list[float | None] = []
+        for i in range(n):
+            if i not in stamps:
+                out.append(None)
+                continue
+            below = next((stamps[j] for j in range(i - 1, -1, -1) if j in stamps), end)
+            out.append(max(below - stamps[i], 0.0))
+        return out
 
     handles = []
     for i, m in enumerate(modules):
@@ -384,20 +426,53 @@ def _time_blocks(model, names, order, x, y, repeats):
     try:
         for _ in range(repeats):
             stamps.clear()
+            recording[0] = True
             t0 = time.perf_counter()
             _step(model, x, y)
             end = time.perf_counter()
             steps.append(end - t0)
-            for i in range(n):
-                if i not in stamps:
-                    continue
-                below = next((stamps[j] for j in range(i - 1, -1, -1) if j in stamps), end)
-                bwd[i].append(max(below - stamps[i], 0.0))
+            plain = backward_times(end)
+            for i, b in enumerate(plain):
+                if b is not None:
+                    bwd[i].append(b)
+            recording[0] = False
+            if page_runner is not None:
+                with page_runner:
+                    _step(model, x, y)
+            if recompute_runner is None:
+                continue
+            stamps.clear()
+            with recompute_runner:
+                _step(model, x, y)
+            for i, (a, b) in enumerate(zip(plain, backward_times(time.perf_counter()))):
+                if a is not None and b is not None:
+                    extra[i].append(b - a)
     finally:
         for h in handles:
             h.remove()
     med = lambda v: float(statistics.median(v)) if v else 0.0  # noqa: E731
-    return [med(v) for v in fwd], [med(v) for v in bwd], med(steps)
+    return [med(v) for v in fwd], [med(v) for v in bwd], [med(v) for v in extra], med(steps)
+
+
+def _runner_for(model, blocks, actions, shape, spill_dir=None, page_min_bytes=1):
+    """An untracked runner for a fixed action list (for timing)."""
+    from fleet.memory.executor import apply_plan
+    from fleet.memory.planner import MemoryPlan
+
+    plan = MemoryPlan(
+        model="",
+        input_shape=list(shape),
+        blocks=blocks,
+        actions=actions,
+        overlap=[False] * len(blocks),
+        budget_bytes=0,
+        objective="time",
+        frozen_below=0,
+        predicted_peak_bytes=0,
+        unconstrained_peak_bytes=0,
+        page_min_bytes=page_min_bytes,
+    )
+    return apply_plan(model, plan, spill_dir, track=False, check_input=False)
 
 
 def measure_block_costs(
@@ -442,7 +517,17 @@ def measure_block_costs(
         for _ in range(warmup):
             _step(model, x, y)
         order, items, pinned, inplace = _record(model, names, x, y, name)
-        fwd, bwd, step_s = _time_blocks(model, names, order, x, y, repeats)
+        chain = [names[b] for b in order]
+        recompute_all = _runner_for(
+            model, chain, ["keep" if p in inplace else "recompute" for p in range(len(chain))], shape
+        )
+        page_all = None
+        if storage is not None:
+            page_all = _runner_for(model, chain, ["page"] * len(chain), shape, storage.spill_dir, page_min_bytes)
+            page_all.io_samples = []
+        fwd, bwd, extra, step_s = _time_blocks(
+            model, names, order, x, y, repeats, recompute_all, page_all
+        )
         meter_runs = []
         for _ in range(2):
             model.zero_grad(set_to_none=True)
@@ -462,10 +547,12 @@ def measure_block_costs(
             if p in inplace:
                 blk.can_recompute = False
                 blk.note = "modifies its input in place"
+            else:  # never below the forward time: a smaller difference is noise
+                blk.recompute_s = max(extra[p], fwd[p])
             blocks.append(blk)
     finally:
         state.restore()
-    return MemoryProfile(
+    profile = MemoryProfile(
         model=name,
         input_shape=shape,
         blocks=blocks,
@@ -476,10 +563,46 @@ def measure_block_costs(
         page_min_bytes=int(page_min_bytes),
         dtype=str(x.dtype).replace("torch.", ""),
         threads=torch.get_num_threads(),
-        torch_version=torch.__version__,
+        torch_version=str(torch.__version__),
         host=platform.node(),
         compute_watts=compute_watts,
         storage=storage,
+    )
+    if page_all is not None and page_all.io_samples:
+        profile.storage = in_step_storage(storage, page_all.io_samples)
+    return profile
+
+
+def in_step_storage(probe: StorageProfile, samples: list[tuple[str, int, float]]) -> StorageProfile:
+    """Storage costs fitted to the pager's own operations during real steps.
+
+    Per direction, the median time of each distinct size is fitted to
+    ``latency + bytes / throughput``; deleting a file is charged to writing."""
+    by: dict[tuple[str, int], list[float]] = {}
+    for kind, nbytes, seconds in samples:
+        by.setdefault((kind, nbytes), []).append(seconds)
+    med = {k: statistics.median(v) for k, v in by.items()}
+    unlink = statistics.median([v for (kind, _), v in med.items() if kind == "unlink"] or [0.0])
+
+    def fit(kind: str, fallback: tuple[float, float]) -> tuple[float, float]:
+        pts = [(n, t) for (k, n), t in med.items() if k == kind]
+        return _fit(pts) if len({n for n, _ in pts}) >= 2 else fallback
+
+    w_lat, w_thr = fit("write", (probe.write_latency_s, probe.write_bytes_per_s))
+    r_lat, r_thr = fit("read", (probe.read_latency_s, probe.read_bytes_per_s))
+    sizes = sorted({n for (_, n) in med})
+    return StorageProfile(
+        spill_dir=probe.spill_dir,
+        sync=probe.sync,
+        write_latency_s=w_lat + unlink,
+        write_bytes_per_s=w_thr,
+        read_latency_s=r_lat,
+        read_bytes_per_s=r_thr,
+        storage_watts=probe.storage_watts,
+        samples=[
+            {"bytes": n, "write_s": med.get(("write", n)), "read_s": med.get(("read", n))} for n in sizes
+        ],
+        source="in-step",
     )
 
 

@@ -19,11 +19,19 @@ Inside the ``with`` block every forward/backward of ``model`` follows the plan:
   and everything left (after an exception, say) when the ``with`` block exits.
 * ``keep`` and ``frozen`` blocks run unchanged.
 
-Every saved storage is also counted by a :class:`~fleet.memory.meter.StorageMeter`
-(``run.meter``), including recomputed and paged-in copies, which gives the
-measured activation peak. ``apply_plan(model, None)`` only measures.
+Parameters, buffers, the model input and tensors the loss saves that did not
+come out of the graph (its targets) are the caller's, not activations: they
+are neither counted nor paged.
 
-The context can span many steps; enter it once per training loop if you like.
+With ``track=True`` (the default) every saved storage is also counted by a
+:class:`~fleet.memory.meter.StorageMeter` (``run.meter``), including
+recomputed and paged-in copies, which gives the measured activation peak.
+``apply_plan(model, None)`` only measures.
+
+The context can span many steps; the returned runner can also be entered
+again for each step (cheaper than calling ``apply_plan`` every step). The
+model's parameters and buffers are listed when ``apply_plan`` is called: call
+it again if you replace parameter objects.
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fleet.errors import ConfigError, ModelError, ProfileMismatchError
-from fleet.memory.meter import StorageMeter, module_storage_keys, storage_key
+from fleet.memory.costs import _caller_data
+from fleet.memory.meter import StorageMeter, storage_key
 from fleet.memory.planner import FROZEN, PAGE, RECOMPUTE, MemoryPlan
 from fleet.memory.spill import Pager, _Kept
 
@@ -47,7 +56,7 @@ class _Recompute:
     """Context for a checkpoint's recomputation: count what it re-creates and
     give the block's BatchNorm statistics back their pre-recompute values."""
 
-    def __init__(self, buffers: list[torch.Tensor], meter: StorageMeter, excluded: set[int]) -> None:
+    def __init__(self, buffers: list[torch.Tensor], meter: StorageMeter | None, excluded: set[int]) -> None:
         self.buffers = buffers
         self.meter = meter
         self.excluded = excluded
@@ -57,13 +66,14 @@ class _Recompute:
     def __enter__(self):
         self.saved = [b.clone() for b in self.buffers]
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is not None:  # checkpoint's own recomputation hooks: wrap them to count
+        if top is not None and self.meter is not None:  # checkpoint's recomputation hooks: wrap them to count
             inner_pack, inner_unpack = top
             meter, excluded = self.meter, self.excluded
 
             def pack(t):
-                if storage_key(t) not in excluded:
-                    meter.watch(t)
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in excluded:
+                    meter.watch_storage(storage)
                 return inner_pack(t)
 
             self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, inner_unpack)
@@ -100,26 +110,33 @@ class PlanRunner:
         *,
         sync: bool,
         check_input: bool,
+        track: bool = True,
     ) -> None:
         self.model = model
         self.plan = plan
         self.spill_dir = os.fspath(spill_dir) if spill_dir is not None else None
         self.sync = sync
         self.check_input = check_input
+        self.track = track
         self.meter = StorageMeter()
         self.pager: Pager | None = None
+        self.io_samples: list[tuple[str, int, float]] | None = None  # set to a list to collect pager timings
         self._modules: list[nn.Module] = []
         self._handles: list[Any] = []
         self._patched: list[tuple[nn.Module, Any]] = []
         self._hooks = None
         self._excluded: set[int] = set()
+        # Parameters and buffers are never activations; listed once (walking the module tree each step costs ms).
+        self._state_tensors = list(model.parameters()) + list(model.buffers())
+        self._bn: dict[int, list[torch.Tensor]] = {}
         if plan is not None:
             self._validate()
 
     @property
-    def peak_bytes(self) -> int:
-        """Activation high-water mark since entering (or the last :meth:`reset_peak`)."""
-        return self.meter.peak_bytes
+    def peak_bytes(self) -> int | None:
+        """Activation high-water mark since entering (or the last :meth:`reset_peak`);
+        None when not tracking."""
+        return self.meter.peak_bytes if self.track else None
 
     def reset_peak(self) -> None:
         self.meter.reset_peak()
@@ -150,7 +167,8 @@ class PlanRunner:
             raise ConfigError("spill_dir: the memory plan pages activations; pass a spill directory (--spill-dir)")
 
     def __enter__(self) -> "PlanRunner":
-        self._excluded = module_storage_keys(self.model)
+        self.meter = StorageMeter()
+        self._excluded = {t.untyped_storage().data_ptr() for t in self._state_tensors}
         try:
             self._install()
         except BaseException:
@@ -160,7 +178,9 @@ class PlanRunner:
 
     def _install(self) -> None:
         plan = self.plan
+        self._outside = True
         self._handles.append(self.model.register_forward_pre_hook(self._on_model_input))
+        self._handles.append(self.model.register_forward_hook(self._on_model_output))
         if plan is not None:
             if PAGE in plan.actions:
                 try:
@@ -171,19 +191,27 @@ class PlanRunner:
                         f"spill_dir: cannot write to {self.spill_dir!r} ({exc.strerror}); pass a writable directory"
                     ) from None
                 self.pager = Pager(
-                    directory, self.meter, self._excluded, sync=self.sync, min_bytes=plan.page_min_bytes or 1
+                    directory,
+                    self.meter if self.track else None,
+                    self._excluded,
+                    sync=self.sync,
+                    min_bytes=plan.page_min_bytes or 1,
                 )
+                self.pager.samples = self.io_samples
             for k, (module, action) in enumerate(zip(self._modules, plan.actions)):
                 if action == RECOMPUTE:
-                    self._patch(module, self._recompute_forward(module, module.forward))
+                    if k not in self._bn:
+                        self._bn[k] = _bn_buffers(module)
+                    self._patch(module, self._recompute_forward(self._bn[k], module.forward))
                 elif action == PAGE:
                     self._patch(module, self._paged_forward(k, module.forward, plan.overlap[k]))
                 if k >= 2 and plan.actions[k - 2] == PAGE and plan.overlap[k - 2]:
                     self._handles.append(module.register_forward_pre_hook(self._waiter(k - 2)))
                 if k >= 1 and plan.actions[k - 1] == PAGE and plan.overlap[k - 1]:
                     self._handles.append(module.register_forward_hook(self._prefetcher(k - 1)))
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
+        if self.track:
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._hooks.__enter__()
 
     def __exit__(self, *exc) -> bool:
         self._uninstall(exc)
@@ -212,7 +240,11 @@ class PlanRunner:
         module.forward = forward
 
     # hooks ------------------------------------------------------------------------
+    def _on_model_output(self, _module, _args, _out) -> None:
+        self._outside = True
+
     def _on_model_input(self, _module, args) -> None:
+        self._outside = False
         for a in args if isinstance(args, tuple) else (args,):
             if isinstance(a, torch.Tensor):
                 self._excluded.add(storage_key(a))
@@ -228,17 +260,17 @@ class PlanRunner:
                 break
 
     def _pack(self, t: torch.Tensor):
-        if storage_key(t) not in self._excluded:
-            self.meter.watch(t)
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self._excluded and not (self._outside and _caller_data(t)):
+            self.meter.watch_storage(storage)
         return _Kept(t)
 
     @staticmethod
     def _unpack(handle: _Kept) -> torch.Tensor:
         return handle.get()
 
-    def _recompute_forward(self, module: nn.Module, forward):
-        buffers = _bn_buffers(module)
-        meter, excluded = self.meter, self._excluded
+    def _recompute_forward(self, buffers: list[torch.Tensor], forward):
+        meter, excluded = (self.meter if self.track else None), self._excluded
 
         def context_fn():
             return contextlib.nullcontext(), _Recompute(buffers, meter, excluded)
@@ -297,14 +329,17 @@ def apply_plan(
     *,
     sync: bool = False,
     check_input: bool = True,
+    track: bool = True,
 ) -> PlanRunner:
     """Make the steps run inside the returned context follow ``plan``.
 
     ``spill_dir``: where paged activations go (a fresh sub-directory is made
     and removed). ``sync``: fsync spill files and drop them from the page
     cache. ``check_input``: refuse inputs larger than the plan was made for.
-    ``plan=None`` keeps everything and only measures (``run.peak_bytes``).
+    ``track``: count the activation peak (``run.peak_bytes``); costs a few
+    microseconds per saved tensor, so leave it off in production steps.
+    ``plan=None`` keeps everything and only measures.
     """
     if plan is not None and not isinstance(plan, MemoryPlan):
         raise ModelError(f"plan: got {type(plan).__name__}; pass a MemoryPlan from plan_memory()")
-    return PlanRunner(model, plan, spill_dir, sync=sync, check_input=check_input)
+    return PlanRunner(model, plan, spill_dir, sync=sync, check_input=check_input, track=track)

@@ -30,36 +30,46 @@ def module_storage_keys(module: torch.nn.Module) -> set[int]:
     return keys
 
 
+class _Ref(weakref.ref):
+    """Weak reference to a watched storage; calls back when the memory is freed."""
+
+    __slots__ = ("key", "nbytes")
+
+
 class StorageMeter:
     """Live bytes of watched storages and their high-water mark (thread-safe)."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._live: dict[int, int] = {}
+        self._live: dict[int, _Ref] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
 
     def watch(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage until it is freed (no-op if already counted)."""
-        storage = t.untyped_storage()
-        nbytes = storage.nbytes()
+        self.watch_storage(t.untyped_storage())
+
+    def watch_storage(self, storage: torch.UntypedStorage) -> None:
         key = storage.data_ptr()
-        if nbytes == 0 or key == 0:
+        if key == 0 or key in self._live:
             return
+        # Storage objects live exactly as long as their memory, so the callback fires when it is freed.
+        ref = _Ref(storage, self._release)
+        ref.key = key
+        ref.nbytes = nbytes = storage.nbytes()
         with self._lock:
             if key in self._live:
                 return
-            self._live[key] = nbytes
+            self._live[key] = ref
             self.live_bytes += nbytes
             if self.live_bytes > self.peak_bytes:
                 self.peak_bytes = self.live_bytes
-        # Storage objects are kept alive with their memory, so this fires when the memory is freed.
-        weakref.finalize(storage, self._release, key)
 
-    def _release(self, key: int) -> None:
+    def _release(self, ref: _Ref) -> None:
         with self._lock:
-            nbytes = self._live.pop(key, 0)
-            self.live_bytes -= nbytes
+            if self._live.get(ref.key) is ref:
+                del self._live[ref.key]
+                self.live_bytes -= ref.nbytes
 
     def reset_peak(self) -> None:
         """Start a new high-water mark from the bytes alive now."""

@@ -39,9 +39,11 @@ block's forward, which the executor enforces), so the plan's peak is
 workspace) are not activations and are not counted; the executor measures
 the same quantity (:mod:`fleet.memory.meter`).
 
-Costs: recomputing block k costs its forward time; paging an item costs
+Costs: recomputing block k costs what the profile measured (its extra
+backward time when checkpointed, at least its forward time); paging an item costs
 ``latency + bytes / throughput`` to write and, if its original is gone when
-needed, to read (measured by :func:`~fleet.memory.costs.measure_storage`).
+needed, to read (the profile's storage costs, fitted to the pager's own
+writes and reads during real steps).
 No credit is taken for overlapping I/O with compute, so the added time is an
 upper estimate. With ``objective="energy"`` the cost is
 ``compute_watts * recompute_s + storage_watts * io_s``.
@@ -55,9 +57,10 @@ action, the Pareto front of (bytes held, cost). It is exact (no rounding) and
 solves resnet50's 22 blocks in well under a second. The same program with
 "peak so far" as the objective gives the smallest feasible budget, which an
 infeasible budget's :class:`~fleet.errors.BudgetError` reports. After the
-solve, each paged block is given ``overlap`` (background writes, prefetch
-during the backward of the block above) wherever the extra bytes still fit
-the budget.
+solve, with ``overlap=True`` each paged block is given background writes and
+a prefetch during the backward of the block above wherever the extra bytes
+still fit the budget. It is off by default: on a machine whose cores are all
+busy computing, the I/O thread only competes with them (measured slower here).
 """
 
 from __future__ import annotations
@@ -193,6 +196,10 @@ def _io_s(item: _Item, acts: dict, storage: StorageProfile | None) -> float:
     return t
 
 
+def _recompute_s(block) -> float:
+    return max(block.recompute_s, block.forward_s)
+
+
 def _page_bytes(items: Iterable[_Item], k: int) -> int:
     return sum(i.bytes for i in items if k in i.savers and not i.small)
 
@@ -235,7 +242,7 @@ def evaluate_plan(
         "block_peaks": peaks,
         "forward_peaks": fwd,
         "peak_bytes": max(peaks + fwd + [profile.pinned_bytes]),
-        "recompute_s": sum(profile.blocks[k].forward_s for k, a in enumerate(actions) if a == RECOMPUTE),
+        "recompute_s": sum(_recompute_s(profile.blocks[k]) for k, a in enumerate(actions) if a == RECOMPUTE),
         "io_s": sum(_io_s(i, acts, storage) for i in items),
     }
 
@@ -276,7 +283,7 @@ def _tables(profile, items, frozen_below, storage, weights):
                 at_b += sum(_bytes_at(i, k, {k: a}) for i in spans[k])
                 at_f = created + sum(_fwd_bytes(i, k, acts) for i in spans.get(k - 1, ()))
                 held = sum(i.bytes for i in by_hi[k] if _holders(i, acts))
-                rec = profile.blocks[k].forward_s if a == RECOMPUTE else 0.0
+                rec = _recompute_s(profile.blocks[k]) if a == RECOMPUTE else 0.0
                 io = sum(_io_s(i, acts, storage) for i in by_hi[k])
                 later = tuple(
                     (i.alive_until, i.bytes)
@@ -373,6 +380,11 @@ def resolve_budget(
     return int(budget_fraction * profile.unconstrained_peak_bytes)
 
 
+def _mb(nbytes: float) -> str:
+    mb = nbytes / MB
+    return f"{mb:.1f}" if mb >= 1 or mb == 0 else f"{mb:.2g}"
+
+
 def plan_memory(
     profile: MemoryProfile,
     budget_bytes: int,
@@ -382,12 +394,15 @@ def plan_memory(
     storage: StorageProfile | None = None,
     compute_watts: float | None = None,
     storage_watts: float | None = None,
+    overlap: bool = False,
 ) -> MemoryPlan:
     """Cheapest plan whose predicted activation peak is at most ``budget_bytes``.
 
     ``frozen_below``: chain index of the input-most block with a trainable
     tensor (elastic selection); blocks below it store nothing. ``storage``
     defaults to ``profile.storage``; without one, paging is not considered.
+    ``overlap``: let paged blocks write in the background and prefetch where
+    the extra bytes fit (worth it only with a core to spare for the I/O).
     Raises :class:`BudgetError` naming the smallest feasible budget.
     """
     start = time.perf_counter()
@@ -405,20 +420,20 @@ def plan_memory(
         need_frac = math.ceil(need / profile.unconstrained_peak_bytes * 100) / 100
         frozen = f" with blocks below {profile.blocks[fb].name!r} frozen" if 0 < fb < len(profile.blocks) else ""
         raise BudgetError(
-            f"memory budget {budget_bytes / MB:.1f} MB is infeasible for {profile.describe()}{frozen}; "
+            f"memory budget {_mb(budget_bytes)} MB is infeasible for {profile.describe()}{frozen}; "
             f"the smallest feasible budget is {need_mb:.1f} MB (--budget-mb {need_mb:.1f}, "
             f"or --budget-fraction {need_frac:.2f} of the unconstrained {profile.unconstrained_peak_bytes / MB:.1f} MB)"
         )
     actions = solved[0]
     base = evaluate_plan(profile, actions, frozen_below=fb, storage=storage)
-    overlap = [False] * len(actions)
+    flags = [False] * len(actions)
     for k, a in enumerate(actions):
-        if a != PAGE:
+        if a != PAGE or not overlap:
             continue
         after = max(base["block_peaks"][k + 1], base["forward_peaks"][k + 1]) if k + 1 < len(actions) else 0
         if k == len(actions) - 1 or after + _page_bytes(items, k) <= budget_bytes:
-            overlap[k] = True
-    final = evaluate_plan(profile, actions, overlap=overlap, frozen_below=fb, storage=storage)
+            flags[k] = True
+    final = evaluate_plan(profile, actions, overlap=flags, frozen_below=fb, storage=storage)
     energy = None
     if cw is not None and (sw is not None or final["io_s"] == 0):
         energy = cw * final["recompute_s"] + (sw or 0.0) * final["io_s"]
@@ -427,7 +442,7 @@ def plan_memory(
         input_shape=list(profile.input_shape),
         blocks=[b.name for b in profile.blocks],
         actions=actions,
-        overlap=overlap,
+        overlap=flags,
         budget_bytes=int(budget_bytes),
         objective=objective,
         frozen_below=fb,

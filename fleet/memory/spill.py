@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from fleet.errors import ConfigError
 from fleet.memory.meter import StorageMeter
 
 DEFAULT_MIN_BYTES = 64 * 1024
@@ -141,7 +143,7 @@ class Pager:
     def __init__(
         self,
         directory: str,
-        meter: StorageMeter,
+        meter: StorageMeter | None,
         excluded: set[int],
         *,
         sync: bool = False,
@@ -164,14 +166,16 @@ class Pager:
         self.overlap = False  # that block writes in the background
         self.bytes_written = 0
         self.bytes_read = 0
+        self.samples: list[tuple[str, int, float]] | None = None  # ("write"|"read"|"unlink", bytes, s)
 
     # hooks --------------------------------------------------------------------
     def pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if key in self.excluded or storage.nbytes() == 0:
+        if key in self.excluded or key == 0:
             return _Kept(t)
-        self.meter.watch(t)
+        if self.meter is not None:
+            self.meter.watch_storage(storage)
         if storage.nbytes() < self.min_bytes:
             return _Kept(t)
         with self._lock:
@@ -293,7 +297,15 @@ class Pager:
 
     def _write(self, record: _Record, data: torch.Tensor) -> None:
         try:
+            start = time.perf_counter()
             write_file(record.path, data, sync=self.sync)
+            if self.samples is not None:
+                self.samples.append(("write", record.nbytes, time.perf_counter() - start))
+        except OSError as exc:
+            raise ConfigError(
+                f"spill_dir: cannot write {record.nbytes} bytes to {self.directory!r} ({exc.strerror}); "
+                "free space there or pass another spill directory"
+            ) from None
         finally:
             del data
             with self._lock:
@@ -305,8 +317,12 @@ class Pager:
     def _read(self, record: _Record) -> torch.Tensor:
         if record.write is not None:
             record.write.result()
+        start = time.perf_counter()
         buffer = read_file(record.path, record.nbytes, sync=self.sync)
-        self.meter.watch(buffer)
+        if self.samples is not None:
+            self.samples.append(("read", record.nbytes, time.perf_counter() - start))
+        if self.meter is not None:
+            self.meter.watch(buffer)
         self.bytes_read += record.nbytes
         return buffer
 
@@ -319,7 +335,10 @@ class Pager:
             record.buffer = None
             written = record.written
         if written:  # otherwise the writer deletes it when done
+            start = time.perf_counter()
             _unlink(record.path)
+            if self.samples is not None:
+                self.samples.append(("unlink", record.nbytes, time.perf_counter() - start))
 
 
 def _unlink(path: str) -> None:

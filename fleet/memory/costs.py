@@ -577,12 +577,12 @@ def in_step_storage(probe: StorageProfile, samples: list[tuple[str, int, float]]
     """Storage costs fitted to the pager's own operations during real steps.
 
     Per direction, the median time of each distinct size is fitted to
-    ``latency + bytes / throughput``; deleting a file is charged to writing."""
+    ``latency + bytes / throughput`` (deleting files happens on a background
+    thread and is not charged)."""
     by: dict[tuple[str, int], list[float]] = {}
     for kind, nbytes, seconds in samples:
         by.setdefault((kind, nbytes), []).append(seconds)
     med = {k: statistics.median(v) for k, v in by.items()}
-    unlink = statistics.median([v for (kind, _), v in med.items() if kind == "unlink"] or [0.0])
 
     def fit(kind: str, fallback: tuple[float, float]) -> tuple[float, float]:
         pts = [(n, t) for (k, n), t in med.items() if k == kind]
@@ -590,11 +590,11 @@ def in_step_storage(probe: StorageProfile, samples: list[tuple[str, int, float]]
 
     w_lat, w_thr = fit("write", (probe.write_latency_s, probe.write_bytes_per_s))
     r_lat, r_thr = fit("read", (probe.read_latency_s, probe.read_bytes_per_s))
-    sizes = sorted({n for (_, n) in med})
+    sizes = sorted({n for (k, n) in med if k != "unlink"})
     return StorageProfile(
         spill_dir=probe.spill_dir,
         sync=probe.sync,
-        write_latency_s=w_lat + unlink,
+        write_latency_s=w_lat,
         write_bytes_per_s=w_thr,
         read_latency_s=r_lat,
         read_bytes_per_s=r_thr,

@@ -11,8 +11,9 @@
 * ``unpack`` returns the original storage if it is still alive, otherwise the
   copy a prefetch already read, otherwise reads the file now.
 * A file is deleted when the last handle to it is freed (normally right after
-  the backward node that used it), and :meth:`Pager.close` deletes whatever is
-  left, e.g. after an exception mid-backward.
+  the backward node that used it; a background thread does the unlinking,
+  which frees the file's page-cache pages), and :meth:`Pager.close` waits for
+  that and deletes whatever is left, e.g. after an exception mid-backward.
 
 Blocks marked ``overlap`` write in a background thread (the forward pass
 waits for a block's writes two blocks later, see :meth:`wait_writes`) and are
@@ -26,6 +27,7 @@ kernel's page cache may keep them until it needs the memory.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -160,6 +162,7 @@ class Pager:
         self._block_writes: dict[int, list[Future]] = {}
         self._writer: ThreadPoolExecutor | None = None
         self._reader: ThreadPoolExecutor | None = None
+        self._deleter: ThreadPoolExecutor | None = None  # unlinking frees page-cache pages: off the step
         self._counter = 0
         self._closed = False
         self.block = -1  # block whose forward is running (set by the executor)
@@ -243,8 +246,8 @@ class Pager:
         """Finish background I/O and delete every spill file and the directory."""
         with self._lock:
             self._closed = True
-            pools = [p for p in (self._writer, self._reader) if p is not None]
-            self._writer = self._reader = None
+            pools = [p for p in (self._writer, self._reader, self._deleter) if p is not None]
+            self._writer = self._reader = self._deleter = None
         for pool in pools:
             pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
@@ -265,7 +268,14 @@ class Pager:
                 pass
 
     def files(self) -> list[str]:
-        """Spill files on disk now."""
+        """Spill files on disk now (after deletions already requested have run)."""
+        with self._lock:
+            deleter = self._deleter
+        if deleter is not None:
+            try:
+                deleter.submit(int).result()  # one worker: runs after every queued deletion
+            except RuntimeError:  # shut down by close()
+                pass
         return sorted(os.listdir(self.directory)) if os.path.isdir(self.directory) else []
 
     # internals ------------------------------------------------------------------
@@ -278,7 +288,7 @@ class Pager:
         self._by_storage[key] = record
         self._block_records.setdefault(self.block, []).append(weakref.ref(record))
         # Forget the mapping when the original storage dies: its address may be reused.
-        weakref.finalize(storage, self._forget, key, record)
+        record.original = weakref.ref(storage, functools.partial(self._forget, key))
         data = torch.empty(0, dtype=torch.uint8).set_(storage)
         self.bytes_written += record.nbytes
         if self.overlap:
@@ -290,9 +300,10 @@ class Pager:
             self._write(record, data)
         return record
 
-    def _forget(self, key: int, record: _Record) -> None:
+    def _forget(self, key: int, ref: weakref.ref) -> None:
         with self._lock:
-            if self._by_storage.get(key) is record:
+            record = self._by_storage.get(key)
+            if record is not None and record.original is ref:
                 del self._by_storage[key]
 
     def _write(self, record: _Record, data: torch.Tensor) -> None:
@@ -333,12 +344,17 @@ class Pager:
                 return
             record.deleted = True
             record.buffer = None
-            written = record.written
-        if written:  # otherwise the writer deletes it when done
-            start = time.perf_counter()
-            _unlink(record.path)
-            if self.samples is not None:
-                self.samples.append(("unlink", record.nbytes, time.perf_counter() - start))
+            if not record.written or self._closed:  # the writer, or close(), deletes it
+                return
+            if self._deleter is None:
+                self._deleter = ThreadPoolExecutor(1, thread_name_prefix="fleet-unlink")
+            self._deleter.submit(self._delete, record)
+
+    def _delete(self, record: _Record) -> None:
+        start = time.perf_counter()
+        _unlink(record.path)
+        if self.samples is not None:
+            self.samples.append(("unlink", record.nbytes, time.perf_counter() - start))
 
 
 def _unlink(path: str) -> None:

@@ -35,7 +35,7 @@ def test_timing_model_orders_selections(small_profile):
     head = small_profile.step_time([False] * (n - 2) + [True, True])
     nothing = small_profile.step_time([False] * n)
     assert nothing == pytest.approx(small_profile.forward_time)
-    assert nothing < head < full
+    assert nothing <= head < full  # the head may cost less than the timer resolves
     # Training the input-most tensor alone still pays every layer's t_dy after it.
     first_only = small_profile.step_time([True] + [False] * (n - 1))
     assert first_only == pytest.approx(small_profile.forward_time + sum(small_profile.t_dy[1:]) + small_profile.t_dw[0])

@@ -6,31 +6,20 @@ from the last completed round with nothing lost.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from fleet.atomic import write_atomic
+
 CHECKPOINT_FILE = "checkpoint.pt"
 
 
 def save_torch(path: Path, obj: dict) -> None:
     """Atomic torch.save: readers see the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, lambda fh: torch.save(obj, fh), binary=True)
 
 
 def load_torch(path: Path) -> dict | None:

@@ -70,7 +70,7 @@ def test_plan_memory_errors(tmp_path):
 def test_bench_memory_json(tmp_path, capsys):
     code = run(
         ["bench", "memory", "--model", "resnet18", "--budget-fraction", "0.5", "--batch-size", "2", "--repeats", "1",
-         "--rho", "0.5", "--spill-dir", str(tmp_path), "--json"]
+         "--profile-repeats", "1", "--rho", "0.5", "--spill-dir", str(tmp_path), "--json"]
     )
     assert code == 0
     result = json.loads(capsys.readouterr().out)

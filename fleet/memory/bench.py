@@ -158,7 +158,8 @@ def run_memory_bench(
     batch_size: int = 32,
     input_size: int = 32,
     *,
-    repeats: int = 9,
+    repeats: int = 15,
+    profile_repeats: int = 5,
     rho: float | None = None,
     spill_dir: str | os.PathLike | None = None,
     num_classes: int = 10,
@@ -183,7 +184,9 @@ def run_memory_bench(
     try:
         probe = measure_storage(spill, sync=sync)
         t0 = time.perf_counter()
-        profile = measure_block_costs(model, shape, model_name=model_name, storage=probe, seed=seed)
+        profile = measure_block_costs(
+            model, shape, model_name=model_name, storage=probe, seed=seed, repeats=profile_repeats
+        )
         profile_s = time.perf_counter() - t0
         storage = profile.storage
         budget = resolve_budget(profile, budget_fraction=budget_fraction)

@@ -53,7 +53,8 @@ def register_bench(bench_subparsers: argparse._SubParsersAction) -> None:
     p = bench_subparsers.add_parser("memory", help="run a memory plan and measure its peak and time overhead")
     _model_args(p)
     p.add_argument("--budget-fraction", type=float, required=True, help="fraction of the unconstrained peak")
-    p.add_argument("--repeats", type=int, default=9, help="interleaved planned/unplanned step pairs")
+    p.add_argument("--repeats", type=int, default=15, help="interleaved planned/unplanned step pairs")
+    p.add_argument("--profile-repeats", type=int, default=5, help="timed steps per variant when profiling")
     p.add_argument("--rho", type=float, help="also run with elastic selection at this time fraction")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run_bench)
@@ -148,6 +149,7 @@ def run_bench(args: argparse.Namespace) -> int:
         args.batch_size,
         args.input_size,
         repeats=args.repeats,
+        profile_repeats=args.profile_repeats,
         rho=args.rho,
         spill_dir=args.spill_dir,
         num_classes=args.num_classes,

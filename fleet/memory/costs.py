@@ -25,7 +25,8 @@ chain (:mod:`fleet.memory.segment`):
   :class:`~fleet.memory.meter.StorageMeter`;
 * with a storage profile, steps that page every block alternate with the
   plain ones, and the pager's own writes, reads (into fresh buffers) and
-  deletions during them are fitted to ``latency + bytes / throughput``: the
+  deletions during them are fitted to ``latency + bytes / throughput``
+  (deleting a file is charged to writing it): the
   profile's storage costs are those in-step figures (``source="in-step"``),
   which include what a probe of a quiet file misses.
 
@@ -577,12 +578,16 @@ def in_step_storage(probe: StorageProfile, samples: list[tuple[str, int, float]]
     """Storage costs fitted to the pager's own operations during real steps.
 
     Per direction, the median time of each distinct size is fitted to
-    ``latency + bytes / throughput`` (deleting files happens on a background
-    thread and is not charged)."""
+    ``latency + bytes / throughput``. Deleting a file (which frees its
+    page-cache pages) is charged to writing it: it runs on a background
+    thread, but on a device whose cores are all computing it is not free."""
     by: dict[tuple[str, int], list[float]] = {}
     for kind, nbytes, seconds in samples:
         by.setdefault((kind, nbytes), []).append(seconds)
     med = {k: statistics.median(v) for k, v in by.items()}
+    for (kind, n), t in list(med.items()):
+        if kind == "write":
+            med[("write", n)] = t + med.get(("unlink", n), 0.0)
 
     def fit(kind: str, fallback: tuple[float, float]) -> tuple[float, float]:
         pts = [(n, t) for (k, n), t in med.items() if k == kind]

@@ -1,28 +1,39 @@
 """``fleet bench fleet``: FedAvg (full training) vs naive per-device ElasticTrainer vs fleet.
 
-Same seeds, partitions, device profile and pretrained start for every method:
-the profile and checkpoint are made once and passed to all three runs. Each
-method runs as its own ``fleet simulate`` process (a fresh Ray per run).
-Time to target is simulated time until the global accuracy first reaches
-``target_fraction`` of FedAvg's final accuracy.
+For each seed, the device profile and pretrained checkpoint are made once and
+passed to all three methods, so they share partitions, profile and start.
+Each method runs as its own ``fleet simulate`` process (a fresh Ray per run).
+
+The methods get the same *simulated time*, not the same number of rounds:
+FedAvg runs ``federation.rounds`` rounds, which sets the horizon; the elastic
+methods run until their clock reaches it (their rounds are shorter, so they
+run more of them). Comparing at equal rounds would hand FedAvg 2-3x the time.
+
+Global accuracy on non-IID held-out splits moves a few points from round to
+round, so ``final_accuracy`` is the mean of the last ``final_rounds`` rounds
+within the horizon (``last_round_accuracy`` is reported too). Time to target
+is the simulated time until the global accuracy first reaches
+``target_fraction`` of FedAvg's final accuracy. With several seeds, each
+method's figures are averaged over seeds and the per-seed reports are kept.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from fleet.errors import FleetError
+from fleet.errors import ConfigError, FleetError
 from server.config import load_fleet_config, run_dir
 from server.simulation import prepare
 
 METHODS = ("fedavg", "naive", "fleet")
+FIGURES = ("time_to_target_s", "final_accuracy", "last_round_accuracy", "personalized_accuracy_mean",
+           "personalized_accuracy_p10", "bytes_uploaded", "rounds", "sim_time_s")
 
 
 def time_to_target(history: list[dict], target: float) -> float | None:
@@ -30,6 +41,70 @@ def time_to_target(history: list[dict], target: float) -> float | None:
         if rec["global_accuracy"] is not None and rec["global_accuracy"] >= target:
             return rec["sim_time_s"]
     return None
+
+
+def within(history: list[dict], horizon_s: float | None) -> list[dict]:
+    """The rounds that ended by the horizon (all of them without one)."""
+    if horizon_s is None:
+        return list(history)
+    return [r for r in history if r["sim_time_s"] <= horizon_s * (1 + 1e-9)]
+
+
+def final_accuracy(history: list[dict], final_rounds: int) -> float | None:
+    accs = [r["global_accuracy"] for r in history if r["global_accuracy"] is not None][-final_rounds:]
+    return float(statistics.fmean(accs)) if accs else None
+
+
+def method_entry(summary: dict, history: list[dict], target: float, final_rounds: int) -> dict:
+    """The bench figures of one method's run, over the rounds in ``history``."""
+    last = history[-1] if history else {}
+    return {
+        "time_to_target_s": time_to_target(history, target),
+        "final_accuracy": final_accuracy(history, final_rounds),
+        "last_round_accuracy": last.get("global_accuracy"),
+        "personalized_accuracy_mean": last.get("personal_accuracy", summary["personalized_accuracy_mean"]),
+        "personalized_accuracy_p10": last.get("personal_accuracy_p10", summary["personalized_accuracy_p10"]),
+        "bytes_uploaded": int(sum(r.get("bytes_uploaded", 0) for r in history)),
+        "rounds": len(history),
+        "sim_time_s": last.get("sim_time_s", 0.0),
+        "run_dir": summary["run_dir"],
+    }
+
+
+def seed_report(summaries: dict[str, dict], histories: dict[str, list[dict]], *, target_fraction: float, final_rounds: int) -> dict:
+    """One seed's comparison: FedAvg's run sets the horizon and the target."""
+    horizon = histories["fedavg"][-1]["sim_time_s"] if histories["fedavg"] else None
+    cut = {m: within(h, horizon) for m, h in histories.items()}
+    fedavg_final = final_accuracy(cut["fedavg"], final_rounds)
+    target = target_fraction * fedavg_final if fedavg_final is not None else float("inf")
+    methods = {m: method_entry(summaries[m], cut[m], target, final_rounds) for m in summaries}
+    f = methods["fedavg"]["time_to_target_s"]
+    for m in methods:
+        if m != "fedavg":
+            t = methods[m]["time_to_target_s"]
+            methods[m]["speedup_vs_fedavg"] = (f / t) if f and t else None
+    return {"horizon_s": horizon, "target_accuracy": target, "methods": methods}
+
+
+def _mean(values: list) -> float | None:
+    vals = [v for v in values if v is not None]
+    return float(statistics.fmean(vals)) if vals and len(vals) == len(values) else None
+
+
+def combine(seeds: dict[int, dict]) -> dict[str, dict]:
+    """Each method's figures averaged over seeds (None if any seed missed the target), plus the spread."""
+    out: dict[str, dict] = {}
+    for m in METHODS:
+        entries = [rep["methods"][m] for rep in seeds.values()]
+        agg = {k: _mean([e[k] for e in entries]) for k in FIGURES}
+        agg["final_accuracy_per_seed"] = [e["final_accuracy"] for e in entries]
+        if len(entries) > 1 and all(e["final_accuracy"] is not None for e in entries):
+            agg["final_accuracy_stdev"] = statistics.stdev(e["final_accuracy"] for e in entries)
+        if m != "fedavg":
+            agg["speedup_vs_fedavg"] = _mean([e["speedup_vs_fedavg"] for e in entries])
+            agg["speedup_per_seed"] = [e["speedup_vs_fedavg"] for e in entries]
+        out[m] = agg
+    return out
 
 
 def _simulate(config_path: Path, quiet: bool) -> None:
@@ -40,42 +115,61 @@ def _simulate(config_path: Path, quiet: bool) -> None:
         raise FleetError(f"the {config_path.name} simulation failed (exit {res.returncode}){': ' + tail if tail else ''}")
 
 
-def bench_fleet(path: str, overrides: dict[str, Any] | None = None, *, target_fraction: float = 0.95, quiet: bool = False) -> dict:
+def _run_seed(path: str, overrides: dict[str, Any], seed: int, tag: str, log, quiet: bool) -> tuple[dict, dict]:
+    """Run the three methods for one seed; FedAvg first, since its clock sets the others' horizon."""
     base = load_fleet_config(path, overrides)
-    log = (lambda s: print(s, file=sys.stderr)) if quiet else print
-    # One profile and one pretrained checkpoint, shared by every method.
-    shared, _ = prepare(load_fleet_config(path, {**(overrides or {}), "name": f"{base.name}-shared"}), resume=False, log=log)
-    results: dict[str, dict] = {}
+    shared, _ = prepare(load_fleet_config(path, {**overrides, "name": f"{base.name}{tag}-shared"}), resume=False, log=log)
+    summaries: dict[str, dict] = {}
+    horizon = None
     for method in METHODS:
-        name = f"{base.name}-{method}"
-        cfg = load_fleet_config(path, {**(overrides or {}), "name": name, "federation.strategy": method,
-                                       "train.profile": shared.train.profile, "model.weights": shared.model.weights})
-        cfg, config_path = prepare(cfg, resume=False, log=log)
-        log(f"--- {method}: {cfg.federation.rounds} rounds on {cfg.federation.num_devices} devices ---")
+        extra: dict[str, Any] = {"name": f"{base.name}{tag}-{method}", "federation.strategy": method,
+                                 "train.profile": shared.train.profile, "model.weights": shared.model.weights}
+        if method != "fedavg":
+            # Up to max(tiers) times as many rounds: an elastic round is never shorter than that fraction.
+            extra["federation.time_budget_s"] = horizon
+            extra["federation.rounds"] = int(base.federation.rounds * max(base.federation.tiers)) + 1
+        cfg, config_path = prepare(load_fleet_config(path, {**overrides, **extra}), resume=False, log=log)
+        log(f"--- seed {seed}, {method}: " + (f"{cfg.federation.rounds} rounds" if horizon is None else f"{horizon:.1f}s simulated")
+            + f" on {cfg.federation.num_devices} devices ---")
         _simulate(config_path, quiet)
-        out = run_dir(cfg)
-        summary = json.loads((out / "summary.json").read_text())
-        results[method] = {**summary, "history": summary["history"]}
-    fedavg_final = results["fedavg"]["final_accuracy"]
-    target = target_fraction * fedavg_final
-    report: dict[str, Any] = {"target_accuracy": target, "target_fraction_of_fedavg_final": target_fraction,
-                              "config": str(path), "devices": base.federation.num_devices, "tiers": base.federation.tiers,
-                              "rounds": base.federation.rounds, "methods": {}}
-    for method, s in results.items():
-        report["methods"][method] = {
-            "time_to_target_s": time_to_target(s["history"], target),
-            "final_accuracy": s["final_accuracy"],
-            "personalized_accuracy_mean": s["personalized_accuracy_mean"],
-            "personalized_accuracy_p10": s["personalized_accuracy_p10"],
-            "bytes_uploaded": s["bytes_uploaded"],
-            "sim_time_s": s["sim_time_s"],
-            "mean_round_time_s": s["sim_time_s"] / max(s["rounds"], 1),
-            "run_dir": s["run_dir"],
-        }
-    f, e = report["methods"]["fedavg"]["time_to_target_s"], report["methods"]["fleet"]["time_to_target_s"]
-    report["methods"]["fleet"]["speedup_vs_fedavg"] = (f / e) if f and e else None
-    n = report["methods"]["naive"]["time_to_target_s"]
-    report["methods"]["naive"]["speedup_vs_fedavg"] = (f / n) if f and n else None
+        summaries[method] = json.loads((run_dir(cfg) / "summary.json").read_text())
+        if method == "fedavg":
+            horizon = summaries[method]["sim_time_s"]
+    return summaries, {m: s["history"] for m, s in summaries.items()}
+
+
+def bench_fleet(
+    path: str,
+    overrides: dict[str, Any] | None = None,
+    *,
+    target_fraction: float = 0.95,
+    quiet: bool = False,
+    seeds: list[int] | None = None,
+    final_rounds: int = 3,
+) -> dict:
+    overrides = dict(overrides or {})
+    if final_rounds < 1:
+        raise ConfigError(f"--final-rounds: {final_rounds} is not allowed; use an integer >= 1")
+    base = load_fleet_config(path, overrides)
+    seeds = list(seeds) if seeds else [base.train.seed]
+    log = (lambda s: print(s, file=sys.stderr, flush=True)) if quiet else print
+    per_seed: dict[int, dict] = {}
+    for seed in seeds:
+        tag = "" if seeds == [base.train.seed] else f"-s{seed}"
+        summaries, histories = _run_seed(path, {**overrides, "train.seed": seed}, seed, tag, log, quiet)
+        per_seed[seed] = seed_report(summaries, histories, target_fraction=target_fraction, final_rounds=final_rounds)
+    report: dict[str, Any] = {
+        "config": str(path),
+        "devices": base.federation.num_devices,
+        "tiers": base.federation.tiers,
+        "fedavg_rounds": base.federation.rounds,
+        "comparison": "equal simulated time: FedAvg's rounds set the horizon",
+        "final_accuracy_is": f"mean global accuracy of the last {final_rounds} rounds within the horizon",
+        "target_fraction_of_fedavg_final": target_fraction,
+        "seeds": list(per_seed),
+        "methods": combine(per_seed),
+        "per_seed": {str(s): r for s, r in per_seed.items()},
+    }
     out = Path(base.output_dir) / f"{base.name}-bench.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
@@ -89,10 +183,13 @@ def bench_table(report: dict) -> str:
     def sec(v):
         return f"{v:9.1f}" if v is not None else "      n/a"
 
-    lines = [f"target accuracy {pct(report['target_accuracy'])} ({report['target_fraction_of_fedavg_final']:.0%} of FedAvg's final)",
-             f"{'method':>8} {'to target s':>11} {'final':>8} {'pers mean':>9} {'pers p10':>9} {'MB up':>8} {'speedup':>8}"]
+    seeds = report["seeds"]
+    lines = [f"equal simulated time; {len(seeds)} seed(s) {seeds}; final = {report['final_accuracy_is']}",
+             f"target = {report['target_fraction_of_fedavg_final']:.0%} of FedAvg's final accuracy",
+             f"{'method':>8} {'rounds':>6} {'to target s':>11} {'final':>8} {'last':>8} {'pers mean':>9} {'pers p10':>9} {'MB up':>8} {'speedup':>8}"]
     for m, r in report["methods"].items():
         sp = r.get("speedup_vs_fedavg")
-        lines.append(f"{m:>8} {sec(r['time_to_target_s']):>11} {pct(r['final_accuracy'])} {pct(r['personalized_accuracy_mean']):>9} "
-                     f"{pct(r['personalized_accuracy_p10']):>9} {r['bytes_uploaded'] / 1e6:8.1f} {('%.2fx' % sp) if sp else '   -':>8}")
+        lines.append(f"{m:>8} {r['rounds'] or 0:6.1f} {sec(r['time_to_target_s']):>11} {pct(r['final_accuracy'])} {pct(r['last_round_accuracy'])} "
+                     f"{pct(r['personalized_accuracy_mean']):>9} {pct(r['personalized_accuracy_p10']):>9} "
+                     f"{(r['bytes_uploaded'] or 0) / 1e6:8.1f} {('%.2fx' % sp) if sp else '   -':>8}")
     return "\n".join(lines)

@@ -30,6 +30,7 @@ class FederationConfig:
 
     strategy: str = "fleet"  # fleet (elastic + window + blending), naive (per-device elastic), fedavg (full training)
     rounds: int = 10
+    time_budget_s: float | None = None  # also stop once the simulated clock reaches this (equal-time comparisons)
     num_devices: int = 8
     tiers: list[float] = field(default_factory=lambda: [1.0, 2.0, 3.0, 4.0])  # device i gets tiers[i % len]
     partition: str = "dirichlet"
@@ -66,6 +67,7 @@ class FleetConfig(ExperimentConfig):
 RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "federation.strategy": (lambda v: v in STRATEGIES, "one of " + ", ".join(STRATEGIES)),
     "federation.rounds": (lambda v: v >= 1, "an integer >= 1"),
+    "federation.time_budget_s": (lambda v: v is None or v > 0, "a number of simulated seconds > 0 or null (rounds only)"),
     "federation.num_devices": (lambda v: v >= 1, "an integer >= 1"),
     "federation.tiers": (lambda v: len(v) >= 1 and all(t >= 1 for t in v), "a non-empty list of slow-down factors >= 1"),
     "federation.partition": (lambda v: v in PARTITIONS, "one of " + ", ".join(PARTITIONS)),

@@ -55,6 +55,13 @@ def query_full_times(grid: Grid, cfg: FleetConfig, timeout: float) -> dict[str, 
     return times
 
 
+def out_of_time(cfg: FleetConfig, state: ServerState) -> bool:
+    """True once the simulated clock has reached ``federation.time_budget_s`` (if set):
+    rounds that started before the horizon still finish."""
+    budget = cfg.federation.time_budget_s
+    return budget is not None and state.sim_time_s >= budget
+
+
 def start_state(cfg: FleetConfig, out: Path, resume: bool) -> tuple[dict[str, np.ndarray], ServerState]:
     """The checkpointed model and state when resuming, else a fresh start (an older run is kept aside)."""
     if resume:
@@ -72,7 +79,8 @@ def start_state(cfg: FleetConfig, out: Path, resume: bool) -> tuple[dict[str, np
 
 
 def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool) -> dict:
-    """Run (or continue) the fleet until ``federation.rounds``; returns the summary."""
+    """Run (or continue) the fleet until ``federation.rounds`` or, when set, until the
+    simulated clock reaches ``federation.time_budget_s``; returns the summary."""
     fed = cfg.federation
     out = run_dir(cfg)
     arrays, state = start_state(cfg, out, resume)
@@ -98,6 +106,9 @@ def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool) -> dict:
             state.full_times = query_full_times(grid, cfg, fed.timeout_s)
         strategy.full_times = {int(k): v for k, v in state.full_times.items()}
     for server_round in range(state.round + 1, fed.rounds + 1):
+        if out_of_time(cfg, state):
+            print(f"simulated time {state.sim_time_s:.1f}s reached federation.time_budget_s; stopping after round {state.round}", flush=True)
+            break
         started = time.perf_counter()
         global_record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
         deadline = strategy.round_deadline()

@@ -105,7 +105,7 @@ class Tracker:
                 for pid, rows in sorted(per_device.items())
             },
             "history": [
-                {k: r[k] for k in ("round", "sim_time_s", "global_accuracy", "personal_accuracy")} for r in recs
+                {k: r[k] for k in ("round", "sim_time_s", "global_accuracy", "personal_accuracy", "personal_accuracy_p10", "bytes_uploaded")} for r in recs
             ],
         }
         write_json(self.out / SUMMARY_FILE, summary)

@@ -39,9 +39,11 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fleet", help="FedAvg vs naive ElasticTrainer vs fleet on 8 devices in 4 speed tiers")
     p.add_argument("--config", default=BENCH_CONFIG, help=f"fleet YAML (default: {BENCH_CONFIG})")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
-    p.add_argument("--rounds", type=int)
+    p.add_argument("--rounds", type=int, help="FedAvg's rounds; they set the simulated-time horizon of every method")
     p.add_argument("--output-dir")
     p.add_argument("--target", type=float, default=0.95, help="target = this fraction of FedAvg's final accuracy")
+    p.add_argument("--seeds", type=int, nargs="+", help="run every method once per seed (default: train.seed)")
+    p.add_argument("--final-rounds", type=int, default=3, help="final accuracy = mean of this many last rounds")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_bench)
 
@@ -74,7 +76,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     from server.bench import bench_fleet
 
-    result = bench_fleet(args.config, _overrides(args), target_fraction=args.target, quiet=args.json)
+    result = bench_fleet(args.config, _overrides(args), target_fraction=args.target, quiet=args.json,
+                         seeds=args.seeds, final_rounds=args.final_rounds)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

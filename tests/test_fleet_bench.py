@@ -1,0 +1,69 @@
+"""The fleet benchmark's report: equal simulated time, smoothed final accuracy, seeds."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.bench import combine, final_accuracy, seed_report, time_to_target, within
+from server.checkpoint import ServerState
+from server.config import fleet_config_from_dict
+from server.server_app import out_of_time
+
+
+def hist(points: list[tuple[float, float]]) -> list[dict]:
+    return [
+        {"round": i + 1, "sim_time_s": t, "global_accuracy": a, "personal_accuracy": a + 0.05,
+         "personal_accuracy_p10": a - 0.1, "bytes_uploaded": 100}
+        for i, (t, a) in enumerate(points)
+    ]
+
+
+def summary(name: str) -> dict:
+    return {"run_dir": f"runs/{name}", "personalized_accuracy_mean": None, "personalized_accuracy_p10": None}
+
+
+def test_time_to_target_and_horizon():
+    h = hist([(10, 0.5), (20, 0.7), (30, 0.8), (40, 0.9)])
+    assert time_to_target(h, 0.75) == 30
+    assert time_to_target(h, 0.95) is None
+    assert [r["round"] for r in within(h, 30.0)] == [1, 2, 3]
+    assert within(h, None) == h
+    assert final_accuracy(h, 3) == pytest.approx((0.7 + 0.8 + 0.9) / 3)
+    assert final_accuracy(h, 1) == pytest.approx(0.9)
+
+
+def test_seed_report_compares_at_fedavgs_horizon():
+    fedavg = hist([(20, 0.6), (40, 0.7), (60, 0.8)])
+    # an elastic method with 10 s rounds; rounds after the 60 s horizon are not counted
+    elastic = hist([(10 * (i + 1), a) for i, a in enumerate([0.5, 0.6, 0.7, 0.78, 0.8, 0.82, 0.99, 0.99])])
+    rep = seed_report({m: summary(m) for m in ("fedavg", "naive", "fleet")},
+                      {"fedavg": fedavg, "naive": elastic, "fleet": elastic}, target_fraction=0.95, final_rounds=2)
+    assert rep["horizon_s"] == 60
+    assert rep["target_accuracy"] == pytest.approx(0.95 * 0.75)
+    f, e = rep["methods"]["fedavg"], rep["methods"]["fleet"]
+    assert f["time_to_target_s"] == 60 and e["time_to_target_s"] == 40  # target 0.7125
+    assert e["speedup_vs_fedavg"] == pytest.approx(1.5)
+    assert e["rounds"] == 6 and e["final_accuracy"] == pytest.approx(0.81)  # 0.99s come after the horizon
+    assert e["last_round_accuracy"] == pytest.approx(0.82) and e["bytes_uploaded"] == 600
+    assert e["personalized_accuracy_mean"] == pytest.approx(0.87)
+
+
+def test_combine_averages_seeds_and_needs_every_seed_for_time_to_target():
+    def rep(fin: float, ttt: float | None) -> dict:
+        entry = {"time_to_target_s": ttt, "final_accuracy": fin, "last_round_accuracy": fin, "personalized_accuracy_mean": fin,
+                 "personalized_accuracy_p10": fin, "bytes_uploaded": 10, "rounds": 5, "sim_time_s": 50.0, "speedup_vs_fedavg": 2.0}
+        return {"methods": {m: dict(entry) for m in ("fedavg", "naive", "fleet")}}
+
+    out = combine({0: rep(0.7, 10.0), 1: rep(0.8, None)})
+    assert out["fleet"]["final_accuracy"] == pytest.approx(0.75)
+    assert out["fleet"]["final_accuracy_per_seed"] == [0.7, 0.8]
+    assert out["fleet"]["final_accuracy_stdev"] == pytest.approx(0.0707, abs=1e-3)
+    assert out["fleet"]["time_to_target_s"] is None  # a seed that never reached the target
+    assert out["fleet"]["speedup_vs_fedavg"] == pytest.approx(2.0)
+
+
+def test_time_budget_stops_the_round_loop():
+    cfg = fleet_config_from_dict({"federation": {"time_budget_s": 30.0}})
+    assert not out_of_time(cfg, ServerState(run_tag="x", sim_time_s=29.9))
+    assert out_of_time(cfg, ServerState(run_tag="x", sim_time_s=30.0))
+    assert not out_of_time(fleet_config_from_dict({}), ServerState(run_tag="x", sim_time_s=1e9))

@@ -17,17 +17,20 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from client.local import RoundPlan, accuracy, local_round
+from client.local import RoundPlan, local_round
 from client.task import (
     build_model,
     device_data,
+    device_memory,
     device_profile,
     load_state,
+    memory_budget_of,
     partition_of,
     save_state,
     state_dir_of,
     tier_of,
 )
+from fleet.trainer import accuracy
 from server.config import FleetConfig, config_from_run_config
 
 app = ClientApp()
@@ -77,7 +80,10 @@ def train(msg: Message, context: Context) -> Message:
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict(), strict=True)
     profile = _profile(cfg, pid, node_config, model)
     data = device_data(cfg, pid)
-    state_path = state_dir_of(cfg, pid, node_config) / STATE_FILE
+    state_dir = state_dir_of(cfg, pid, node_config)
+    budget_mb = memory_budget_of(cfg, pid, node_config, profile)
+    memory = device_memory(cfg, model, budget_mb, state_dir, node_config) if budget_mb is not None else None
+    state_path = state_dir / STATE_FILE
     names = list(config.get("gi-names", []))
     values = list(config.get("gi-values", []))
     plan = RoundPlan(
@@ -87,7 +93,7 @@ def train(msg: Message, context: Context) -> Message:
         global_importance=dict(zip(names, values)),
     )
     run_tag = str(config.get("run-tag", ""))
-    result = local_round(cfg, model, profile, data.train, load_state(state_path, run_tag), plan, pid)
+    result = local_round(cfg, model, profile, data.train, load_state(state_path, run_tag), plan, pid, memory)
     save_state(state_path, {**result.state, "run_tag": run_tag})
     arrays = ArrayRecord.from_torch_state_dict(result.arrays)
     return Message(RecordDict({"arrays": arrays, "metrics": MetricRecord(result.metrics)}), reply_to=msg)

@@ -20,6 +20,7 @@ from torch import nn
 from fleet.data import ArrayDataset, batches
 from fleet.device_profile import DeviceProfile
 from fleet.importance import evaluate_importance, normalize
+from fleet.memory.budgeted import MemoryBudget
 from fleet.models import head_parameter_names
 from fleet.selection import select_tensors, selection_cost
 from fleet.trainer import Trainer, TrainerOptions
@@ -136,6 +137,11 @@ def drop_stale_momentum(optimizer: torch.optim.Optimizer, names: list[str], para
             optimizer.state.pop(p, None)
 
 
+def memory_added_s(memory: MemoryBudget | None, model: nn.Module, profile: DeviceProfile) -> float:
+    """Seconds the memory plan for the current selection adds to one step on this device (its tier)."""
+    return 0.0 if memory is None else memory.added_time_s(model) * profile.speed_factor
+
+
 def local_round(
     cfg: FleetConfig,
     model: nn.Module,
@@ -144,8 +150,14 @@ def local_round(
     prev_state: dict | None,
     plan: RoundPlan,
     partition_id: int,
+    memory: MemoryBudget | None = None,
 ) -> RoundResult:
-    """Train ``model`` (already holding the global weights) for ``federation.local_steps`` batches."""
+    """Train ``model`` (already holding the global weights) for ``federation.local_steps`` batches.
+
+    With ``memory``, every step (and the importance probe) follows a keep/recompute/page
+    plan for the device's activation budget, and the time the plan adds counts against
+    the deadline: when it would overrun, the selection is made again with that much less.
+    """
     fed = cfg.federation
     t = cfg.train
     full_time = fed.local_steps * profile.full_step_time
@@ -159,7 +171,7 @@ def local_round(
         input_size=cfg.data.input_size,
         seed=t.seed + 1000 * plan.server_round + partition_id,
     )
-    trainer = Trainer(model, options, profile)
+    trainer = Trainer(model, options, profile, memory)
     prev_state = prev_state or {}
     if "optimizer" in prev_state:
         try:
@@ -182,9 +194,9 @@ def local_round(
     else:
         if len(importance) != len(names) or plan.server_round - imp_round >= fed.importance_interval:
             x, y = trainer.probe_batch(train)
-            importance = evaluate_importance(model, trainer.params, trainer.optimizer, x, y)
+            importance = evaluate_importance(model, trainer.params, trainer.optimizer, x, y, step_context=trainer.memory_context())
             imp_round = plan.server_round
-            probe_cost = PROBE_STEPS * profile.full_step_time
+            probe_cost = PROBE_STEPS * (profile.full_step_time + memory_added_s(memory, model, profile))
         ranked = importance
         if plan.strategy == "fleet" and fed.blend_beta is not None and plan.global_importance:
             ranked = blend_importance(importance, names, plan.global_importance, fed.blend_beta)
@@ -199,8 +211,14 @@ def local_round(
                 allowed = window_mask(names, head, fed.num_blocks, fed.window_blocks, plan.server_round)
             ranked = [v if a else 0.0 for v, a in zip(ranked, allowed)]
         mask = select_tensors(ranked, costs, profile.t_dy, budget)
+        if memory is not None:
+            trainer.set_mask(mask)
+            added = memory_added_s(memory, model, profile)
+            if added > 0 and selection_cost(mask, costs, profile.t_dy) + added > budget:
+                mask = select_tensors(ranked, costs, profile.t_dy, max(budget - added, 0.0))
     rho = profile.step_time(mask) / profile.full_step_time
     trainer.set_mask(mask)
+    added_s = memory_added_s(memory, model, profile)  # raises BudgetError (one line) if no plan fits
 
     losses: list[float] = []
     steps = fed.local_steps if any(mask) else 0
@@ -212,7 +230,7 @@ def local_round(
     for x, y in itertools.islice(endless, steps):
         losses.append(trainer.train_step(x, y))
     measured = time.perf_counter() - started
-    predicted = steps * profile.step_time(mask) + probe_cost
+    predicted = steps * (profile.step_time(mask) + added_s) + probe_cost
 
     params = dict(zip(names, trainer.params))
     arrays = {n: params[n].detach().clone() for n, m in zip(names, mask) if m}
@@ -235,6 +253,12 @@ def local_round(
         "loss": float(np.mean(losses)) if losses else float("nan"),
         "steps": steps,
     }
+    if memory is not None:
+        metrics.update({
+            "memory-budget-bytes": memory.budget_bytes,
+            "memory-peak-bytes": memory.peak_bytes,
+            "memory-added-s": added_s,
+        })
     state = {
         "round": plan.server_round,
         "optimizer": trainer.optimizer.state_dict(),
@@ -244,12 +268,3 @@ def local_round(
         "trained": [n for n, m in zip(names, mask) if m] if steps else [],
     }
     return RoundResult(arrays, metrics, state)
-
-
-@torch.no_grad()
-def accuracy(model: nn.Module, data: ArrayDataset, input_size: int, batch_size: int = 256) -> float:
-    model.eval()
-    correct = 0
-    for x, y in batches(data, batch_size, shuffle=False, input_size=input_size):
-        correct += int((model(x).argmax(1) == y).sum())
-    return correct / max(len(data), 1)

@@ -18,6 +18,7 @@ from fleet.data import ArrayDataset
 from fleet.device_profile import DeviceProfile
 from fleet.errors import ConfigError
 from fleet.experiment import check_profile, load_data, make_model, obtain_profile
+from fleet.memory.budgeted import MemoryBudget
 from fleet.partition import partition_indices, split_train_test
 from server.checkpoint import load_torch, save_torch
 from server.config import FleetConfig, resolve_path, run_dir
@@ -103,6 +104,35 @@ def device_profile(cfg: FleetConfig, model: nn.Module | None, node_config: dict[
             model = make_model(cfg.model, cfg.train.seed)
         base = obtain_profile(cfg, model, state_dir / "device-profile.yaml", repeats=5, log=lambda s: None)
     return base
+
+
+def memory_budget_of(cfg: FleetConfig, partition_id: int, node_config: dict[str, Any], profile: DeviceProfile) -> float | None:
+    """The device's activation memory budget in MB (None: unlimited), from the first that sets one:
+    node config ``memory-budget-mb``, the device profile's ``memory_budget_mb``,
+    ``federation.memory_budgets_mb`` (device i takes entry i % len; 0 = unlimited), ``train.memory_budget_mb``."""
+    if "memory-budget-mb" in node_config:
+        try:
+            mb = float(node_config["memory-budget-mb"])
+        except (TypeError, ValueError):
+            mb = float("nan")
+        if not mb > 0:
+            raise ConfigError(f"node config memory-budget-mb: {node_config['memory-budget-mb']!r} is not allowed; use a positive number of MB")
+        return mb
+    if profile.memory_budget_mb is not None:
+        return float(profile.memory_budget_mb)
+    budgets = cfg.federation.memory_budgets_mb
+    if budgets:
+        mb = float(budgets[partition_id % len(budgets)])
+        return mb if mb > 0 else None
+    return cfg.train.memory_budget_mb
+
+
+def device_memory(cfg: FleetConfig, model: nn.Module, budget_mb: float, state_dir: Path, node_config: dict[str, Any]) -> MemoryBudget:
+    """Plans for this device's budget; its memory profile is measured once and kept in its state directory."""
+    shape = (cfg.train.batch_size, cfg.model.in_channels, cfg.data.input_size, cfg.data.input_size)
+    spill = node_config.get("spill-dir") or cfg.train.spill_dir or str(state_dir / "spill")
+    return MemoryBudget.measure(model, shape, budget_mb, str(spill), model_name=cfg.model.name,
+                                cache=state_dir / "memory-profile.json", flag="memory-budget-mb")
 
 
 def state_dir_of(cfg: FleetConfig, partition_id: int, node_config: dict[str, Any]) -> Path:

@@ -226,22 +226,32 @@ def config_from_dict(data: dict | None, overrides: dict[str, Any] | None = None)
     return build_dataclass(ExperimentConfig, data, "")
 
 
-def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
-    """Read a YAML experiment file (or only defaults when ``path`` is None)."""
-    data: Any = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} not found; pass an existing YAML file (see simulations/)")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(exc, "problem", None) or "syntax error"
-            raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path}: expected a mapping of sections (model, data, train), got {type(data).__name__}")
+def read_yaml_mapping(path: str | Path) -> dict:
+    """A config file's sections, or a one-line ConfigError saying what is wrong with the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found; pass an existing YAML file (see simulations/)")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "syntax error"
+        raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of sections (model, data, train), got {type(data).__name__}")
+    return data
+
+
+def load_config(
+    path: str | Path | None, overrides: dict[str, Any] | None = None, *, ignore_sections: tuple[str, ...] = ()
+) -> ExperimentConfig:
+    """Read a YAML experiment file (or only defaults when ``path`` is None).
+
+    ``ignore_sections``: sections another tool owns (a fleet file's ``federation``)."""
+    data = read_yaml_mapping(path) if path is not None else {}
+    for section in ignore_sections:
+        data.pop(section, None)
     return config_from_dict(data, overrides)
 
 

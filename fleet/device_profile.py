@@ -48,6 +48,7 @@ class DeviceProfile:
     speed_factor: float = 1.0  # > 1 for a simulated slower device tier
     profiling_time_s: float = 0.0  # what measuring this profile cost
     calibration: dict = field(default_factory=dict)  # real step / sum of pieces, forward and backward (applied)
+    memory_budget_mb: float | None = None  # the device's activation memory budget; fleet plans every step under it
 
     # --- the timing model -------------------------------------------------
     @property
@@ -154,6 +155,9 @@ class DeviceProfile:
             raise ProfileMismatchError(
                 f"{source} holds invalid times (first: {bad[0] if bad else 't_fw'}); re-create it with `fleet profile`"
             )
+        mb = profile.memory_budget_mb
+        if mb is not None and not (isinstance(mb, (int, float)) and math.isfinite(mb) and mb > 0):
+            raise ProfileMismatchError(f"{source}: memory_budget_mb {mb!r} is not allowed; use a positive number of MB or remove it")
         return profile
 
     def save(self, path: str | os.PathLike) -> Path:

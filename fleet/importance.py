@@ -9,8 +9,10 @@ importance evaluation never changes what training would have done.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Sequence
+from typing import ContextManager
 
 import torch
 from torch import nn
@@ -36,11 +38,14 @@ def evaluate_importance(
     loss_fn: Callable = nn.functional.cross_entropy,
     *,
     extra_loss: Callable[[], torch.Tensor] | None = None,
+    step_context: Callable[[], ContextManager] | None = None,
 ) -> list[float]:
     """Normalized importance of each tensor in ``params`` on the probe batch ``x, y``.
 
     ``params`` is the trainable tensors in the order the selector uses; the probe
     trains all of them for one step and then puts everything back.
+    ``step_context`` is entered once every tensor requires grad, around both
+    passes: a memory plan for full training (the probe stores what it stores).
     """
     saved_state = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
     saved_opt = copy.deepcopy(optimizer.state_dict())
@@ -53,13 +58,14 @@ def evaluate_importance(
         for p in params:
             p.requires_grad_(True)
             p.grad = None
-        loss = loss_fn(model(x), y)
-        if extra_loss is not None:
-            loss = loss + extra_loss()
-        loss.backward()
-        optimizer.step()
-        updates = [p.detach() - b for p, b in zip(params, before)]
-        grads = torch.autograd.grad(loss_fn(model(x), y), list(params), allow_unused=True)
+        with step_context() if step_context is not None else contextlib.nullcontext():
+            loss = loss_fn(model(x), y)
+            if extra_loss is not None:
+                loss = loss + extra_loss()
+            loss.backward()
+            optimizer.step()
+            updates = [p.detach() - b for p, b in zip(params, before)]
+            grads = torch.autograd.grad(loss_fn(model(x), y), list(params), allow_unused=True)
         return normalize(importance_from_update(grads, updates))
     finally:
         with torch.no_grad():

@@ -144,7 +144,7 @@ class Trainer:
         local importance with another signal before selection.
         """
         assert self.profile is not None
-        importance = evaluate_importance(self.model, self.params, self.optimizer, *probe, extra_loss=None)
+        importance = evaluate_importance(self.model, self.params, self.optimizer, *probe, step_context=self.memory_context())
         if blend is not None:
             importance = blend(importance)
         ranked = importance if allowed is None else [v if a else 0.0 for v, a in zip(importance, allowed)]
@@ -154,6 +154,13 @@ class Trainer:
         selection = Selection(self.step_count, epoch, mask, importance, self.profile.step_time(mask))
         self.selections.append(selection)
         return selection
+
+    def memory_context(self) -> Callable[[], contextlib.AbstractContextManager] | None:
+        """Enters the memory plan for the current ``requires_grad`` flags (None without a budget)."""
+        if self.memory is None:
+            return None
+        memory, model = self.memory, self.model
+        return lambda: memory.runner(model)
 
     def probe_batch(self, data: ArrayDataset) -> tuple[torch.Tensor, torch.Tensor]:
         """A freshly shuffled batch, so importance is not judged on the same images each time."""
@@ -212,12 +219,18 @@ class Trainer:
             selected=sum(self.mask),
         )
 
-    @torch.no_grad()
     def evaluate(self, data: ArrayDataset, batch_size: int = 256) -> float:
         """Top-1 accuracy on ``data``."""
-        self.model.eval()
-        correct = 0
-        for x, y in batches(data, batch_size, shuffle=False, input_size=self.options.input_size):
-            correct += int((self.model(x).argmax(1) == y).sum())
+        acc = accuracy(self.model, data, self.options.input_size, batch_size)
         self.model.train()
-        return correct / max(len(data), 1)
+        return acc
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, data: ArrayDataset, input_size: int | None, batch_size: int = 256) -> float:
+    """Top-1 accuracy of ``model`` (put in eval mode) on ``data``."""
+    model.eval()
+    correct = 0
+    for x, y in batches(data, batch_size, shuffle=False, input_size=input_size):
+        correct += int((model(x).argmax(1) == y).sum())
+    return correct / max(len(data), 1)

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
-from fleet.config import ExperimentConfig, apply_overrides, build_dataclass
+from fleet.config import ExperimentConfig, apply_overrides, build_dataclass, read_yaml_mapping
 from fleet.errors import ConfigError
 
 STRATEGIES = ("fleet", "naive", "fedavg")
@@ -47,6 +46,7 @@ class FederationConfig:
     window_fit: bool = True  # widen a device's window block by block while training all of it fits its budget
     num_blocks: int = 6  # the model's tensors are cut into this many contiguous blocks
     blend_beta: float | None = 0.6  # I = beta*I_local + (1-beta)*I_global; null disables blending
+    memory_budgets_mb: list[float] = field(default_factory=list)  # device i: [i % len] MB of activation memory, 0 = unlimited
     bandwidth_bytes_per_s: float = 12.5e6  # uplink of a simulated device (100 Mbit/s Wi-Fi)
     min_rho_margin: float = 0.02  # rho is clamped to the device floor plus this
     timeout_s: float = 600.0  # a device that has not replied by then is left out of the round
@@ -81,6 +81,7 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "federation.window_blocks": (lambda v: v >= 1, "an integer >= 1"),
     "federation.num_blocks": (lambda v: v >= 1, "an integer >= 1"),
     "federation.blend_beta": (lambda v: v is None or 0 <= v <= 1, "a number in [0, 1] or null"),
+    "federation.memory_budgets_mb": (lambda v: all(b >= 0 for b in v), "a list of MB per device in turn (0 = unlimited), e.g. [0, 40]"),
     "federation.bandwidth_bytes_per_s": (lambda v: v > 0, "a number > 0"),
     "federation.min_rho_margin": (lambda v: 0 <= v < 0.5, "a number in [0, 0.5)"),
     "federation.timeout_s": (lambda v: v > 0, "a number > 0"),
@@ -123,19 +124,7 @@ def resolve_path(path: str | Path) -> Path:
 
 
 def load_fleet_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> FleetConfig:
-    data: Any = {}
-    if path is not None:
-        p = resolve_path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {path} not found; pass an existing YAML file (see simulations/)")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ConfigError(f"config file {path} is not valid YAML{where}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path}: expected a mapping of sections, got {type(data).__name__}")
+    data = read_yaml_mapping(resolve_path(path)) if path is not None else {}
     return fleet_config_from_dict(data, overrides)
 
 

@@ -41,6 +41,25 @@ def test_profile_command_writes_loadable_profile(tmp_path, capsys):
     assert DeviceProfile.load(out).model["name"] == "mobilenet_v3_small"
     assert main(["profile", "--model", "lenet", "--out", str(out)]) == 2
     assert "model.name: unknown model 'lenet'" in capsys.readouterr().err
+    assert main(["profile", "--out", str(out)]) == 2
+    assert "give --model NAME or --config" in capsys.readouterr().err
+
+
+def test_profile_from_a_fleet_config_records_the_memory_budget(tmp_path, capsys):
+    """What a deployed device runs once: the fleet config says which model, batch and input size."""
+    from fleet.device_profile import DeviceProfile
+    from fleet.errors import ProfileMismatchError
+
+    out = tmp_path / "dev.yaml"
+    assert main(["profile", "--config", "simulations/fleet-tiny.yaml", "--batch-size", "4", "--repeats", "2",
+                 "--memory-budget-mb", "30", "--out", str(out)]) == 0
+    assert "profiled resnet18 at batch 4, input 16" in capsys.readouterr().out
+    p = DeviceProfile.load(out)
+    assert (p.model["name"], p.model["in_channels"], p.batch_size, p.input_size) == ("resnet18", 1, 4, 16)
+    assert p.memory_budget_mb == 30.0
+    out.write_text(out.read_text().replace("memory_budget_mb: 30.0", "memory_budget_mb: -1"))
+    with pytest.raises(ProfileMismatchError, match="memory_budget_mb -1 is not allowed"):
+        DeviceProfile.load(out)
 
 
 def test_personalize_from_pretrained(tmp_path, capsys):

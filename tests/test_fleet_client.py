@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from client.local import RoundPlan, blend_importance, device_rho, drop_stale_momentum, fitted_window_mask, local_round, window_mask
-from client.task import device_data, fleet_indices
-from fleet.errors import ConfigError
+from client.task import device_data, device_memory, fleet_indices, memory_budget_of
+from fleet.errors import BudgetError, ConfigError
 from fleet.experiment import make_model, obtain_profile
 from server.config import fleet_config_from_dict, load_fleet_config
 
@@ -131,6 +131,49 @@ def test_deadline_with_upload_covers_compute_and_upload(setup):
     m = local_round(cfg, make_model(cfg.model, 0), slow, data, None, RoundPlan(1, "fleet", deadline), 1).metrics
     assert 0 < m["selected"] < m["num-tensors"]
     assert m["predicted-time-s"] + m["bytes-uploaded"] / fed.bandwidth_bytes_per_s <= deadline + 1e-9
+
+
+def test_memory_budget_comes_from_node_config_then_profile_then_config(setup):
+    cfg, profile = setup
+    fed = dataclasses.replace(cfg.federation, memory_budgets_mb=[0.0, 40.0])
+    c = dataclasses.replace(cfg, federation=fed)
+    assert memory_budget_of(cfg, 1, {}, profile) is None
+    assert memory_budget_of(c, 0, {}, profile) is None  # 0: unlimited
+    assert memory_budget_of(c, 1, {}, profile) == 40.0
+    own = dataclasses.replace(profile, memory_budget_mb=25.0)
+    assert memory_budget_of(c, 1, {}, own) == 25.0
+    assert memory_budget_of(c, 1, {"memory-budget-mb": "12.5"}, own) == 12.5
+    with pytest.raises(ConfigError, match="node config memory-budget-mb: 'lots'"):
+        memory_budget_of(c, 1, {"memory-budget-mb": "lots"}, own)
+
+
+def test_round_under_a_memory_budget(setup, tmp_path):
+    """A device with half the activation memory of a full step: every step (and the probe) runs the
+    plan, the measured peak stays within the budget, and the plan's added time is on the clock."""
+    cfg, profile = setup
+    cfg = dataclasses.replace(cfg, federation=dataclasses.replace(cfg.federation, deadline_includes_upload=False, local_steps=4))
+    model = make_model(cfg.model, 0)
+    memory = device_memory(cfg, model, 1000.0, tmp_path, {})
+    assert (tmp_path / "memory-profile.json").is_file()
+    again = device_memory(cfg, model, 1000.0, tmp_path, {})
+    assert again.profile == memory.profile  # measured once per device, then read back
+    memory.budget_bytes = budget = int(0.5 * memory.profile.unconstrained_peak_bytes)
+    data = device_data(cfg, 1).train
+    full = local_round(cfg, model, profile, data, None, RoundPlan(1, "fedavg", 0.0), 1, memory).metrics
+    assert full["selected"] == full["num-tensors"]
+    assert full["memory-budget-bytes"] == budget and 0 < full["memory-peak-bytes"] <= budget
+    assert full["memory-added-s"] > 0
+    assert full["predicted-time-s"] == pytest.approx(full["steps"] * (profile.full_step_time + full["memory-added-s"]))
+    # an elastic round: plan overhead and probe fit the deadline together
+    cfg = dataclasses.replace(cfg, federation=dataclasses.replace(cfg.federation, local_steps=10))
+    slow = profile.scaled(2.0)
+    deadline = 0.8 * cfg.federation.local_steps * slow.full_step_time
+    m = local_round(cfg, make_model(cfg.model, 0), slow, data, None, RoundPlan(1, "naive", deadline), 1, memory).metrics
+    assert 0 < m["selected"] < m["num-tensors"] and m["predicted-time-s"] <= deadline + 1e-9
+    assert list(tmp_path.glob("spill/*")) == []  # spill files cleaned up
+    memory.budget_bytes, memory.plans = 1000, {}
+    with pytest.raises(BudgetError, match="memory-budget-mb"):
+        local_round(cfg, make_model(cfg.model, 0), profile, data, None, RoundPlan(1, "fedavg", 0.0), 1, memory)
 
 
 def test_partitions_are_disjoint_and_hold_out_pretraining_data():

@@ -7,11 +7,17 @@ trained tensor), so the cheapest plan changes with it. Plans are cached by
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import torch
 from torch import nn
+
+from fleet.atomic import write_text_atomic
+from fleet.errors import FleetError
 
 from fleet.memory.costs import MemoryProfile, measure_block_costs, measure_storage
 from fleet.memory.executor import PlanRunner, apply_plan, first_trainable_block
@@ -26,26 +32,46 @@ class MemoryBudget:
     budget_bytes: int
     spill_dir: str
     objective: str = "time"
+    flag: str = "--memory-budget-mb"  # how the user sets the budget (named when it is infeasible)
     plans: dict[int, MemoryPlan] = field(default_factory=dict)
     _runners: dict[int, PlanRunner] = field(default_factory=dict)
 
     @classmethod
     def measure(
         cls, model: nn.Module, input_shape: tuple[int, ...], budget_mb: float, spill_dir: str | None = None,
-        *, model_name: str | None = None,
+        *, model_name: str | None = None, cache: Path | None = None, flag: str = "--memory-budget-mb",
     ) -> MemoryBudget:
-        """Profile activation memory of one step and the storage behind ``spill_dir``."""
+        """Profile activation memory of one step and the storage behind ``spill_dir``.
+
+        ``cache``: a JSON file holding an earlier measurement of the same model,
+        input shape and thread count on this device, reused instead of measuring
+        again (a deployed device starts a new process for every round).
+        ``flag``: how the user sets the budget, named when it is infeasible."""
         spill = spill_dir or os.path.join(tempfile.gettempdir(), "fleet-spill")
-        storage = measure_storage(spill)
-        profile = measure_block_costs(model, input_shape, model_name=model_name, storage=storage)
-        return cls(profile, int(budget_mb * MB), spill)
+        name = model_name or type(model).__name__
+        profile = _cached(cache, name, list(input_shape))
+        if profile is None:
+            storage = measure_storage(spill)
+            profile = measure_block_costs(model, input_shape, model_name=model_name, storage=storage)
+            if cache is not None:
+                write_text_atomic(cache, json.dumps(profile.to_dict()))
+        return cls(profile, int(budget_mb * MB), spill, flag=flag)
 
     def plan_for(self, model: nn.Module) -> MemoryPlan:
         """The plan for the current ``requires_grad`` flags (raises BudgetError if none fits)."""
         fb = first_trainable_block(model, [b.name for b in self.profile.blocks])
         if fb not in self.plans:
-            self.plans[fb] = plan_memory(self.profile, self.budget_bytes, objective=self.objective, frozen_below=fb)
+            self.plans[fb] = plan_memory(self.profile, self.budget_bytes, objective=self.objective, frozen_below=fb, flag=self.flag)
         return self.plans[fb]
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest activation peak measured in steps run under these plans."""
+        return max((r.peak_bytes or 0 for r in self._runners.values()), default=0)
+
+    def added_time_s(self, model: nn.Module) -> float:
+        """Predicted seconds the current selection's plan adds to a step (recompute, paging)."""
+        return self.plan_for(model).added_time_s
 
     def runner(self, model: nn.Module) -> PlanRunner:
         """A context for one training step that follows the current plan."""
@@ -53,3 +79,16 @@ class MemoryBudget:
         if plan.frozen_below not in self._runners:
             self._runners[plan.frozen_below] = apply_plan(model, plan, self.spill_dir)
         return self._runners[plan.frozen_below]
+
+
+def _cached(path: Path | None, model_name: str, input_shape: list[int]) -> MemoryProfile | None:
+    """The cached profile if it was measured for this model, shape and thread count."""
+    if path is None or not Path(path).is_file():
+        return None
+    try:
+        profile = MemoryProfile.from_dict(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, FleetError):
+        return None  # unreadable or from another version: measure again
+    if profile.model != model_name or list(profile.input_shape) != input_shape or profile.threads != torch.get_num_threads():
+        return None
+    return profile

@@ -406,6 +406,7 @@ def plan_memory(
     compute_watts: float | None = None,
     storage_watts: float | None = None,
     overlap: bool = False,
+    flag: str = "--budget-mb",
 ) -> MemoryPlan:
     """Cheapest plan whose predicted activation peak is at most ``budget_bytes``.
 
@@ -414,7 +415,8 @@ def plan_memory(
     defaults to ``profile.storage``; without one, paging is not considered.
     ``overlap``: let paged blocks write in the background and prefetch where
     the extra bytes fit (worth it only with a core to spare for the I/O).
-    Raises :class:`BudgetError` naming the smallest feasible budget.
+    Raises :class:`BudgetError` naming the smallest feasible budget and
+    ``flag``, the option that sets the budget where the plan is made.
     """
     start = time.perf_counter()
     fb = _frozen(profile, frozen_below)
@@ -432,8 +434,9 @@ def plan_memory(
         frozen = f" with blocks below {profile.blocks[fb].name!r} frozen" if 0 < fb < len(profile.blocks) else ""
         raise BudgetError(
             f"memory budget {_mb(budget_bytes)} MB is infeasible for {profile.describe()}{frozen}; "
-            f"the smallest feasible budget is {need_mb:.1f} MB (--budget-mb {need_mb:.1f}, "
-            f"or --budget-fraction {need_frac:.2f} of the unconstrained {profile.unconstrained_peak_bytes / MB:.1f} MB)"
+            f"the smallest feasible budget is {need_mb:.1f} MB ({flag} {need_mb:.1f}"
+            + (f", or --budget-fraction {need_frac:.2f}" if flag == "--budget-mb" else f", {need_frac:.2f}")
+            + f" of the unconstrained {profile.unconstrained_peak_bytes / MB:.1f} MB)"
         )
     actions = solved[0]
     base = evaluate_plan(profile, actions, frozen_below=fb, storage=storage)

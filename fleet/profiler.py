@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from fleet.device_profile import DeviceProfile, TensorTiming
+from fleet.hooks import no_grad_forward
 
 LayerOrder = list[tuple[str, nn.Module]]
 
@@ -52,16 +53,10 @@ def parametric_layers(model: nn.Module, example: torch.Tensor) -> LayerOrder:
             seen.add(id(module))
             order.append(owners[id(module)])
 
-    handles = [m.register_forward_hook(hook) for _, m in owners.values()]
-    try:
-        was_training = model.training
-        model.eval()
-        with torch.no_grad():
-            model(example[:1])
-        model.train(was_training)
-    finally:
-        for h in handles:
-            h.remove()
+    was_training = model.training
+    model.eval()
+    no_grad_forward(model, example[:1], post_hooks=[(m, hook) for _, m in owners.values()])
+    model.train(was_training)
     order.extend(owners[i] for i in owners if i not in seen)  # never run in forward: cost 0
     return order
 
@@ -189,20 +184,15 @@ def _split_within_layer(layer: nn.Module, x_in: torch.Tensor, repeats: int) -> l
 
 def _layer_inputs(model: nn.Module, layers: LayerOrder, x: torch.Tensor) -> dict[int, torch.Tensor]:
     captured: dict[int, torch.Tensor] = {}
-    handles = []
+    hooks = []
     for i, (_, layer) in enumerate(layers):
 
         def pre(_m, inputs, i=i):
             if i not in captured and inputs and isinstance(inputs[0], torch.Tensor):
                 captured[i] = inputs[0].detach()
 
-        handles.append(layer.register_forward_pre_hook(pre))
-    try:
-        with torch.no_grad():
-            model(x)
-    finally:
-        for h in handles:
-            h.remove()
+        hooks.append((layer, pre))
+    no_grad_forward(model, x, pre_hooks=hooks)
     return captured
 
 

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleet.errors import ConfigError, ModelError, ProfileMismatchError
+from fleet.hooks import no_grad_forward
 from fleet.memory.meter import module_storage_keys, storage_key
 from fleet.memory.segment import segment_model
 from fleet.memory.spill import DEFAULT_MIN_BYTES, read_file, write_file
@@ -363,16 +364,12 @@ def _input_lifetimes(model: nn.Module, modules: list[nn.Module], x: torch.Tensor
                 until[p] = position[0]
         position[0] += 1
 
-    handles = []
-    for i, m in enumerate(modules):
-        handles.append(m.register_forward_pre_hook(make_pre(i)))
-        handles.append(m.register_forward_hook(post))
-    try:
-        with torch.no_grad():
-            model(x)
-    finally:
-        for h in handles:
-            h.remove()
+    no_grad_forward(
+        model,
+        x,
+        pre_hooks=[(m, make_pre(i)) for i, m in enumerate(modules)],
+        post_hooks=[(m, post) for m in modules],
+    )
     return until
 
 

@@ -44,6 +44,7 @@ def test_device_failing_mid_round_does_not_stop_the_fleet(tmp_path):
     res = run_fleet([
         "simulate", TINY, "--output-dir", str(tmp_path),
         "--set", "federation.fail_device=1", "--set", "federation.fail_round=1",
+        "--set", "federation.memory_budgets_mb=[0,1.0]",  # odd devices: about half a full step's activations
     ])
     assert res.returncode == 0, res.stdout[-3000:]
     run = tmp_path / "fleet-tiny"
@@ -59,6 +60,12 @@ def test_device_failing_mid_round_does_not_stop_the_fleet(tmp_path):
     for d in r2["devices"]:
         assert 0 <= d["global_accuracy"] <= 1 and 0 <= d["personal_accuracy"] <= 1
         assert d["bytes_uploaded"] > 0 and 0 < d["trained_fraction"] <= 1
+    # devices 1 and 3 trained under a 1 MB activation budget, the others without one
+    for d in r2["devices"]:
+        if d["partition_id"] % 2:
+            assert d["memory_budget_bytes"] == 1_000_000 and 0 < d["memory_peak_bytes"] <= 1_000_000
+        else:
+            assert "memory_budget_bytes" not in d
     slow = [d for d in r2["devices"] if d["tier"] == 2.0]
     assert slow and all(d["rho"] < 1 and d["selected"] < d["num_tensors"] for d in slow)
     fast = [d for d in r2["devices"] if d["tier"] == 1.0]

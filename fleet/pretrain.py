@@ -12,10 +12,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from torch import nn
+
 from fleet.config import ExperimentConfig
+from fleet.data import ArrayDataset
 from fleet.experiment import load_data, make_model, trainer_options
 from fleet.models import load_checkpoint_meta, save_checkpoint
-from fleet.trainer import Trainer
+from fleet.trainer import Trainer, TrainerOptions
 
 
 def checkpoint_path(cfg: ExperimentConfig) -> Path:
@@ -37,23 +40,42 @@ def pretrain_config(cfg: ExperimentConfig) -> ExperimentConfig:
     )
 
 
+def train_epochs(
+    model: nn.Module,
+    options: TrainerOptions,
+    train_ds: ArrayDataset,
+    test_ds: ArrayDataset,
+    epochs: int,
+    report: Callable[[int, float, float, float], None],
+) -> float:
+    """Train ``model`` for ``epochs``, evaluating after each; ``report(epoch, accuracy,
+    loss, seconds)`` is called per epoch. Returns the last accuracy (0 without epochs)."""
+    trainer = Trainer(model, options)
+    accuracy = 0.0
+    for epoch in range(epochs):
+        start = time.perf_counter()
+        stats = trainer.train_epoch(train_ds, epoch)
+        accuracy = trainer.evaluate(test_ds)
+        report(epoch, accuracy, stats.loss, time.perf_counter() - start)
+    return accuracy
+
+
 def pretrain(cfg: ExperimentConfig, out: Path | None = None, log: Callable[[str], None] = print) -> Path:
     """Train and save a checkpoint whose meta records how it was made."""
     pcfg = pretrain_config(cfg)
     out = out or checkpoint_path(cfg)
     train_ds, test_ds = load_data(pcfg.data, pcfg.train.seed)
     model = make_model(pcfg.model, pcfg.train.seed)
-    trainer = Trainer(model, trainer_options(pcfg.train, pcfg.data.input_size))
+    options = trainer_options(pcfg.train, pcfg.data.input_size)
     log(f"pretraining {pcfg.model.name} on {len(train_ds)} {train_ds.name} samples (classes {pcfg.data.classes or 'all'})")
-    accuracy = 0.0
-    for epoch in range(pcfg.train.epochs):
-        start = time.perf_counter()
-        stats = trainer.train_epoch(train_ds, epoch)
-        accuracy = trainer.evaluate(test_ds)
+
+    def report(epoch: int, accuracy: float, loss: float, seconds: float) -> None:
         log(
             f"[  pretrain] epoch {epoch + 1}/{pcfg.train.epochs}  acc {100 * accuracy:5.1f}%  "
-            f"loss {stats.loss:.3f}  {time.perf_counter() - start:6.1f}s"
+            f"loss {loss:.3f}  {seconds:6.1f}s"
         )
+
+    accuracy = train_epochs(model, options, train_ds, test_ds, pcfg.train.epochs, report)
     meta = {
         "model": pcfg.model.name,
         "num_classes": pcfg.model.num_classes,

@@ -8,14 +8,14 @@ never seen its data, as a vendor would ship one.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 from client.task import fleet_indices
 from fleet.experiment import load_data, make_model
 from fleet.models import save_checkpoint
-from fleet.trainer import Trainer, TrainerOptions
+from fleet.pretrain import train_epochs
+from fleet.trainer import TrainerOptions
 from server.config import FleetConfig
 
 
@@ -26,15 +26,12 @@ def pretrain_fleet_model(cfg: FleetConfig, out: Path, log: Callable[[str], None]
     data = train.subset(pre)
     model = make_model(dataclasses.replace(cfg.model, weights=None), cfg.train.seed)
     t = cfg.train
-    trainer = Trainer(
-        model,
-        TrainerOptions(method="full", lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay, batch_size=t.batch_size, input_size=cfg.data.input_size, seed=t.seed),
-    )
-    for epoch in range(fed.pretrain_epochs):
-        start = time.perf_counter()
-        stats = trainer.train_epoch(data, epoch)
-        acc = trainer.evaluate(test)
-        log(f"pretrain epoch {epoch + 1}/{fed.pretrain_epochs} on {len(data)} held-out samples: test accuracy {100 * acc:.1f}%  loss {stats.loss:.3f}  {time.perf_counter() - start:.0f}s")
+    options = TrainerOptions(method="full", lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay, batch_size=t.batch_size, input_size=cfg.data.input_size, seed=t.seed)
+
+    def report(epoch: int, acc: float, loss: float, seconds: float) -> None:
+        log(f"pretrain epoch {epoch + 1}/{fed.pretrain_epochs} on {len(data)} held-out samples: test accuracy {100 * acc:.1f}%  loss {loss:.3f}  {seconds:.0f}s")
+
+    acc = train_epochs(model, options, data, test, fed.pretrain_epochs, report)
     meta = {"model": cfg.model.name, "num_classes": cfg.model.num_classes, "in_channels": cfg.model.in_channels, "small_input": cfg.model.small_input, "pretrained_samples": len(data), "test_accuracy": acc}
     save_checkpoint(model, out, meta)
     return out

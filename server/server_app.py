@@ -19,6 +19,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
+from fleet.errors import FleetError
 from fleet.experiment import make_model
 from server.checkpoint import CHECKPOINT_FILE, ServerState, load_checkpoint, save_checkpoint
 from server.config import FleetConfig, config_from_run_config, run_dir
@@ -38,13 +39,28 @@ def param_names(cfg: FleetConfig) -> list[str]:
     return [n for n, _ in make_model(cfg.model, cfg.train.seed).named_parameters()]
 
 
-def query_full_times(grid: Grid, cfg: FleetConfig, timeout: float) -> dict[str, float]:
-    """Ask every connected device for its full-training time of one round (for the default deadline)."""
+def wait_for_devices(grid: Grid, cfg: FleetConfig, timeout: float) -> list[int]:
+    """The connected devices once all ``federation.num_devices`` are there; a FleetError after
+    ``timeout`` seconds (a SuperNode that never starts, or a simulation backend that died
+    while starting, would otherwise leave the server waiting forever)."""
+    want = cfg.federation.num_devices
+    deadline = time.monotonic() + timeout
     node_ids = list(grid.get_node_ids())
-    while len(node_ids) < cfg.federation.num_devices:
-        log.info("waiting for devices: %d of %d connected", len(node_ids), cfg.federation.num_devices)
+    while len(node_ids) < want:
+        if time.monotonic() > deadline:
+            raise FleetError(
+                f"only {len(node_ids)} of {want} devices connected within {timeout:.0f}s (federation.timeout_s); "
+                "start the missing SuperNodes or lower federation.num_devices"
+            )
+        log.info("waiting for devices: %d of %d connected", len(node_ids), want)
         time.sleep(1.0)
         node_ids = list(grid.get_node_ids())
+    return node_ids
+
+
+def query_full_times(grid: Grid, cfg: FleetConfig, timeout: float) -> dict[str, float]:
+    """Ask every connected device for its full-training time of one round (for the default deadline)."""
+    node_ids = wait_for_devices(grid, cfg, timeout)
     messages = [Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=n, message_type=MessageType.QUERY) for n in node_ids]
     times = {}
     for reply in grid.send_and_receive(messages, timeout=timeout):
@@ -101,6 +117,7 @@ def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool) -> dict:
         min_available_nodes=fed.num_devices,
     )
     strategy.global_importance = dict(state.global_importance)
+    wait_for_devices(grid, cfg, fed.timeout_s)
     if fed.strategy != "fedavg" and fed.deadline_s is None:
         if not state.full_times:
             state.full_times = query_full_times(grid, cfg, fed.timeout_s)

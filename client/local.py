@@ -75,8 +75,14 @@ def fitted_window_mask(
     the output side and then toward the input side, while training *every* tensor in it still
     fits this device's budget (``fits``). A fixed window starves devices with budget to spare
     (at the input-side positions a 2x device used only a third of its budget); the widened
-    window keeps the slide's input end, so slow devices still reach the front layers."""
+    window keeps the slide's input end, so slow devices still reach the front layers, as far
+    toward the input as they can train a whole block."""
     blocks, lo, hi = _window_bounds(len(names), num_blocks, window_blocks, server_round)
+    # A device that cannot afford to train even the window's input-most block whole would spend
+    # its round on a tensor or two (a 4x-slower device trained 0.00% of the weights in every
+    # input-side round): slide its window toward the output until it can.
+    while lo < len(blocks) - 1 and not fits(_blocks_mask(names, head, blocks, lo, lo + 1)):
+        lo, hi = lo + 1, min(hi + 1, len(blocks))
     while True:
         if hi < len(blocks) and fits(_blocks_mask(names, head, blocks, lo, hi + 1)):
             hi += 1

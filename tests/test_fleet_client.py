@@ -52,8 +52,14 @@ def test_fitted_window_widens_while_it_fits_and_keeps_its_front():
     fits = lambda m: sum(m) <= 8  # noqa: E731  (7 tensors plus the head)
     got = fitted_window_mask(names, head, 4, 2, 3, fits)
     assert [i for i, m in enumerate(got) if m] == [0, 1, 2, 3, 4, 5, 6, 8]
-    # nothing to spare: exactly the scheduled window
-    assert fitted_window_mask(names, head, 4, 2, 3, lambda m: False) == window_mask(names, head, 4, 2, 3)
+    # the scheduled window exactly: its first block fits but no more
+    tight = lambda m: sum(m) <= 4  # noqa: E731  (block 0 is tensors 0-2, plus the head)
+    assert fitted_window_mask(names, head, 4, 2, 3, tight) == window_mask(names, head, 4, 2, 3)
+    # a device that cannot train even one block whole at the input side slides toward the output
+    assert fitted_window_mask(names, head, 4, 2, 3, lambda m: False) == window_mask(names, head, 4, 1, 1)
+    shallow = lambda m: not any(m[:5]) and sum(m) <= 3  # noqa: E731  (blocks 0-1 are too deep to reach)
+    got = fitted_window_mask(names, head, 4, 2, 3, shallow)
+    assert [i for i, m in enumerate(got) if m] == [5, 6, 7, 8]
     # round 1 (output side) widens toward the input once the output end is reached
     got = fitted_window_mask(names, head, 4, 2, 1, fits)
     assert [i for i, m in enumerate(got) if m] == [3, 4, 5, 6, 7, 8]

@@ -337,7 +337,7 @@ def _record(model: nn.Module, names: list[str], x: torch.Tensor, y: torch.Tensor
             continue
         until = max([input_until.get(p, p) for p in ins] + [max(rel)])
         items.append(SavedItem(bytes=int(nbytes), savers=sv, inputs_of=ins, alive_until=until))
-    del keep
+    keep.clear()
     return order, items, pinned, {pos[b] for b in inplace if b in pos}
 
 

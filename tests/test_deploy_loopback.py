@@ -55,7 +55,10 @@ def test_two_supernodes_on_loopback_run_two_rounds(tmp_path):
     home = tmp_path / "flwr-home"
     home.mkdir()
     port = free_port()
-    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0"}
+    # The SuperLink and SuperNodes start flower-superexec by name: the venv's bin must be on PATH
+    # even when pytest runs as .venv/bin/python without an activated venv.
+    path = os.pathsep.join([str(BIN), os.environ.get("PATH", "")])
+    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0", "PATH": path}
     (home / "config.toml").write_text(
         f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
     )

@@ -172,8 +172,41 @@ def bench_fleet(
     }
     out = Path(base.output_dir) / f"{base.name}-bench.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    report["plot"] = str(plot_bench(report, out.with_suffix(".png")))
     out.write_text(json.dumps(report, indent=2))
     return report
+
+
+def plot_bench(report: dict, path: Path) -> Path:
+    """Global accuracy against simulated time, one panel per seed, every method, with the
+    horizon and the target marked: the figure behind time to target and final accuracy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seeds = report["per_seed"]
+    fig, axes = plt.subplots(1, len(seeds), figsize=(6 * len(seeds), 4), squeeze=False)
+    for ax, (seed, rep) in zip(axes[0], seeds.items()):
+        for method, entry in rep["methods"].items():
+            history = json.loads((Path(entry["run_dir"]) / "summary.json").read_text())["history"]
+            xs = [r["sim_time_s"] for r in history]
+            ys = [100 * r["global_accuracy"] for r in history]
+            sp = entry.get("speedup_vs_fedavg")
+            label = f"{method}: final {100 * (entry['final_accuracy'] or 0):.1f}%" + (f", {sp:.2f}x to target" if sp else "")
+            ax.plot(xs, ys, marker=".", label=label)
+        ax.axhline(100 * rep["target_accuracy"], color="grey", ls=":", lw=1, label="target")
+        if rep["horizon_s"]:
+            ax.axvline(rep["horizon_s"], color="grey", ls="--", lw=1, label="horizon (FedAvg's time)")
+        ax.set_title(f"seed {seed}")
+        ax.set_xlabel("simulated time (s)")
+        ax.set_ylabel("global accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def bench_table(report: dict) -> str:

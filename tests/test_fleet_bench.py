@@ -87,3 +87,20 @@ def test_server_gives_up_on_devices_that_never_connect():
     assert wait_for_devices(_Grid([1, 2, 3]), cfg, timeout=1.0) == [1, 2, 3]
     with pytest.raises(FleetError, match="only 2 of 3 devices connected within 1s"):
         wait_for_devices(_Grid([1, 2]), cfg, timeout=1.0)
+
+
+def test_bench_plot_draws_every_seed(tmp_path):
+    import json
+
+    from server.bench import plot_bench
+
+    histories = {"fedavg": hist([(20, 0.6), (40, 0.7)]), "naive": hist([(10, 0.65), (20, 0.7), (30, 0.72), (40, 0.75)])}
+    histories["fleet"] = histories["naive"]
+    for m, h in histories.items():
+        (tmp_path / m).mkdir()
+        (tmp_path / m / "summary.json").write_text(json.dumps({"history": h}))
+    rep = seed_report({m: summary(str(tmp_path / m)) for m in histories}, histories, target_fraction=0.95, final_rounds=1)
+    for m in rep["methods"]:
+        rep["methods"][m]["run_dir"] = str(tmp_path / m)
+    path = plot_bench({"per_seed": {"0": rep, "1": rep}}, tmp_path / "bench.png")
+    assert path.stat().st_size > 5000

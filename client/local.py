@@ -46,13 +46,25 @@ class RoundResult:
     state: dict  # device state to keep for the next round
 
 
-def _window_bounds(n: int, num_blocks: int, window_blocks: int, server_round: int) -> tuple[list[np.ndarray], int, int]:
+def window_position(server_round: int, positions: int, schedule: str = "rollback") -> int:
+    """How many blocks the window sits from the output end in ``server_round``.
+
+    ``rollback``: 0, 1, ..., positions-1, then straight back to 0 (FedEL's slide and roll-back).
+    ``pingpong``: 0, 1, ..., positions-1, positions-2, ..., 1, 0, ...: the window walks back one
+    block per round instead of jumping from the input side to the output side."""
+    r = server_round - 1
+    if schedule == "pingpong" and positions > 1:
+        period = 2 * (positions - 1)
+        p = r % period
+        return p if p < positions else period - p
+    return r % positions
+
+
+def _window_bounds(n: int, num_blocks: int, window_blocks: int, server_round: int, schedule: str = "rollback") -> tuple[list[np.ndarray], int, int]:
     blocks = np.array_split(np.arange(n), min(num_blocks, n))
     b = len(blocks)
     w = min(window_blocks, b)
-    positions = b - w + 1
-    p = (server_round - 1) % positions
-    hi = b - p
+    hi = b - window_position(server_round, b - w + 1, schedule)
     return blocks, hi - w, hi
 
 
@@ -61,15 +73,18 @@ def _blocks_mask(names: list[str], head: set[str], blocks: list[np.ndarray], lo:
     return [i in inside or n in head for i, n in enumerate(names)]
 
 
-def window_mask(names: list[str], head: set[str], num_blocks: int, window_blocks: int, server_round: int) -> list[bool]:
+def window_mask(
+    names: list[str], head: set[str], num_blocks: int, window_blocks: int, server_round: int, schedule: str = "rollback"
+) -> list[bool]:
     """FedEL's window: ``window_blocks`` contiguous blocks that slide one block per round from
     the output side toward the input, then roll back to the output side. The head is always in."""
-    blocks, lo, hi = _window_bounds(len(names), num_blocks, window_blocks, server_round)
+    blocks, lo, hi = _window_bounds(len(names), num_blocks, window_blocks, server_round, schedule)
     return _blocks_mask(names, head, blocks, lo, hi)
 
 
 def fitted_window_mask(
-    names: list[str], head: set[str], num_blocks: int, window_blocks: int, server_round: int, fits: Callable[[list[bool]], bool]
+    names: list[str], head: set[str], num_blocks: int, window_blocks: int, server_round: int, fits: Callable[[list[bool]], bool],
+    schedule: str = "rollback",
 ) -> list[bool]:
     """The round's window (:func:`window_mask`), widened one whole block at a time, first toward
     the output side and then toward the input side, while training *every* tensor in it still
@@ -77,7 +92,7 @@ def fitted_window_mask(
     (at the input-side positions a 2x device used only a third of its budget); the widened
     window keeps the slide's input end, so slow devices still reach the front layers, as far
     toward the input as they can train a whole block."""
-    blocks, lo, hi = _window_bounds(len(names), num_blocks, window_blocks, server_round)
+    blocks, lo, hi = _window_bounds(len(names), num_blocks, window_blocks, server_round, schedule)
     # A device that cannot afford to train even the window's input-most block whole would spend
     # its round on a tensor or two (a 4x-slower device trained 0.00% of the weights in every
     # input-side round): slide its window toward the output until it can.
@@ -212,9 +227,9 @@ def local_round(
             head = set(head_parameter_names(model))
             if fed.window_fit:
                 allowed = fitted_window_mask(names, head, fed.num_blocks, fed.window_blocks, plan.server_round,
-                                             lambda m: selection_cost(m, costs, profile.t_dy) <= budget)
+                                             lambda m: selection_cost(m, costs, profile.t_dy) <= budget, fed.window_schedule)
             else:
-                allowed = window_mask(names, head, fed.num_blocks, fed.window_blocks, plan.server_round)
+                allowed = window_mask(names, head, fed.num_blocks, fed.window_blocks, plan.server_round, fed.window_schedule)
             ranked = [v if a else 0.0 for v, a in zip(ranked, allowed)]
         mask = select_tensors(ranked, costs, profile.t_dy, budget)
         if memory is not None:

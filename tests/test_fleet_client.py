@@ -7,7 +7,16 @@ import dataclasses
 import pytest
 import torch
 
-from client.local import RoundPlan, blend_importance, device_rho, drop_stale_momentum, fitted_window_mask, local_round, window_mask
+from client.local import (
+    RoundPlan,
+    blend_importance,
+    device_rho,
+    drop_stale_momentum,
+    fitted_window_mask,
+    local_round,
+    window_mask,
+    window_position,
+)
 from client.task import device_data, device_memory, fleet_indices, memory_budget_of
 from fleet.errors import BudgetError, ConfigError
 from fleet.experiment import make_model, obtain_profile
@@ -43,6 +52,14 @@ def test_window_slides_to_input_and_rolls_back():
     assert [i for i, m in enumerate(wins[0]) if m] == [5, 6, 7, 8]  # output side first
     assert [i for i, m in enumerate(wins[2]) if m] == [0, 1, 2, 3, 4, 8]  # reached the input side
     assert wins[3] == wins[0]  # rolled back
+
+
+def test_pingpong_window_walks_back_instead_of_jumping():
+    assert [window_position(r, 4) for r in range(1, 10)] == [0, 1, 2, 3, 0, 1, 2, 3, 0]
+    assert [window_position(r, 4, "pingpong") for r in range(1, 10)] == [0, 1, 2, 3, 2, 1, 0, 1, 2]
+    assert [window_position(r, 1, "pingpong") for r in range(1, 4)] == [0, 0, 0]
+    names = [f"t{i}" for i in range(8)] + ["fc.weight"]
+    assert window_mask(names, {"fc.weight"}, 4, 2, 4, "pingpong") == window_mask(names, {"fc.weight"}, 4, 2, 2)
 
 
 def test_fitted_window_widens_while_it_fits_and_keeps_its_front():

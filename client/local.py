@@ -215,7 +215,7 @@ def local_round(
     else:
         if len(importance) != len(names) or plan.server_round - imp_round >= fed.importance_interval:
             x, y = trainer.probe_batch(train)
-            importance = evaluate_importance(model, trainer.params, trainer.optimizer, x, y, step_context=trainer.memory_context())
+            importance = evaluate_importance(model, trainer.params, trainer.optimizer, x, y, step_context=trainer.step_context)
             imp_round = plan.server_round
             probe_cost = PROBE_STEPS * (profile.full_step_time + memory_added_s(memory, model, profile))
         ranked = importance

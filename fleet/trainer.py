@@ -144,7 +144,7 @@ class Trainer:
         local importance with another signal before selection.
         """
         assert self.profile is not None
-        importance = evaluate_importance(self.model, self.params, self.optimizer, *probe, step_context=self.memory_context())
+        importance = evaluate_importance(self.model, self.params, self.optimizer, *probe, step_context=self.step_context)
         if blend is not None:
             importance = blend(importance)
         ranked = importance if allowed is None else [v if a else 0.0 for v, a in zip(importance, allowed)]
@@ -155,12 +155,10 @@ class Trainer:
         self.selections.append(selection)
         return selection
 
-    def memory_context(self) -> Callable[[], contextlib.AbstractContextManager] | None:
-        """Enters the memory plan for the current ``requires_grad`` flags (None without a budget)."""
-        if self.memory is None:
-            return None
-        memory, model = self.memory, self.model
-        return lambda: memory.runner(model)
+    def step_context(self) -> contextlib.AbstractContextManager:
+        """The memory plan for the current ``requires_grad`` flags, around one forward and backward
+        (nothing without a budget)."""
+        return self.memory.runner(self.model) if self.memory is not None else contextlib.nullcontext()
 
     def probe_batch(self, data: ArrayDataset) -> tuple[torch.Tensor, torch.Tensor]:
         """A freshly shuffled batch, so importance is not judged on the same images each time."""
@@ -180,7 +178,7 @@ class Trainer:
     # --- training ---------------------------------------------------------
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.optimizer.zero_grad(set_to_none=True)
-        with self.memory.runner(self.model) if self.memory is not None else contextlib.nullcontext():
+        with self.step_context():
             loss = nn.functional.cross_entropy(self.model(x), y)
             total = loss
             if self.options.method == "prunetrain" and self.options.prunetrain_lambda > 0:

@@ -58,9 +58,8 @@ def wait_for_devices(grid: Grid, cfg: FleetConfig, timeout: float) -> list[int]:
     return node_ids
 
 
-def query_full_times(grid: Grid, cfg: FleetConfig, timeout: float) -> dict[str, float]:
-    """Ask every connected device for its full-training time of one round (for the default deadline)."""
-    node_ids = wait_for_devices(grid, cfg, timeout)
+def query_full_times(grid: Grid, node_ids: list[int], timeout: float) -> dict[str, float]:
+    """Ask every device for its full-training time of one round (for the default deadline)."""
     messages = [Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=n, message_type=MessageType.QUERY) for n in node_ids]
     times = {}
     for reply in grid.send_and_receive(messages, timeout=timeout):
@@ -117,10 +116,10 @@ def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool) -> dict:
         min_available_nodes=fed.num_devices,
     )
     strategy.global_importance = dict(state.global_importance)
-    wait_for_devices(grid, cfg, fed.timeout_s)
+    node_ids = wait_for_devices(grid, cfg, fed.timeout_s)
     if fed.strategy != "fedavg" and fed.deadline_s is None:
         if not state.full_times:
-            state.full_times = query_full_times(grid, cfg, fed.timeout_s)
+            state.full_times = query_full_times(grid, node_ids, fed.timeout_s)
         strategy.full_times = {int(k): v for k, v in state.full_times.items()}
     for server_round in range(state.round + 1, fed.rounds + 1):
         if out_of_time(cfg, state):

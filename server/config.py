@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 from fleet.config import ExperimentConfig, apply_overrides, build_dataclass, read_yaml_mapping
 from fleet.errors import ConfigError
 

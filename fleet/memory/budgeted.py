@@ -18,7 +18,6 @@ from torch import nn
 
 from fleet.atomic import write_text_atomic
 from fleet.errors import FleetError
-
 from fleet.memory.costs import MemoryProfile, measure_block_costs, measure_storage
 from fleet.memory.executor import PlanRunner, apply_plan, first_trainable_block
 from fleet.memory.planner import MB, MemoryPlan, plan_memory

@@ -226,11 +226,12 @@ def config_from_dict(data: dict | None, overrides: dict[str, Any] | None = None)
     return build_dataclass(ExperimentConfig, data, "")
 
 
-def read_yaml_mapping(path: str | Path) -> dict:
-    """A config file's sections, or a one-line ConfigError saying what is wrong with the file."""
+def read_yaml_mapping(path: str | Path, shown: str | Path | None = None) -> dict:
+    """A config file's sections, or a one-line ConfigError saying what is wrong with the file
+    (named as ``shown``, the path the user gave, when ``path`` is where it was looked up)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} not found; pass an existing YAML file (see simulations/)")
+        raise ConfigError(f"config file {shown or path} not found; pass an existing YAML file (see simulations/)")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:

@@ -125,7 +125,7 @@ def resolve_path(path: str | Path) -> Path:
 
 
 def load_fleet_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> FleetConfig:
-    data = read_yaml_mapping(resolve_path(path)) if path is not None else {}
+    data = read_yaml_mapping(resolve_path(path), shown=path) if path is not None else {}
     return fleet_config_from_dict(data, overrides)
 
 

@@ -27,9 +27,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fleet.config import config_to_dict
 from fleet.errors import ConfigError, FleetError
-from server.config import load_fleet_config, run_dir
-from server.simulation import prepare
+from server.config import FleetConfig, load_fleet_config, run_dir
+from server.simulation import EFFECTIVE_CONFIG, prepare
+from server.tracking import SUMMARY_FILE
 
 METHODS = ("fedavg", "naive", "fleet")
 FIGURES = ("time_to_target_s", "final_accuracy", "last_round_accuracy", "personalized_accuracy_mean",
@@ -115,8 +117,42 @@ def _simulate(config_path: Path, quiet: bool) -> None:
         raise FleetError(f"the {config_path.name} simulation failed (exit {res.returncode}){': ' + tail if tail else ''}")
 
 
-def _run_seed(path: str, overrides: dict[str, Any], seed: int, tag: str, log, quiet: bool) -> tuple[dict, dict]:
-    """Run the three methods for one seed; FedAvg first, since its clock sets the others' horizon."""
+PATH_FIELDS = ("output_dir", "model.weights", "train.profile", "train.spill_dir")
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = str(Path(v).resolve()) if f"{prefix}{k}" in PATH_FIELDS and v else v
+    return out
+
+
+def reused_summary(method: str, want: FleetConfig) -> dict:
+    """The summary of ``method``'s completed run, if it was made with exactly the config this bench
+    would run it with (same shared profile and start model); else a one-line error."""
+    out = run_dir(want)
+    if not (out / SUMMARY_FILE).is_file() or not (out / EFFECTIVE_CONFIG).is_file():
+        raise ConfigError(f"--reuse {method}: {out} holds no finished run; run the bench without --reuse {method}")
+    made = _flat(config_to_dict(load_fleet_config(out / EFFECTIVE_CONFIG)))
+    for key, value in _flat(config_to_dict(want)).items():
+        if key != "output_dir" and made.get(key) != value:
+            raise ConfigError(f"--reuse {method}: {out} was run with {key}={made.get(key)!r}, this bench needs {value!r}; "
+                              f"run it again (drop --reuse {method})")
+    summary = json.loads((out / SUMMARY_FILE).read_text())
+    fed = want.federation
+    if summary["rounds"] < fed.rounds and not (fed.time_budget_s and summary["sim_time_s"] >= fed.time_budget_s):
+        raise ConfigError(f"--reuse {method}: {out} stopped after {summary['rounds']} rounds; finish it with "
+                          f"`fleet simulate {out / EFFECTIVE_CONFIG} --resume` or drop --reuse {method}")
+    return summary
+
+
+def _run_seed(path: str, overrides: dict[str, Any], seed: int, tag: str, log, quiet: bool,
+              reuse: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """Run the three methods for one seed; FedAvg first, since its clock sets the others' horizon.
+    Methods in ``reuse`` are read from their finished runs instead (see :func:`reused_summary`)."""
     base = load_fleet_config(path, overrides)
     shared, _ = prepare(load_fleet_config(path, {**overrides, "name": f"{base.name}{tag}-shared"}), resume=False, log=log)
     summaries: dict[str, dict] = {}
@@ -128,6 +164,12 @@ def _run_seed(path: str, overrides: dict[str, Any], seed: int, tag: str, log, qu
             # Up to max(tiers) times as many rounds: an elastic round is never shorter than that fraction.
             extra["federation.time_budget_s"] = horizon
             extra["federation.rounds"] = int(base.federation.rounds * max(base.federation.tiers)) + 1
+        if method in reuse:
+            summaries[method] = reused_summary(method, load_fleet_config(path, {**overrides, **extra}))
+            log(f"--- seed {seed}, {method}: reusing {summaries[method]['run_dir']} ---")
+            if method == "fedavg":
+                horizon = summaries[method]["sim_time_s"]
+            continue
         cfg, config_path = prepare(load_fleet_config(path, {**overrides, **extra}), resume=False, log=log)
         log(f"--- seed {seed}, {method}: " + (f"{cfg.federation.rounds} rounds" if horizon is None else f"{horizon:.1f}s simulated")
             + f" on {cfg.federation.num_devices} devices ---")
@@ -146,8 +188,12 @@ def bench_fleet(
     quiet: bool = False,
     seeds: list[int] | None = None,
     final_rounds: int = 3,
+    reuse: tuple[str, ...] = (),
 ) -> dict:
     overrides = dict(overrides or {})
+    unknown = [m for m in reuse if m not in METHODS]
+    if unknown:
+        raise ConfigError(f"--reuse: {unknown[0]!r} is not a method; use some of {', '.join(METHODS)}")
     if final_rounds < 1:
         raise ConfigError(f"--final-rounds: {final_rounds} is not allowed; use an integer >= 1")
     base = load_fleet_config(path, overrides)
@@ -156,7 +202,7 @@ def bench_fleet(
     per_seed: dict[int, dict] = {}
     for seed in seeds:
         tag = "" if seeds == [base.train.seed] else f"-s{seed}"
-        summaries, histories = _run_seed(path, {**overrides, "train.seed": seed}, seed, tag, log, quiet)
+        summaries, histories = _run_seed(path, {**overrides, "train.seed": seed}, seed, tag, log, quiet, tuple(reuse))
         per_seed[seed] = seed_report(summaries, histories, target_fraction=target_fraction, final_rounds=final_rounds)
     report: dict[str, Any] = {
         "config": str(path),
@@ -167,6 +213,7 @@ def bench_fleet(
         "final_accuracy_is": f"mean global accuracy of the last {final_rounds} rounds within the horizon",
         "target_fraction_of_fedavg_final": target_fraction,
         "seeds": list(per_seed),
+        "reused_runs": list(reuse),
         "methods": combine(per_seed),
         "per_seed": {str(s): r for s, r in per_seed.items()},
     }

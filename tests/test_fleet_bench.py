@@ -104,3 +104,31 @@ def test_bench_plot_draws_every_seed(tmp_path):
         rep["methods"][m]["run_dir"] = str(tmp_path / m)
     path = plot_bench({"per_seed": {"0": rep, "1": rep}}, tmp_path / "bench.png")
     assert path.stat().st_size > 5000
+
+
+def test_reuse_takes_only_a_finished_run_made_with_the_same_config(tmp_path):
+    import json
+
+    import yaml
+
+    from fleet.config import config_to_dict
+    from fleet.errors import ConfigError
+    from server.bench import bench_fleet, reused_summary
+    from server.config import run_dir
+
+    want = fleet_config_from_dict({"name": "b-naive", "output_dir": str(tmp_path), "federation": {"strategy": "naive", "rounds": 4}})
+    out = run_dir(want)
+    with pytest.raises(ConfigError, match="--reuse naive: .* holds no finished run"):
+        reused_summary("naive", want)
+    out.mkdir(parents=True)
+    (out / "fleet-config.yaml").write_text(yaml.safe_dump(config_to_dict(want)))
+    (out / "summary.json").write_text(json.dumps({"rounds": 4, "sim_time_s": 12.0, "run_dir": str(out)}))
+    assert reused_summary("naive", want)["rounds"] == 4
+    other = fleet_config_from_dict({**config_to_dict(want), "train": {"lr": 0.5}})
+    with pytest.raises(ConfigError, match=r"was run with train.lr=0.01, this bench needs 0.5"):
+        reused_summary("naive", other)
+    (out / "summary.json").write_text(json.dumps({"rounds": 2, "sim_time_s": 6.0, "run_dir": str(out)}))
+    with pytest.raises(ConfigError, match="stopped after 2 rounds"):
+        reused_summary("naive", want)
+    with pytest.raises(ConfigError, match="--reuse: 'fedsgd' is not a method"):
+        bench_fleet("simulations/fleet-tiny.yaml", reuse=("fedsgd",))

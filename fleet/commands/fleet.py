@@ -44,6 +44,9 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", type=float, default=0.95, help="target = this fraction of FedAvg's final accuracy")
     p.add_argument("--seeds", type=int, nargs="+", help="run every method once per seed (default: train.seed)")
     p.add_argument("--final-rounds", type=int, default=3, help="final accuracy = mean of this many last rounds")
+    p.add_argument("--reuse", nargs="+", default=[], metavar="METHOD",
+                   help="take these methods' figures from their finished runs (made with the same config) instead of "
+                        "running them again, e.g. after changing only fleet: --reuse fedavg naive")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_bench)
 
@@ -77,7 +80,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from server.bench import bench_fleet
 
     result = bench_fleet(args.config, _overrides(args), target_fraction=args.target, quiet=args.json,
-                         seeds=args.seeds, final_rounds=args.final_rounds)
+                         seeds=args.seeds, final_rounds=args.final_rounds, reuse=tuple(args.reuse))
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -3,6 +3,10 @@
 Own FLWR_HOME and free ports in a tmp dir, runtime dependency installation
 disabled, bounded waits, every process killed at the end. `flwr run` exits 0
 even when a run fails, so the verdict comes from `flwr ls` and the metrics written.
+
+Two deployments: plain HTTP (`--insecure`), and a secure one with TLS from a throwaway CA,
+SuperNode authentication with one registered key pair per device, a third SuperNode whose key
+was never registered (refused), and a node-config memory budget on one device.
 """
 
 from __future__ import annotations
@@ -15,15 +19,21 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import yaml
+from flwr.supercore.exit import ExitCode
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+OPENSSL = shutil.which("openssl") or "/usr/bin/openssl"
+SSH_KEYGEN = shutil.which("ssh-keygen") or "/usr/bin/ssh-keygen"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # the run may take up to 900 s of it on a busy machine
+
+MEMORY_BUDGET_MB = 1.0  # about half of the 2.05 MB a full step of fleet-tiny stores: feasible, and binding
 
 
 def free_port() -> int:
@@ -44,14 +54,74 @@ def wait_port(port: int, proc: subprocess.Popen, log: Path, timeout: float = 60)
     pytest.fail(f"port {port} not open after {timeout}s:\n{log.read_text()[-2000:]}")
 
 
-def run_status(env: dict, timeout: float = 60) -> dict:
-    out = subprocess.run([str(BIN / "flwr"), "ls", "loopback", "--format", "json"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def flwr_json(args: list[str], env: dict, timeout: float = 60) -> dict:
+    """A `flwr ... --format json` command's JSON (it may print other lines before it)."""
+    out = subprocess.run([str(BIN / "flwr"), *args, "--format", "json"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     start = out.stdout.find("{")
     assert start >= 0, out.stdout + out.stderr
     return json.loads(out.stdout[start:])
 
 
-def test_two_supernodes_on_loopback_run_two_rounds(tmp_path):
+def run_status(env: dict, timeout: float = 60) -> dict:
+    return flwr_json(["ls", "loopback"], env, timeout)
+
+
+def make_tls(d: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate it signed, for 127.0.0.1 and localhost."""
+    d.mkdir()
+
+    def ssl(*args: str) -> None:
+        res = subprocess.run([OPENSSL, *args], cwd=d, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stdout + res.stderr
+
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=fleet-test-ca",
+        "-keyout", "ca.key", "-out", "ca.crt",
+        "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    ssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost", "-keyout", "server.key", "-out", "server.csr")
+    (d / "server.ext").write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=critical,CA:FALSE\n"
+        "keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
+        "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n"
+    )
+    ssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "1",
+        "-extfile", "server.ext", "-out", "server.pem")
+    return d / "ca.crt", d / "server.pem", d / "server.key"
+
+
+def make_node_key(path: Path) -> Path:
+    """An ECDSA P-384 key pair in OpenSSH format (`path` private, `path`.pub public)."""
+    res = subprocess.run([SSH_KEYGEN, "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-C", path.name, "-f", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return path
+
+
+@dataclass
+class Deployment:
+    """What a finished deployment left behind for the test to check."""
+
+    run: Path  # runs/<name> on the ServerApp's side
+    records: list[dict]  # its metrics.jsonl
+    logs: dict[str, Path]  # process name -> its stdout and stderr
+    node_ids: list[int] = field(default_factory=list)  # ids `flwr supernode register` gave (secure only)
+    nodes: list[dict] = field(default_factory=list)  # `flwr supernode ls` once the SuperNodes were up (secure only)
+    unregistered_exit: int | None = None  # exit code of the SuperNode with an unregistered key
+
+
+def deploy(tmp_path: Path, *, secure: bool, node_extra: dict[int, str] | None = None, unregistered: bool = False) -> Deployment:
+    """Starts a SuperLink and two SuperNodes (partitions 0 and 1, tiers 1 and 2) on loopback, runs
+    2 rounds of fleet-tiny with `flwr run`, waits for the run to finish and returns its metrics.
+
+    secure: TLS from a throwaway CA on the SuperLink (SuperNodes and `flwr` trust the CA) and
+    `--enable-supernode-auth`; each SuperNode has its own key pair, registered with
+    `flwr supernode register` before it starts.
+    node_extra: more node config for SuperNode i.
+    unregistered (secure only): a third SuperNode (partition 2) with a key pair nobody registered
+    is started before the run is submitted; its exit code lands in `unregistered_exit` (None: still
+    running after 90 s).
+    Every process is stopped on return.
+    """
+    node_extra = node_extra or {}
     home = tmp_path / "flwr-home"
     home.mkdir()
     port = free_port()
@@ -59,9 +129,23 @@ def test_two_supernodes_on_loopback_run_two_rounds(tmp_path):
     # even when pytest runs as .venv/bin/python without an activated venv.
     path = os.pathsep.join([str(BIN), os.environ.get("PATH", "")])
     env = {**os.environ, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0", "PATH": path}
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
-    )
+    # No --database: the SuperLink keeps its state in memory. With a SQLite file, a write held up
+    # past SQLite's 5 s busy timeout on a loaded machine answers a SuperNode's pull-messages with
+    # 500 "database is locked", and flower-supernode exits on it (it retries only 502/503/504).
+    link_args = [str(BIN / "flower-superlink"), "--port", str(port), "--disable-runtime-dependency-installation"]
+    connection = f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\naddress = "127.0.0.1:{port}"\n'
+    if secure:
+        ca, cert, key = make_tls(tmp_path / "certs")
+        link_args += ["--ssl-ca-certfile", str(ca), "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
+                      "--enable-supernode-auth"]
+        node_tls = ["--root-certificates", str(ca)]
+        connection += f'root-certificates = "{ca}"\n'  # flwr accepts only an absolute path here
+        (tmp_path / "keys").mkdir()
+    else:
+        link_args.append("--insecure")
+        node_tls = ["--insecure"]
+        connection += "insecure = true\n"
+    (home / "config.toml").write_text(connection)
     cfg = yaml.safe_load((ROOT / "simulations/fleet-tiny.yaml").read_text())
     cfg["name"] = "deploy"
     cfg["output_dir"] = str(tmp_path / "runs")
@@ -70,31 +154,51 @@ def test_two_supernodes_on_loopback_run_two_rounds(tmp_path):
     config_path.write_text(yaml.safe_dump(cfg))
 
     procs: list[subprocess.Popen] = []
+    logs: dict[str, Path] = {}
+    node_ids: list[int] = []
 
-    def start(args: list[str], log: Path) -> subprocess.Popen:
-        fh = log.open("w")
-        p = subprocess.Popen(args, env=env, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    def start(name: str, args: list[str]) -> subprocess.Popen:
+        logs[name] = tmp_path / f"{name}.log"
+        with logs[name].open("w") as fh:
+            p = subprocess.Popen(args, env=env, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
         procs.append(p)
         return p
 
+    def start_node(i: int, register: bool) -> subprocess.Popen:
+        auth: list[str] = []
+        if secure:
+            key_path = make_node_key(tmp_path / "keys" / f"device{i}")
+            if register:
+                reg = flwr_json(["supernode", "register", f"{key_path}.pub", "loopback"], env)
+                assert reg.get("success") is True, reg
+                node_ids.append(int(reg["node-id"]))
+            auth = ["--auth-supernode-private-key", str(key_path)]
+        node_cfg = f"partition-id={i} tier={i % 2 + 1} state-dir='{tmp_path / f'device{i}'}' {node_extra.get(i, '')}"
+        return start(f"supernode{i}", [str(BIN / "flower-supernode"), *node_tls, *auth, "--superlink", f"127.0.0.1:{port}",
+                                       "--port", str(free_port()), "--node-config", node_cfg.strip()])
+
     try:
-        link_log = tmp_path / "superlink.log"
-        link = start(
-            [str(BIN / "flower-superlink"), "--insecure", "--port", str(port), "--disable-runtime-dependency-installation",
-             "--database", str(home / "state.db")],
-            link_log,
-        )
-        wait_port(port, link, link_log)
+        link = start("superlink", link_args)
+        wait_port(port, link, logs["superlink"])
         for i in range(2):
-            node_port = free_port()
-            node_cfg = f"partition-id={i} tier={i + 1} state-dir='{tmp_path / f'device{i}'}'"
-            log = tmp_path / f"supernode{i}.log"
-            node = start(
-                [str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(node_port),
-                 "--node-config", node_cfg],
-                log,
-            )
-            wait_port(node_port, node, log)
+            node = start_node(i, register=True)
+            wait_port(int(node.args[node.args.index("--port") + 1]), node, logs[f"supernode{i}"])
+        unregistered_exit = None
+        if unregistered:
+            assert secure, "every SuperNode is welcome without --enable-supernode-auth"
+            rogue = start_node(2, register=False)
+            try:
+                unregistered_exit = rogue.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                pass  # still running: the test's assertions say what that means
+        nodes = []
+        if secure:
+            deadline = time.time() + 60  # both registered SuperNodes online before the run starts
+            while time.time() < deadline:
+                nodes = flwr_json(["supernode", "ls", "loopback"], env)["nodes"]
+                if sum(n["status"] == "online" for n in nodes) >= 2:
+                    break
+                time.sleep(1)
         res = subprocess.run(
             [str(BIN / "flwr"), "run", str(ROOT), "loopback", "--run-config", f"config='{config_path}'"],
             env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
@@ -109,22 +213,11 @@ def test_two_supernodes_on_loopback_run_two_rounds(tmp_path):
             if status["status"].startswith("finished"):
                 break
             time.sleep(5)
-        assert status.get("status") == "finished:completed", f"{status}\n{link_log.read_text()[-3000:]}"
+        assert status.get("status") == "finished:completed", f"{status}\n{logs['superlink'].read_text()[-3000:]}"
         run = tmp_path / "runs" / "deploy"
-        recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        assert [r["round"] for r in recs] == [1, 2]
-        for r in recs:
-            assert r["rejections"] == []
-            devs = {d["partition_id"]: d for d in r["devices"]}
-            assert set(devs) == {0, 1}
-            assert devs[0]["tier"] == 1.0 and devs[1]["tier"] == 2.0
-            assert devs[0]["rho"] == 1.0 and devs[1]["rho"] < 1.0  # the slower node got a smaller budget
-            assert devs[1]["bytes_uploaded"] < devs[0]["bytes_uploaded"]  # and uploaded only what it trained
-        summary = json.loads((run / "summary.json").read_text())
-        assert summary["rounds"] == 2 and summary["final_accuracy"] is not None
-        assert (run / "checkpoint.pt").is_file()
-        for i in range(2):  # device state outlived each ClientApp process
-            assert (tmp_path / f"device{i}" / "deploy" / "state.pt").is_file()
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return Deployment(run=run, records=records, logs=dict(logs), node_ids=node_ids, nodes=nodes,
+                          unregistered_exit=unregistered_exit)
     finally:
         for p in reversed(procs):
             if p.poll() is None:
@@ -136,3 +229,61 @@ def test_two_supernodes_on_loopback_run_two_rounds(tmp_path):
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         shutil.rmtree(home, ignore_errors=True)
+
+
+def check_two_device_run(tmp_path: Path, dep: Deployment, *, elastic: bool = True) -> None:
+    """Both devices trained both rounds; state, checkpoint and summary written; with `elastic`, the
+    slower one (tier 2) got a smaller budget and uploaded less."""
+    assert [r["round"] for r in dep.records] == [1, 2]
+    for r in dep.records:
+        assert r["rejections"] == []
+        devs = {d["partition_id"]: d for d in r["devices"]}
+        assert set(devs) == {0, 1}
+        assert devs[0]["tier"] == 1.0 and devs[1]["tier"] == 2.0
+        if elastic:
+            assert devs[0]["rho"] == 1.0 and devs[1]["rho"] < 1.0  # the slower node got a smaller budget
+            assert devs[1]["bytes_uploaded"] < devs[0]["bytes_uploaded"]  # and uploaded only what it trained
+    summary = json.loads((dep.run / "summary.json").read_text())
+    assert summary["rounds"] == 2 and summary["final_accuracy"] is not None
+    assert (dep.run / "checkpoint.pt").is_file()
+    for i in range(2):  # device state outlived each ClientApp process
+        assert (tmp_path / f"device{i}" / "deploy" / "state.pt").is_file()
+
+
+def test_two_supernodes_on_loopback_run_two_rounds(tmp_path):
+    dep = deploy(tmp_path, secure=False)
+    check_two_device_run(tmp_path, dep)
+    for r in dep.records:
+        assert all("memory_budget_bytes" not in d for d in r["devices"])
+
+
+def test_secure_supernodes_tls_auth_and_memory_budget(tmp_path):
+    """TLS from a throwaway CA, SuperNode authentication with a registered key pair per device, a
+    SuperNode with an unregistered key refused, and device 1 under a node-config memory budget."""
+    dep = deploy(tmp_path, secure=True, node_extra={1: f"memory-budget-mb={MEMORY_BUDGET_MB}"}, unregistered=True)
+    # elastic=False: each device times itself, both at once, on whatever else this machine runs; with
+    # the extra CPU of TLS, device 0's own step time came out twice device 1's once (rho 0.67 vs 1.0),
+    # which outweighs the tier factor. The plain test keeps that check; this one is about security
+    # and the memory budget.
+    check_two_device_run(tmp_path, dep, elastic=False)
+    # The unregistered SuperNode: its ActivateNode is answered 412 "Failed to activate SuperNode"
+    # (the SuperLink knows no node with its public key, and with --enable-supernode-auth a SuperNode
+    # cannot register itself), so flower-supernode gives up at once: it logs Flower's exit code
+    # SUPERNODE_CONNECTION_ERROR (305) and exits with status 1, as flwr_exit does for every error code.
+    rogue_log = dep.logs["supernode2"].read_text()
+    assert dep.unregistered_exit == 1, rogue_log[-3000:]
+    assert f"Exit Code: {ExitCode.SUPERNODE_CONNECTION_ERROR}" in rogue_log, rogue_log[-3000:]
+    assert "Failed to initialize the connection to the SuperLink" in rogue_log, rogue_log[-3000:]
+    assert "Failed to activate SuperNode" in rogue_log, rogue_log[-3000:]
+    # The SuperLink knows exactly the two registered nodes, both online when the run was submitted,
+    # and only their partitions took part in the run.
+    assert len(set(dep.node_ids)) == 2
+    assert sorted(int(n["node-id"]) for n in dep.nodes) == sorted(dep.node_ids), dep.nodes
+    assert all(n["status"] == "online" for n in dep.nodes), dep.nodes
+    budget = int(MEMORY_BUDGET_MB * 1_000_000)
+    for r in dep.records:
+        assert sorted(d["partition_id"] for d in r["devices"]) == [0, 1]
+        devs = {d["partition_id"]: d for d in r["devices"]}
+        # device 1 trained under its node-config budget on a real SuperNode; device 0 had none
+        assert devs[1]["memory_budget_bytes"] == budget and 0 < devs[1]["memory_peak_bytes"] <= budget, devs[1]
+        assert "memory_budget_bytes" not in devs[0]

@@ -108,24 +108,26 @@ def fitted_window_mask(
 
 
 def select_in_window(
-    ranked: list[float], allowed: list[bool], t_dw: list[float], t_dy: list[float], budget: float, mode: str = "first"
+    ranked: list[float], allowed: list[bool], t_dw: list[float], t_dy: list[float], budget: float, mode: str = "cover"
 ) -> list[bool]:
     """The DP's selection once the window is placed.
 
-    ``only`` (FedEL as published): the DP picks inside the window alone. ``first``: it picks
-    inside the window first (a window tensor of no measured importance still beats nothing, so
-    a window that fits is trained whole), then spends the budget left on the most important
-    tensors anywhere. The window still carries slow devices to the front layers, but no longer
-    idles the rest of their budget: with ``only`` and a fitted window, importance decided
-    nothing, and the global model dipped 5-8 points after each roll-back (benchmark, seed 1).
+    ``only`` (FedEL as published): the DP picks inside the window alone, by importance.
+    ``cover``: the window is there so that every part of the model gets trained, so the DP first
+    trains as many of the window's tensors as fit (importance breaks ties), then spends the budget
+    left on the most important tensors anywhere; the backward pass already runs through every
+    layer after the window, so those cost only their weight gradients. Measured on the benchmark
+    (2 seeds): ``only`` fills an output-side window with a few large tensors and leaves part of
+    slow devices' budget idle, and the global model dipped 4-8 points after each roll-back;
+    ``cover`` ended 0.3 points higher on the last-3-rounds mean and 1.4 points higher over the
+    last 30% of the time. Filling the window by importance instead, then the rest, ended lower
+    than both (77.2%).
     """
     if mode == "only":
         return select_tensors([v if a else 0.0 for v, a in zip(ranked, allowed)], t_dw, t_dy, budget)
-    tiny = 1e-9 * max((abs(v) for v in ranked), default=0.0) or 1e-9
-    inside = select_tensors([max(v, tiny) if a else 0.0 for v, a in zip(ranked, allowed)], t_dw, t_dy, budget)
-    # Worth more than all the others together, the window's picks stay in; the rest compete on importance.
+    # Each window tensor is worth more than all the others together: the DP maximizes how many it trains.
     keep = 1.0 + sum(abs(v) for v in ranked)
-    return select_tensors([keep if k else max(v, 0.0) for v, k in zip(ranked, inside)], t_dw, t_dy, budget)
+    return select_tensors([v + keep if a else max(v, 0.0) for v, a in zip(ranked, allowed)], t_dw, t_dy, budget)
 
 
 def blend_importance(local: list[float], names: list[str], global_imp: dict[str, float], beta: float) -> list[float]:

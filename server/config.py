@@ -43,7 +43,7 @@ class FederationConfig:
     window: bool = True  # FedEL sliding block window with rollback (fleet strategy only)
     window_blocks: int = 2  # blocks inside the window
     window_schedule: str = "rollback"  # rollback: slide to the input, jump back to the output; pingpong: walk back
-    window_mode: str = "first"  # first: the window's tensors first, leftover budget to the most important anywhere; only: the DP stays inside
+    window_mode: str = "cover"  # cover: as many window tensors as fit, then the most important anywhere; only: the DP stays inside
     window_fit: bool = True  # widen a device's window block by block while training all of it fits its budget
     num_blocks: int = 6  # the model's tensors are cut into this many contiguous blocks
     blend_beta: float | None = 0.6  # I = beta*I_local + (1-beta)*I_global; null disables blending
@@ -80,7 +80,7 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "federation.deadline_factor": (lambda v: v > 0, "a number > 0"),
     "federation.importance_interval": (lambda v: v >= 1, "an integer >= 1"),
     "federation.window_schedule": (lambda v: v in ("rollback", "pingpong"), "rollback or pingpong"),
-    "federation.window_mode": (lambda v: v in ("first", "only"), "first or only"),
+    "federation.window_mode": (lambda v: v in ("cover", "only"), "cover or only"),
     "federation.window_blocks": (lambda v: v >= 1, "an integer >= 1"),
     "federation.num_blocks": (lambda v: v >= 1, "an integer >= 1"),
     "federation.blend_beta": (lambda v: v is None or 0 <= v <= 1, "a number in [0, 1] or null"),

@@ -83,21 +83,21 @@ def test_fitted_window_widens_while_it_fits_and_keeps_its_front():
     assert [i for i, m in enumerate(got) if m] == [3, 4, 5, 6, 7, 8]
 
 
-def test_window_first_then_most_important_elsewhere():
+def test_window_cover_then_most_important_elsewhere():
     ranked = [0.9, -0.2, 0.1, 0.5, 1.0]
     window = [False, True, True, False, False]
     dw, dy = [1.0] * 5, [0.0] * 5
     # only: the DP stays inside the window, and a tensor of negative importance is not worth training
     assert select_in_window(ranked, window, dw, dy, 3.1, "only") == [False, False, True, False, False]
-    # first: the whole window (it fits), then the most important tensor elsewhere with what is left
-    assert select_in_window(ranked, window, dw, dy, 3.1, "first") == [False, True, True, False, True]
-    assert select_in_window(ranked, window, dw, dy, 4.1, "first") == [True, True, True, False, True]
-    # a window that does not fit is filled by importance, not by how many of its tensors fit
-    big = [1.0, 1.0, 3.0, 1.0, 1.0]
-    assert select_in_window([0.0, 0.2, 0.1, 0.0, 0.0], [False, True, True, True, False], big, dy, 3.05, "first") == [
-        False, True, False, True, False]
-    assert select_in_window([0.0, 0.1, 0.9, 0.0, 0.0], [False, True, True, True, False], big, dy, 3.05, "first") == [
-        False, False, True, False, False]
+    # cover: the whole window (it fits), then the most important tensor elsewhere with what is left
+    assert select_in_window(ranked, window, dw, dy, 3.1, "cover") == [False, True, True, False, True]
+    assert select_in_window(ranked, window, dw, dy, 4.1, "cover") == [True, True, True, False, True]
+    # a window that does not fit: as many of its tensors as fit, even against one more important big one ...
+    big, wide = [1.0, 1.0, 3.0, 1.0, 1.0], [False, True, True, True, False]
+    assert select_in_window([0.0, 0.1, 0.9, 0.1, 0.0], wide, big, dy, 3.05, "cover") == [False, True, False, True, False]
+    assert select_in_window([0.0, 0.1, 0.9, 0.1, 0.0], wide, big, dy, 3.05, "only") == [False, False, True, False, False]
+    # ... with importance breaking ties between equally many
+    assert select_in_window([0.0, 0.1, 0.5, 0.3, 0.0], wide, dw, dy, 2.05, "cover") == [False, False, True, True, False]
     # nothing outside the window of no use is picked
     assert select_in_window([-1.0, 1.0], [False, True], [1.0, 1.0], [0.0, 0.0], 5.0) == [False, True]
 
@@ -145,8 +145,8 @@ def test_local_round_uploads_only_trained_tensors(setup):
     assert full.metrics["selected"] == full.metrics["num-tensors"] and full.metrics["rho"] == 1.0
 
 
-def test_window_first_spends_the_budget_the_window_leaves(setup):
-    """A slow device whose window sits at the input side trains that window and, with ``first``,
+def test_window_cover_spends_the_budget_the_window_leaves(setup):
+    """A slow device whose window sits at the input side trains that window and, with ``cover``,
     adds the most important tensors elsewhere with the rest of its budget; ``only`` idles it."""
     cfg, profile = setup
     cfg = dataclasses.replace(cfg, federation=dataclasses.replace(cfg.federation, deadline_includes_upload=False, local_steps=10))
@@ -161,9 +161,9 @@ def test_window_first_spends_the_budget_the_window_leaves(setup):
         return set(res.state["trained"]), res.metrics
 
     only, m_only = trained("only")
-    first, m_first = trained("first")
-    assert only and only < first  # the same window, plus tensors outside it
-    assert m_only["predicted-time-s"] < m_first["predicted-time-s"] <= deadline + 1e-9
+    cover, m_cover = trained("cover")
+    assert only and only < cover  # the same window, plus tensors outside it
+    assert m_only["predicted-time-s"] < m_cover["predicted-time-s"] <= deadline + 1e-9
 
 
 def test_probe_round_meets_the_deadline(setup):

@@ -46,6 +46,9 @@ def test_seed_report_compares_at_fedavgs_horizon():
     assert e["rounds"] == 6 and e["final_accuracy"] == pytest.approx(0.81)  # 0.99s come after the horizon
     assert e["last_round_accuracy"] == pytest.approx(0.82) and e["bytes_uploaded"] == 600
     assert e["personalized_accuracy_mean"] == pytest.approx(0.87)
+    # late accuracy: every round ending in the last 30% of the horizon (from 42 s), the same time for both
+    assert f["late_accuracy"] == pytest.approx(0.8)  # FedAvg's round at 60 s
+    assert e["late_accuracy"] == pytest.approx((0.8 + 0.82) / 2)  # its rounds ending at 50 and 60 s
 
 
 def test_combine_averages_seeds_and_needs_every_seed_for_time_to_target():

@@ -1,6 +1,8 @@
 """Elastic training: frozen tensors really get nothing, selections change, state survives."""
 
+import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -111,9 +113,6 @@ def test_rho_below_forward_floor_is_refused(small_profile):
 def size_proportional(profile):
     """``profile`` with each tensor's times proportional to its size (same totals): the selection,
     and so what is learned, no longer moves with how loaded the machine was while profiling."""
-    import dataclasses
-    import math
-
     sizes = [math.prod(t.shape) for t in profile.tensors]
     dw = sum(t.t_dw + t.t_opt for t in profile.tensors) / sum(sizes)
     firsts = sum(n for n, t in zip(sizes, profile.tensors) if t.t_dy > 0)

@@ -34,6 +34,10 @@ EFFECTIVE_CONFIG = "fleet-config.yaml"
 
 def prepare(cfg: FleetConfig, *, resume: bool, log: Callable[[str], None] = print) -> tuple[FleetConfig, Path]:
     """Profile, pretrain and write the effective config; returns it and its path."""
+    if cfg.train.profile is not None:
+        # Every ClientApp checks it too, but there a mismatch fails each device inside Flower;
+        # here it stops the launch in one line, before the previous run is moved aside.
+        obtain_profile(cfg, make_model(cfg.model, cfg.train.seed), log=log)
     out = run_dir(cfg)
     if not resume and (out / CHECKPOINT_FILE).exists():
         backup = out.with_name(f"{out.name}.{time.strftime('%Y%m%d-%H%M%S')}")

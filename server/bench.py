@@ -17,7 +17,9 @@ FedAvg span 30% of the horizon but three elastic rounds only about 12%, so
 simulated time for every method: more rounds, less noise. Time to target
 is the simulated time until the global accuracy first reaches
 ``target_fraction`` of FedAvg's final accuracy. With several seeds, each
-method's figures are averaged over seeds and the per-seed reports are kept.
+method's figures are averaged over seeds and the per-seed reports are kept, and
+``differences`` gives each pair of methods' per-seed differences with a 95%
+confidence interval over seeds: whether a gap is larger than the seeds' scatter.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from server.simulation import EFFECTIVE_CONFIG, prepare
 from server.tracking import SUMMARY_FILE
 
 METHODS = ("fedavg", "naive", "fleet")
-FIGURES = ("time_to_target_s", "final_accuracy", "late_accuracy", "last_round_accuracy", "personalized_accuracy_mean",
+FIGURES = ("time_to_target_s", "final_accuracy", "late_accuracy", "time_mean_accuracy", "last_round_accuracy", "personalized_accuracy_mean",
            "personalized_accuracy_p10", "bytes_uploaded", "rounds", "sim_time_s")
 
 
@@ -72,13 +74,31 @@ def late_accuracy(history: list[dict], horizon_s: float | None) -> float | None:
     return float(statistics.fmean(accs)) if accs else None
 
 
-def method_entry(summary: dict, history: list[dict], target: float, final_rounds: int, horizon_s: float | None = None) -> dict:
+def time_mean_accuracy(history: list[dict], start_s: float, end_s: float) -> float | None:
+    """Mean of the accuracy-against-time step curve over ``[start_s, end_s]``: a round's accuracy
+    holds from its end until the next round ends. Methods with rounds of different lengths are
+    weighted by time, not by round, so the figure compares them at equal time."""
+    points = [(r["sim_time_s"], r["global_accuracy"]) for r in history if r["global_accuracy"] is not None]
+    if not points or end_s <= start_s or points[0][0] > start_s * (1 + 1e-9):
+        return None
+    area = 0.0
+    for (t, acc), nxt in zip(points, points[1:] + [(float("inf"), None)]):
+        lo, hi = max(t, start_s), min(nxt[0], end_s)
+        if hi > lo:
+            area += acc * (hi - lo)
+    return area / (end_s - start_s)
+
+
+def method_entry(summary: dict, history: list[dict], target: float, final_rounds: int, horizon_s: float | None = None,
+                 common_start_s: float | None = None) -> dict:
     """The bench figures of one method's run, over the rounds in ``history``."""
     last = history[-1] if history else {}
     return {
         "time_to_target_s": time_to_target(history, target),
         "final_accuracy": final_accuracy(history, final_rounds),
         "late_accuracy": late_accuracy(history, horizon_s),
+        "time_mean_accuracy": (time_mean_accuracy(history, common_start_s, horizon_s)
+                               if horizon_s is not None and common_start_s is not None else None),
         "last_round_accuracy": last.get("global_accuracy"),
         "personalized_accuracy_mean": last.get("personal_accuracy", summary["personalized_accuracy_mean"]),
         "personalized_accuracy_p10": last.get("personal_accuracy_p10", summary["personalized_accuracy_p10"]),
@@ -95,7 +115,9 @@ def seed_report(summaries: dict[str, dict], histories: dict[str, list[dict]], *,
     cut = {m: within(h, horizon) for m, h in histories.items()}
     fedavg_final = final_accuracy(cut["fedavg"], final_rounds)
     target = target_fraction * fedavg_final if fedavg_final is not None else float("inf")
-    methods = {m: method_entry(summaries[m], cut[m], target, final_rounds, horizon) for m in summaries}
+    firsts = [h[0]["sim_time_s"] for h in cut.values() if h]
+    start = max(firsts) if len(firsts) == len(cut) else None  # the first moment every method has a model
+    methods = {m: method_entry(summaries[m], cut[m], target, final_rounds, horizon, start) for m in summaries}
     f = methods["fedavg"]["time_to_target_s"]
     for m in methods:
         if m != "fedavg":
@@ -123,6 +145,44 @@ def combine(seeds: dict[int, dict]) -> dict[str, dict]:
             agg["speedup_vs_fedavg"] = _mean([e["speedup_vs_fedavg"] for e in entries])
             agg["speedup_per_seed"] = [e["speedup_vs_fedavg"] for e in entries]
         out[m] = agg
+    return out
+
+
+# Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom; beyond 30, the normal's.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def mean_ci95(values: list[float]) -> tuple[float, float | None]:
+    """(mean, half-width of its 95% confidence interval) over independent seeds; no interval from one seed."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, None
+    df = len(values) - 1
+    t = _T975[df - 1] if df <= len(_T975) else 1.96
+    return mean, t * statistics.stdev(values) / len(values) ** 0.5
+
+
+DIFFERENCE_FIGURES = ("final_accuracy", "late_accuracy", "time_mean_accuracy")
+
+
+def differences(seeds: dict[int, dict]) -> dict[str, dict]:
+    """Each later method minus each earlier one (``fleet-naive``, ...), per figure: the per-seed
+    differences, their mean and its 95% interval. Every seed runs all methods from the same
+    partitions, profile and start, so differences cancel what the seeds share; an interval that
+    contains 0 means the seeds cannot tell the two apart."""
+    out: dict[str, dict] = {}
+    for i, a in enumerate(METHODS):
+        for b in METHODS[:i]:
+            pair: dict[str, dict] = {}
+            for fig in DIFFERENCE_FIGURES:
+                diffs = [rep["methods"][a][fig] - rep["methods"][b][fig] for rep in seeds.values()
+                         if rep["methods"][a].get(fig) is not None and rep["methods"][b].get(fig) is not None]
+                if len(diffs) != len(seeds) or not diffs:
+                    continue
+                mean, half = mean_ci95(diffs)
+                pair[fig] = {"mean": mean, "ci95": half, "per_seed": diffs}
+            out[f"{a}-{b}"] = pair
     return out
 
 
@@ -229,10 +289,12 @@ def bench_fleet(
         "comparison": "equal simulated time: FedAvg's rounds set the horizon",
         "final_accuracy_is": f"mean global accuracy of the last {final_rounds} rounds within the horizon",
         "late_accuracy_is": f"mean global accuracy of the rounds ending in the last {LATE_FRACTION:.0%} of the horizon",
+        "time_mean_accuracy_is": "mean of the global accuracy-against-time curve, from when every method has a model to the horizon",
         "target_fraction_of_fedavg_final": target_fraction,
         "seeds": list(per_seed),
         "reused_runs": list(reuse),
         "methods": combine(per_seed),
+        "differences": differences(per_seed),
         "per_seed": {str(s): r for s, r in per_seed.items()},
     }
     out = Path(base.output_dir) / f"{base.name}-bench.json"
@@ -286,11 +348,22 @@ def bench_table(report: dict) -> str:
     lines = [f"equal simulated time; {len(seeds)} seed(s) {seeds}; final = {report['final_accuracy_is']}",
              f"late = {report['late_accuracy_is']}",
              f"target = {report['target_fraction_of_fedavg_final']:.0%} of FedAvg's final accuracy",
-             f"{'method':>8} {'rounds':>6} {'to target s':>11} {'final':>8} {'late':>8} {'last':>8} {'pers mean':>9} {'pers p10':>9} {'MB up':>8} {'speedup':>8}"]
+             f"time mean = {report.get('time_mean_accuracy_is', 'n/a')}",
+             f"{'method':>8} {'rounds':>6} {'to target s':>11} {'final':>8} {'late':>8} {'time mean':>9} {'last':>8} {'pers mean':>9} {'pers p10':>9} {'MB up':>8} {'speedup':>8}"]
     for m, r in report["methods"].items():
         sp = r.get("speedup_vs_fedavg")
         lines.append(f"{m:>8} {r['rounds'] or 0:6.1f} {sec(r['time_to_target_s']):>11} {pct(r['final_accuracy'])} {pct(r.get('late_accuracy'))} "
-                     f"{pct(r['last_round_accuracy'])} "
+                     f"{pct(r.get('time_mean_accuracy')):>9} {pct(r['last_round_accuracy'])} "
                      f"{pct(r['personalized_accuracy_mean']):>9} {pct(r['personalized_accuracy_p10']):>9} "
                      f"{(r['bytes_uploaded'] or 0) / 1e6:8.1f} {('%.2fx' % sp) if sp else '   -':>8}")
+
+    def gap(d: dict | None) -> str:
+        if d is None:
+            return "n/a"
+        return f"{100 * d['mean']:+.2f}" + (f" ± {100 * d['ci95']:.2f}" if d["ci95"] is not None else "")
+
+    lines.append(f"differences in points, mean ± 95% interval over the {len(seeds)} seed(s):")
+    for pair, figs in report.get("differences", {}).items():
+        lines.append(f"{pair:>13}: final {gap(figs.get('final_accuracy'))}, late {gap(figs.get('late_accuracy'))}, "
+                     f"time mean {gap(figs.get('time_mean_accuracy'))}")
     return "\n".join(lines)

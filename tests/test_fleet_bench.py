@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.bench import combine, final_accuracy, seed_report, time_to_target, within
+from server.bench import bench_table, combine, differences, final_accuracy, mean_ci95, seed_report, time_mean_accuracy, time_to_target, within
 from server.checkpoint import ServerState
 from server.config import fleet_config_from_dict
 from server.server_app import out_of_time
@@ -49,6 +49,45 @@ def test_seed_report_compares_at_fedavgs_horizon():
     # late accuracy: every round ending in the last 30% of the horizon (from 42 s), the same time for both
     assert f["late_accuracy"] == pytest.approx(0.8)  # FedAvg's round at 60 s
     assert e["late_accuracy"] == pytest.approx((0.8 + 0.82) / 2)  # its rounds ending at 50 and 60 s
+
+
+def test_time_mean_weighs_each_accuracy_by_how_long_it_held():
+    h = hist([(10, 0.5), (20, 0.7), (40, 0.9)])
+    # from 20 s: 0.7 holds for 20 s, then 0.9 for 20 s up to the 60 s horizon
+    assert time_mean_accuracy(h, 20.0, 60.0) == pytest.approx(0.8)
+    # from 15 s, 0.5 held for the first 5 s of the 35 s up to 50 s
+    assert time_mean_accuracy(h, 15.0, 50.0) == pytest.approx((0.5 * 5 + 0.7 * 20 + 0.9 * 10) / 35)
+    assert time_mean_accuracy(h, 5.0, 60.0) is None  # no model yet at 5 s: nothing to hold
+
+
+def test_seed_report_time_mean_starts_when_every_method_has_a_model():
+    fedavg = hist([(20, 0.6), (40, 0.8)])
+    elastic = hist([(10, 0.5), (20, 0.7), (30, 0.7), (40, 0.9)])
+    rep = seed_report({m: summary(m) for m in ("fedavg", "naive", "fleet")},
+                      {"fedavg": fedavg, "naive": elastic, "fleet": elastic}, target_fraction=0.95, final_rounds=1)
+    assert rep["methods"]["fedavg"]["time_mean_accuracy"] == pytest.approx(0.6)  # 20..40 s: 0.6 until 40 s
+    assert rep["methods"]["fleet"]["time_mean_accuracy"] == pytest.approx(0.7)  # its 10 s round is before the start
+
+
+def test_differences_give_a_95_interval_over_seeds():
+    mean, half = mean_ci95([1.0, 2.0, 3.0])
+    assert mean == 2.0 and half == pytest.approx(4.303 * 1.0 / 3 ** 0.5, rel=1e-4)
+    assert mean_ci95([0.5]) == (0.5, None)
+
+    def rep(fedavg: float, naive: float, fleet: float) -> dict:
+        return {"methods": {m: {"final_accuracy": a, "late_accuracy": a, "time_mean_accuracy": None}
+                            for m, a in (("fedavg", fedavg), ("naive", naive), ("fleet", fleet))}}
+
+    d = differences({0: rep(0.70, 0.72, 0.75), 1: rep(0.70, 0.74, 0.73)})
+    assert set(d) == {"naive-fedavg", "fleet-fedavg", "fleet-naive"}
+    fn = d["fleet-naive"]["final_accuracy"]
+    assert fn["per_seed"] == pytest.approx([0.03, -0.01]) and fn["mean"] == pytest.approx(0.01)
+    assert fn["ci95"] == pytest.approx(12.706 * 0.02828427 / 2 ** 0.5, rel=1e-4)  # contains 0: a tie
+    assert d["fleet-fedavg"]["late_accuracy"]["mean"] == pytest.approx(0.04)
+    assert "time_mean_accuracy" not in d["fleet-naive"]  # a figure some seed lacks is left out
+    table = bench_table({"seeds": [0, 1], "final_accuracy_is": "f", "late_accuracy_is": "l", "target_fraction_of_fedavg_final": 0.95,
+                         "methods": {}, "differences": d})
+    assert "fleet-naive: final +1.00 ± 25.41, late +1.00 ± 25.41, time mean n/a" in table
 
 
 def test_combine_averages_seeds_and_needs_every_seed_for_time_to_target():

@@ -68,15 +68,21 @@ def prepare(cfg: FleetConfig, *, resume: bool, log: Callable[[str], None] = prin
 
 def run_simulation(cfg: FleetConfig, config_path: Path, *, resume: bool, verbose: bool = False) -> dict:
     """Run the ServerApp and N ClientApps in Flower's simulation engine; returns summary.json."""
-    from flwr.app import Context, RecordDict
-    from flwr.common.config import get_fused_config_from_dir
-    from flwr.common.constant import RUN_ID_NUM_BYTES, SUPERLINK_NODE_ID, TASK_ID_NUM_BYTES
-    from flwr.supercore.constant import NOOP_FEDERATION_ID
-    from flwr.server.superlink.linkstate.utils import generate_rand_int_from_bytes
-    from flwr.simulation.run_simulation import _run_simulation
-    from flwr.supercore.run import Run
-    from flwr.supercore.task_identity import TaskIdentity
-    from flwr.supercore.telemetry import EventType
+    try:
+        from flwr.app import Context, RecordDict
+        from flwr.common.config import get_fused_config_from_dir
+        from flwr.common.constant import RUN_ID_NUM_BYTES, SUPERLINK_NODE_ID, TASK_ID_NUM_BYTES
+        from flwr.server.superlink.linkstate.utils import generate_rand_int_from_bytes
+        from flwr.simulation.run_simulation import _run_simulation
+        from flwr.supercore.constant import NOOP_FEDERATION_ID
+        from flwr.supercore.run import Run
+        from flwr.supercore.task_identity import TaskIdentity
+        from flwr.supercore.telemetry import EventType
+    except ImportError as exc:  # the public run_simulation takes no run config, so this leans on 1.42's internals
+        import flwr
+
+        raise FleetError(f"fleet simulate needs flwr 1.42.x, found {flwr.__version__} ({exc}); "
+                         "pip install 'flwr[simulation]>=1.42,<1.43'") from None
 
     # The same launch `flwr-simulation` performs for `flwr run` (apps loaded by their
     # component names from the app directory, the run config fused with pyproject's),

@@ -102,6 +102,18 @@ def test_profile_of_another_batch_size_stops_the_launch_in_one_line(tmp_path):
     assert not (tmp_path / "runs").exists()  # nothing started, nothing moved aside
 
 
+def test_flwr_without_the_simulation_internals_is_named_in_one_line(tmp_path, monkeypatch):
+    """`fleet simulate` leans on flwr 1.42's simulation internals; another flwr must say so, not crash."""
+    from fleet.errors import FleetError
+    from server.config import fleet_config_from_dict
+    from server.simulation import run_simulation
+
+    monkeypatch.setitem(sys.modules, "flwr.simulation.run_simulation", None)  # what a release without it looks like
+    with pytest.raises(FleetError, match=r"fleet simulate needs flwr 1\.42\.x, found .*pip install 'flwr\[simulation\]>=1\.42,<1\.43'"):
+        run_simulation(fleet_config_from_dict({"output_dir": str(tmp_path)}), tmp_path / "cfg.yaml", resume=False)
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.slow
 def test_resume_after_killed_server_loses_nothing(tmp_path):
     args = ["simulate", TINY, "--output-dir", str(tmp_path), "--rounds", "4"]

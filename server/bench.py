@@ -313,8 +313,12 @@ def plot_bench(report: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     seeds = report["per_seed"]
-    fig, axes = plt.subplots(1, len(seeds), figsize=(6 * len(seeds), 4), squeeze=False)
-    for ax, (seed, rep) in zip(axes[0], seeds.items()):
+    cols = min(len(seeds), 4)
+    rows = -(-len(seeds) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False)
+    for ax in axes.flat[len(seeds):]:
+        ax.set_visible(False)
+    for ax, (seed, rep) in zip(axes.flat, seeds.items()):
         for method, entry in rep["methods"].items():
             history = json.loads((Path(entry["run_dir"]) / "summary.json").read_text())["history"]
             xs = [r["sim_time_s"] for r in history]

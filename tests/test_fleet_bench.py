@@ -146,6 +146,11 @@ def test_bench_plot_draws_every_seed(tmp_path):
         rep["methods"][m]["run_dir"] = str(tmp_path / m)
     path = plot_bench({"per_seed": {"0": rep, "1": rep}}, tmp_path / "bench.png")
     assert path.stat().st_size > 5000
+    import matplotlib.image
+
+    assert matplotlib.image.imread(path).shape[:2] == (400, 1200)  # one row, a panel per seed
+    wide = plot_bench({"per_seed": {str(s): rep for s in range(5)}}, tmp_path / "bench5.png")
+    assert matplotlib.image.imread(wide).shape[:2] == (800, 2400)  # wrapped at 4 panels a row
 
 
 def test_reuse_takes_only_a_finished_run_made_with_the_same_config(tmp_path):

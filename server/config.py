@@ -55,6 +55,7 @@ class FederationConfig:
     client_threads: int = 1  # torch threads inside a ClientApp
     pretrained_samples: int = 0  # bench: samples held out from the devices to pretrain the start model
     pretrain_epochs: int = 2
+    pretrain_classes: list[int] | None = None  # bench: pretrain only on these labels (a start from other classes); null: all
     fail_device: int | None = None  # fault injection for tests: this partition raises ...
     fail_round: int | None = None  # ... in this round
 
@@ -92,6 +93,8 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "federation.client_threads": (lambda v: v >= 1, "an integer >= 1"),
     "federation.pretrained_samples": (lambda v: v >= 0, "an integer >= 0"),
     "federation.pretrain_epochs": (lambda v: v >= 1, "an integer >= 1"),
+    "federation.pretrain_classes": (lambda v: v is None or (len(v) >= 1 and len(set(v)) == len(v) and min(v) >= 0),
+                                    "a list of distinct labels >= 0, or null for all"),
 }
 
 
@@ -107,6 +110,9 @@ def _check_rules(cfg: FleetConfig) -> None:
             f"federation.window_blocks: {fed.window_blocks} exceeds federation.num_blocks={fed.num_blocks}; "
             "use a window no larger than the number of blocks"
         )
+    if fed.pretrain_classes is not None and max(fed.pretrain_classes) >= cfg.model.num_classes:
+        raise ConfigError(f"federation.pretrain_classes: label {max(fed.pretrain_classes)} is not below model.num_classes={cfg.model.num_classes}; "
+                          "use labels of the model's classes")
     if (fed.fail_device is None) != (fed.fail_round is None):
         raise ConfigError("federation.fail_device: set both fail_device and fail_round, or neither")
 

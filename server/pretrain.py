@@ -28,10 +28,12 @@ def pretrain_fleet_model(cfg: FleetConfig, out: Path, log: Callable[[str], None]
     t = cfg.train
     options = TrainerOptions(method="full", lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay, batch_size=t.batch_size, input_size=cfg.data.input_size, seed=t.seed)
 
+    classes = "" if fed.pretrain_classes is None else f" of classes {fed.pretrain_classes}"
+
     def report(epoch: int, acc: float, loss: float, seconds: float) -> None:
-        log(f"pretrain epoch {epoch + 1}/{fed.pretrain_epochs} on {len(data)} held-out samples: test accuracy {100 * acc:.1f}%  loss {loss:.3f}  {seconds:.0f}s")
+        log(f"pretrain epoch {epoch + 1}/{fed.pretrain_epochs} on {len(data)} held-out samples{classes}: test accuracy {100 * acc:.1f}%  loss {loss:.3f}  {seconds:.0f}s")
 
     acc = train_epochs(model, options, data, test, fed.pretrain_epochs, report)
-    meta = {"model": cfg.model.name, "num_classes": cfg.model.num_classes, "in_channels": cfg.model.in_channels, "small_input": cfg.model.small_input, "pretrained_samples": len(data), "test_accuracy": acc}
+    meta = {"model": cfg.model.name, "num_classes": cfg.model.num_classes, "in_channels": cfg.model.in_channels, "small_input": cfg.model.small_input, "pretrained_samples": len(data), "pretrain_classes": fed.pretrain_classes, "test_accuracy": acc}
     save_checkpoint(model, out, meta)
     return out

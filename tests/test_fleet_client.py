@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -249,6 +250,17 @@ def test_partitions_are_disjoint_and_hold_out_pretraining_data():
     assert len(set().union(*everything)) == 2000  # disjoint, nothing dropped
 
 
+def test_pretraining_from_other_classes_holds_out_only_those():
+    cfg = fleet_config_from_dict({"data": {"dataset": "synthetic"},
+                                  "federation": {"num_devices": 4, "pretrained_samples": 100, "pretrain_classes": [0, 1, 2]}})
+    labels = torch.arange(2000).remainder(10).numpy()
+    pre, parts = fleet_indices(cfg, labels)
+    assert len(pre) == 100 and set(labels[pre].tolist()) == {0, 1, 2}
+    rest = np.concatenate(parts)
+    assert len(rest) + 100 == 2000 and not set(pre.tolist()) & set(rest.tolist())
+    assert set(labels[rest].tolist()) == set(range(10))  # the fleet still learns every class
+
+
 @pytest.mark.parametrize(
     "data, field",
     [
@@ -258,6 +270,8 @@ def test_partitions_are_disjoint_and_hold_out_pretraining_data():
         ({"federation": {"rounds": "many"}}, "federation.rounds"),
         ({"federation": {"blend_beta": 2}}, "federation.blend_beta"),
         ({"federation": {"speed": 1}}, "federation.speed"),
+        ({"federation": {"pretrain_classes": [3, 12]}}, "federation.pretrain_classes"),
+        ({"federation": {"pretrain_classes": [1, 1]}}, "federation.pretrain_classes"),
     ],
 )
 def test_bad_federation_field_is_one_clear_line(data, field):

@@ -40,7 +40,7 @@ class FederationConfig:
     deadline_factor: float = 1.0  # scales the automatic deadline
     deadline_includes_upload: bool = True  # the deadline bounds compute + upload; each tensor's upload is charged to the device's budget
     importance_interval: int = 2  # re-probe local importance every this many rounds (DP runs every round)
-    window: bool = True  # FedEL sliding block window with rollback (fleet strategy only)
+    window: bool = False  # FedEL sliding block window with rollback (fleet strategy only); off: it never helped on the bench (docs/fleet.md)
     window_blocks: int = 2  # blocks inside the window
     window_schedule: str = "rollback"  # rollback: slide to the input, jump back to the output; pingpong: walk back
     window_mode: str = "cover"  # cover: as many window tensors as fit, then the most important anywhere; only: the DP stays inside

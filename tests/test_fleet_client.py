@@ -157,7 +157,7 @@ def test_window_cover_spends_the_budget_the_window_leaves(setup):
     plan = RoundPlan(server_round=3, strategy="fleet", deadline_s=deadline)  # the window's input-side position
 
     def trained(mode: str) -> tuple[set[str], dict]:
-        c = dataclasses.replace(cfg, federation=dataclasses.replace(cfg.federation, window_mode=mode))
+        c = dataclasses.replace(cfg, federation=dataclasses.replace(cfg.federation, window=True, window_mode=mode))
         res = local_round(c, make_model(cfg.model, 0), slow, data, None, plan, 1)
         return set(res.state["trained"]), res.metrics
 

@@ -23,7 +23,7 @@ from fleet.errors import FleetError
 from fleet.experiment import make_model
 from server.checkpoint import CHECKPOINT_FILE, ServerState, load_checkpoint, save_checkpoint
 from server.config import FleetConfig, config_from_run_config, run_dir
-from server.strategy import ElasticFedAvg
+from server.strategy import ElasticFedAvg, error_summary
 from server.tracking import Tracker, device_rows, p10, plot_run, progress_line, round_time
 
 app = ServerApp()
@@ -64,7 +64,7 @@ def query_full_times(grid: Grid, node_ids: list[int], timeout: float) -> dict[st
     times = {}
     for reply in grid.send_and_receive(messages, timeout=timeout):
         if reply.has_error():
-            log.warning("device on node %d could not report its profile: %s", reply.metadata.src_node_id, reply.error.reason)
+            log.warning("device on node %d could not report its profile: %s", reply.metadata.src_node_id, error_summary(reply.error.reason))
             continue
         times[str(reply.metadata.src_node_id)] = float(reply.content["metrics"]["full-time-s"])
     return times

@@ -10,6 +10,7 @@ global arrays, so they are kept from ``configure_train``.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -43,10 +44,22 @@ def _partition(msg: Message) -> int | None:
     return int(value) if isinstance(value, (int, float)) else None
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failure|Interrupt|Exit)(: .*)?$")
+
+
+def error_summary(reason: str, limit: int = 300) -> str:
+    """One line for a device's failure: the first exception line of the traceback Flower relays
+    (the root cause: a simulated ClientApp's error arrives wrapped in Ray's and Flower's own)."""
+    lines = [ln.strip() for ln in _ANSI.sub("", reason).splitlines() if ln.strip()]
+    first = next((ln for ln in lines if _EXCEPTION_LINE.match(ln)), lines[0] if lines else "no reason given")
+    return first if len(first) <= limit else first[: limit - 3] + "..."
+
+
 def check_reply(msg: Message, global_arrays: dict[str, np.ndarray]) -> str | None:
     """Why a train reply cannot be aggregated, or None when it is sound."""
     if msg.has_error():
-        return f"device failed: {msg.error.reason}"
+        return f"device failed: {error_summary(msg.error.reason)}"
     content = msg.content
     if len(content.array_records) != 1:
         return f"expected one ArrayRecord, got {len(content.array_records)}"
@@ -208,7 +221,7 @@ class ElasticFedAvg(FedAvg):
         self.eval_results = []
         for msg in replies:
             if msg.has_error() or "metrics" not in msg.content.metric_records:
-                reason = msg.error.reason if msg.has_error() else "no 'metrics' MetricRecord"
+                reason = error_summary(msg.error.reason) if msg.has_error() else "no 'metrics' MetricRecord"
                 log.warning("round %d: evaluation from node %d failed: %s", server_round, msg.metadata.src_node_id, reason)
                 continue
             metrics = dict(msg.content.metric_records["metrics"])

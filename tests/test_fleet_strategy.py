@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Error, Message, MessageType, Metadata, MetricRecord, RecordDict
 
-from server.strategy import ElasticFedAvg, check_reply, masked_average
+from server.strategy import ElasticFedAvg, check_reply, error_summary, masked_average
 
 
 def reply(node: int, arrays: dict[str, np.ndarray] | None, samples: int = 10, partition: int | None = None, error: str | None = None) -> Message:
@@ -127,3 +127,20 @@ def test_deadline_adds_the_full_upload_when_it_covers_uploads():
     s = ElasticFedAvg(param_names=["a"], full_upload_s=2.5, min_available_nodes=1, min_train_nodes=1)
     s.full_times = {1: 4.0, 2: 1.5}
     assert s.round_deadline() == 4.0  # the fastest device's round: full training plus full upload
+
+
+def test_a_device_failure_is_logged_in_one_line():
+    """A simulated ClientApp's error reaches the server wrapped in Ray's and Flower's tracebacks,
+    with terminal colours; the rejection names the root cause alone."""
+    relayed = (
+        "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::ClientAppActor.run()\x1b[39m (pid=1)\n"
+        "  File \"/x/torch/serialization.py\", line 1312, in _save\n    zip_file.write_record(name, storage, num_bytes)\n"
+        "OSError: [Errno 28] No space left on device\n\nDuring handling of the above exception, another exception occurred:\n\n"
+        "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 61144000 vs 61143896\n"
+        "flwr.clientapp.client_app.ClientAppException: \nException ClientAppException occurred.'>"
+    )
+    s = make_strategy(GLOBAL)
+    s.aggregate_train(1, [reply(13, None, error=relayed), reply(11, {"a": np.ones((2, 2), np.float32)})])
+    assert s.rejections[0].reason == "device failed: OSError: [Errno 28] No space left on device"
+    assert error_summary("x" * 500).endswith("...") and len(error_summary("x" * 500)) == 300
+    assert error_summary("") == "no reason given"

@@ -44,14 +44,9 @@ def fleet_indices(cfg: FleetConfig, labels: np.ndarray) -> tuple[np.ndarray, lis
     """(pretraining indices, one index array per device): disjoint, the same everywhere."""
     fed = cfg.federation
     order = np.random.default_rng([cfg.train.seed, 7]).permutation(len(labels))
-    if fed.pretrain_classes is not None:  # a start that has seen only some classes: held out from those alone
-        eligible = np.isin(labels[order], fed.pretrain_classes)
-        taken = order[eligible][: fed.pretrained_samples]
-        pre = np.sort(taken)
-        rest = np.sort(np.setdiff1d(order, taken))
-    else:
-        pre = np.sort(order[: fed.pretrained_samples])
-        rest = np.sort(order[fed.pretrained_samples :])
+    pool = order if fed.pretrain_classes is None else order[np.isin(labels[order], fed.pretrain_classes)]
+    pre = np.sort(pool[: fed.pretrained_samples])  # a start from other classes is held out from those alone
+    rest = np.setdiff1d(order, pre)  # sorted
     parts = partition_indices(
         labels[rest], fed.num_devices, fed.partition, alpha=fed.alpha, seed=cfg.train.seed, min_partition_size=2
     )

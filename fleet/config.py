@@ -83,7 +83,7 @@ class ExperimentConfig:
     methods: list[str] = field(default_factory=lambda: list(METHODS))  # compared by `fleet personalize`
 
 
-_LABELS = (lambda v: v is None or (len(v) >= 2 and len(set(v)) == len(v) and min(v) >= 0), "a list of >= 2 distinct labels >= 0")
+LABELS_RULE = (lambda v: v is None or (len(v) >= 2 and len(set(v)) == len(v) and min(v) >= 0), "a list of >= 2 distinct labels >= 0")
 _OPTIONAL_COUNT = (lambda v: v is None or v >= 1, "an integer >= 1 or null")
 
 # Checks beyond the type: field path -> (predicate, what is allowed).
@@ -91,7 +91,7 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "model.num_classes": (lambda v: v >= 2, "an integer >= 2"),
     "model.in_channels": (lambda v: v >= 1, "an integer >= 1"),
     "data.input_size": (lambda v: 8 <= v <= 1024, "an integer from 8 to 1024"),
-    "data.classes": _LABELS,
+    "data.classes": LABELS_RULE,
     "data.train_per_class": _OPTIONAL_COUNT,
     "data.test_per_class": _OPTIONAL_COUNT,
     "train.method": (lambda v: v in METHODS, "one of " + ", ".join(METHODS)),
@@ -106,7 +106,7 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "train.prunetrain_lambda": (lambda v: v >= 0, "a number >= 0"),
     "train.threads": _OPTIONAL_COUNT,
     "train.memory_budget_mb": (lambda v: v is None or v > 0, "a positive number of MB or null"),
-    "pretrain.classes": _LABELS,
+    "pretrain.classes": LABELS_RULE,
     "pretrain.train_per_class": _OPTIONAL_COUNT,
     "pretrain.epochs": (lambda v: v >= 1, "an integer >= 1"),
     "pretrain.lr": (lambda v: 0 < v < 10, "a number in (0, 10)"),

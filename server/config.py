@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fleet.config import ExperimentConfig, apply_overrides, build_dataclass, read_yaml_mapping
+from fleet.config import LABELS_RULE, ExperimentConfig, apply_overrides, build_dataclass, read_yaml_mapping
 from fleet.errors import ConfigError
 
 STRATEGIES = ("fleet", "naive", "fedavg")
@@ -93,8 +93,7 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "federation.client_threads": (lambda v: v >= 1, "an integer >= 1"),
     "federation.pretrained_samples": (lambda v: v >= 0, "an integer >= 0"),
     "federation.pretrain_epochs": (lambda v: v >= 1, "an integer >= 1"),
-    "federation.pretrain_classes": (lambda v: v is None or (len(v) >= 1 and len(set(v)) == len(v) and min(v) >= 0),
-                                    "a list of distinct labels >= 0, or null for all"),
+    "federation.pretrain_classes": LABELS_RULE,
 }
 
 

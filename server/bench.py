@@ -34,7 +34,7 @@ from typing import Any
 
 from fleet.config import config_to_dict
 from fleet.errors import ConfigError, FleetError
-from server.config import FleetConfig, load_fleet_config, run_dir
+from server.config import FederationConfig, FleetConfig, load_fleet_config, run_dir
 from server.simulation import EFFECTIVE_CONFIG, prepare
 from server.tracking import SUMMARY_FILE
 
@@ -186,8 +186,9 @@ def differences(seeds: dict[int, dict]) -> dict[str, dict]:
     return out
 
 
-def _simulate(config_path: Path, quiet: bool) -> None:
+def _simulate(config_path: Path, quiet: bool, resume: bool = False) -> None:
     cmd = [sys.executable, "-c", "import sys; from fleet.cli import main; sys.exit(main())", "simulate", str(config_path)]
+    cmd += ["--resume"] if resume else []
     res = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else None, stderr=subprocess.STDOUT if quiet else None, text=True, env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"})
     if res.returncode != 0:
         tail = (res.stdout or "")[-1500:] if quiet else ""
@@ -213,17 +214,28 @@ def reused_summary(method: str, want: FleetConfig) -> dict:
     out = run_dir(want)
     if not (out / SUMMARY_FILE).is_file() or not (out / EFFECTIVE_CONFIG).is_file():
         raise ConfigError(f"--reuse {method}: {out} holds no finished run; run the bench without --reuse {method}")
-    made = _flat(config_to_dict(load_fleet_config(out / EFFECTIVE_CONFIG)))
-    for key, value in _flat(config_to_dict(want)).items():
-        if key != "output_dir" and made.get(key) != value:
-            raise ConfigError(f"--reuse {method}: {out} was run with {key}={made.get(key)!r}, this bench needs {value!r}; "
-                              f"run it again (drop --reuse {method})")
     summary = json.loads((out / SUMMARY_FILE).read_text())
     fed = want.federation
+    # With a time budget the round count is only a cap (and the bench may have raised it).
+    timed_out = bool(fed.time_budget_s) and summary["sim_time_s"] >= fed.time_budget_s
+    made = _flat(config_to_dict(load_fleet_config(out / EFFECTIVE_CONFIG)))
+    for key, value in _flat(config_to_dict(want)).items():
+        if key == "output_dir" or (timed_out and key == "federation.rounds"):
+            continue
+        if made.get(key) != value:
+            raise ConfigError(f"--reuse {method}: {out} was run with {key}={made.get(key)!r}, this bench needs {value!r}; "
+                              f"run it again (drop --reuse {method})")
     if summary["rounds"] < fed.rounds and not (fed.time_budget_s and summary["sim_time_s"] >= fed.time_budget_s):
         raise ConfigError(f"--reuse {method}: {out} stopped after {summary['rounds']} rounds; finish it with "
                           f"`fleet simulate {out / EFFECTIVE_CONFIG} --resume` or drop --reuse {method}")
     return summary
+
+
+def elastic_round_cap(fed: FederationConfig) -> int:
+    """How many rounds an elastic method may take to fill FedAvg's horizon. Its rounds last about
+    the deadline: ``deadline_factor`` of the fastest device's full round, against FedAvg's
+    ``max(tiers)`` times that. Only a cap; the time budget ends the run (see :func:`_run_seed`)."""
+    return int(fed.rounds * max(fed.tiers) / min(1.0, fed.deadline_factor)) + 1
 
 
 def _run_seed(path: str, overrides: dict[str, Any], seed: int, tag: str, log, quiet: bool,
@@ -238,9 +250,8 @@ def _run_seed(path: str, overrides: dict[str, Any], seed: int, tag: str, log, qu
         extra: dict[str, Any] = {"name": f"{base.name}{tag}-{method}", "federation.strategy": method,
                                  "train.profile": shared.train.profile, "model.weights": shared.model.weights}
         if method != "fedavg":
-            # Up to max(tiers) times as many rounds: an elastic round is never shorter than that fraction.
             extra["federation.time_budget_s"] = horizon
-            extra["federation.rounds"] = int(base.federation.rounds * max(base.federation.tiers)) + 1
+            extra["federation.rounds"] = elastic_round_cap(base.federation)
         if method in reuse:
             summaries[method] = reused_summary(method, load_fleet_config(path, {**overrides, **extra}))
             log(f"--- seed {seed}, {method}: reusing {summaries[method]['run_dir']} ---")
@@ -252,6 +263,13 @@ def _run_seed(path: str, overrides: dict[str, Any], seed: int, tag: str, log, qu
             + f" on {cfg.federation.num_devices} devices ---")
         _simulate(config_path, quiet)
         summaries[method] = json.loads((run_dir(cfg) / "summary.json").read_text())
+        while horizon is not None and summaries[method]["sim_time_s"] < horizon and summaries[method]["rounds"] >= cfg.federation.rounds:
+            # Rounds shorter than the cap assumed (an explicit deadline_s, say): carry on to the horizon.
+            cfg, config_path = prepare(load_fleet_config(config_path, {"federation.rounds": 2 * cfg.federation.rounds}), resume=True, log=log)
+            log(f"--- seed {seed}, {method}: {summaries[method]['rounds']} rounds ended short of the horizon; "
+                f"resuming with federation.rounds={cfg.federation.rounds} ---")
+            _simulate(config_path, quiet, resume=True)
+            summaries[method] = json.loads((run_dir(cfg) / "summary.json").read_text())
         if method == "fedavg":
             horizon = summaries[method]["sim_time_s"]
     return summaries, {m: s["history"] for m, s in summaries.items()}

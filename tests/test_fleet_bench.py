@@ -179,3 +179,38 @@ def test_reuse_takes_only_a_finished_run_made_with_the_same_config(tmp_path):
         reused_summary("naive", want)
     with pytest.raises(ConfigError, match="--reuse: 'fedsgd' is not a method"):
         bench_fleet("simulations/fleet-tiny.yaml", reuse=("fedsgd",))
+
+
+def test_reuse_accepts_a_raised_round_cap_once_the_time_budget_is_reached(tmp_path):
+    import json
+
+    import yaml
+
+    from fleet.config import config_to_dict
+    from fleet.errors import ConfigError
+    from server.bench import reused_summary
+    from server.config import run_dir
+
+    want = fleet_config_from_dict({"name": "b-fleet", "output_dir": str(tmp_path),
+                                   "federation": {"rounds": 41, "time_budget_s": 100.0}})
+    out = run_dir(want)
+    out.mkdir(parents=True)
+    made = config_to_dict(want)
+    made["federation"]["rounds"] = 82  # the bench resumed it with a doubled cap
+    (out / "fleet-config.yaml").write_text(yaml.safe_dump(made))
+    (out / "summary.json").write_text(json.dumps({"rounds": 45, "sim_time_s": 101.0, "run_dir": str(out)}))
+    assert reused_summary("fleet", want)["rounds"] == 45
+    (out / "summary.json").write_text(json.dumps({"rounds": 40, "sim_time_s": 90.0, "run_dir": str(out)}))
+    with pytest.raises(ConfigError, match="was run with federation.rounds=82, this bench needs 41"):
+        reused_summary("fleet", want)
+
+
+def test_elastic_round_cap_follows_the_deadline_factor():
+    from server.bench import elastic_round_cap
+
+    fed = fleet_config_from_dict({"federation": {"rounds": 10, "tiers": [1, 2, 3, 4]}}).federation
+    assert elastic_round_cap(fed) == 41  # rounds of at least 1/4 of FedAvg's
+    tight = fleet_config_from_dict({"federation": {"rounds": 10, "tiers": [1, 2, 3, 4], "deadline_factor": 0.5}}).federation
+    assert elastic_round_cap(tight) == 81  # half the deadline: rounds of 1/8 of FedAvg's
+    loose = fleet_config_from_dict({"federation": {"rounds": 10, "tiers": [1, 2], "deadline_factor": 1.5}}).federation
+    assert elastic_round_cap(loose) == 21

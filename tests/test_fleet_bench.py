@@ -214,3 +214,23 @@ def test_elastic_round_cap_follows_the_deadline_factor():
     assert elastic_round_cap(tight) == 81  # half the deadline: rounds of 1/8 of FedAvg's
     loose = fleet_config_from_dict({"federation": {"rounds": 10, "tiers": [1, 2], "deadline_factor": 1.5}}).federation
     assert elastic_round_cap(loose) == 21
+
+
+@pytest.mark.slow
+def test_bench_carries_elastic_runs_to_the_horizon_past_their_round_cap(tmp_path):
+    """A near-zero deadline makes elastic rounds far shorter than the cap assumes: the bench
+    resumes them until FedAvg's horizon, and a second bench reuses all three runs as they are."""
+    import json
+
+    from server.bench import bench_fleet
+
+    overrides = {"output_dir": str(tmp_path), "federation.deadline_s": 0.001, "federation.min_rho_margin": 0.0}
+    report = bench_fleet("simulations/fleet-tiny.yaml", overrides, quiet=True)
+    horizon = json.loads((tmp_path / "fleet-tiny-fedavg" / "summary.json").read_text())["sim_time_s"]
+    for method in ("naive", "fleet"):
+        run = tmp_path / f"fleet-tiny-{method}"
+        done = json.loads((run / "summary.json").read_text())
+        assert done["sim_time_s"] >= horizon and done["rounds"] > 5  # past the cap of 2 * 2 + 1 rounds
+        assert "rounds: 10" in (run / "fleet-config.yaml").read_text()
+    again = bench_fleet("simulations/fleet-tiny.yaml", overrides, quiet=True, reuse=("fedavg", "naive", "fleet"))
+    assert again["methods"] == report["methods"]

@@ -225,7 +225,7 @@ def reused_summary(method: str, want: FleetConfig) -> dict:
         if made.get(key) != value:
             raise ConfigError(f"--reuse {method}: {out} was run with {key}={made.get(key)!r}, this bench needs {value!r}; "
                               f"run it again (drop --reuse {method})")
-    if summary["rounds"] < fed.rounds and not (fed.time_budget_s and summary["sim_time_s"] >= fed.time_budget_s):
+    if summary["rounds"] < fed.rounds and not timed_out:
         raise ConfigError(f"--reuse {method}: {out} stopped after {summary['rounds']} rounds; finish it with "
                           f"`fleet simulate {out / EFFECTIVE_CONFIG} --resume` or drop --reuse {method}")
     return summary

@@ -17,10 +17,10 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from client.local import RoundPlan, local_round
-from client.task import (
+from fleet.federated.round import RoundPlan, local_round
+from fleet.federated.split import device_data
+from fleet.federated.device import (
     build_model,
-    device_data,
     device_memory,
     device_profile,
     load_state,
@@ -31,7 +31,7 @@ from client.task import (
     tier_of,
 )
 from fleet.trainer import accuracy
-from server.config import FleetConfig, config_from_run_config
+from fleet.federated.config import FleetConfig, config_from_run_config
 
 app = ClientApp()
 

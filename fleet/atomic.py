@@ -1,16 +1,19 @@
 """Atomic file writes: readers see the old file or the new one, never half of one.
 
-Results, profiles and checkpoints are written this way so that a crash or a
-kill mid-write never destroys what was already saved.
+Results, profiles, checkpoints and device state are written this way so that a
+crash or a kill mid-write never destroys what was already saved.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
+
+import torch
 
 
 def write_atomic(path: str | os.PathLike, write: Callable[[IO], object], *, binary: bool = False) -> Path:
@@ -33,3 +36,26 @@ def write_atomic(path: str | os.PathLike, write: Callable[[IO], object], *, bina
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     return write_atomic(path, lambda fh: fh.write(text))
+
+
+def write_json(path: str | os.PathLike, data: dict) -> Path:
+    """Atomic JSON write: a crash never leaves half a results file."""
+    return write_text_atomic(path, json.dumps(data, indent=2))
+
+
+def save_torch(path: str | os.PathLike, obj: dict) -> Path:
+    """Atomic torch.save of a checkpoint or device state."""
+    return write_atomic(path, lambda fh: torch.save(obj, fh), binary=True)
+
+
+def load_torch(path: str | os.PathLike) -> dict | None:
+    """What :func:`save_torch` wrote, or None when the file is absent or unreadable (never a crash).
+
+    ``weights_only=True``: a file that crosses a boundary must not run code when loaded."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:
+        return None

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from fleet.atomic import write_text_atomic
 from fleet.config import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
 from fleet.data import ArrayDataset, ensure_fashion_mnist, load_dataset
 from fleet.device_profile import DeviceProfile
@@ -125,8 +122,3 @@ def obtain_profile(
     if cache is not None:
         profile.save(cache)
     return profile
-
-
-def write_json(path: str | os.PathLike, data: dict) -> Path:
-    """Atomic JSON write: a crash never leaves half a results file."""
-    return write_text_atomic(path, json.dumps(data, indent=2))

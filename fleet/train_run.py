@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
+from fleet.atomic import write_json
 from fleet.config import ExperimentConfig, config_to_dict
 from fleet.device_profile import DeviceProfile
-from fleet.experiment import load_data, make_model, obtain_profile, trainer_options, write_json
+from fleet.experiment import load_data, make_model, obtain_profile, trainer_options
 from fleet.trainer import EpochStats, Trainer
 
 

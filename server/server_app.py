@@ -21,10 +21,10 @@ from flwr.serverapp import Grid, ServerApp
 
 from fleet.errors import FleetError
 from fleet.experiment import make_model
-from server.checkpoint import CHECKPOINT_FILE, ServerState, load_checkpoint, save_checkpoint
-from server.config import FleetConfig, config_from_run_config, run_dir
+from fleet.federated.state import CHECKPOINT_FILE, ServerState, load_checkpoint, save_checkpoint
+from fleet.federated.config import FleetConfig, config_from_run_config, run_dir
 from server.strategy import ElasticFedAvg, error_summary
-from server.tracking import Tracker, device_rows, p10, plot_run, progress_line, round_time
+from fleet.federated.tracking import Tracker, device_rows, p10, plot_run, progress_line, round_time
 
 app = ServerApp()
 log = logging.getLogger("fleet.server")

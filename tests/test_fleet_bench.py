@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from server.bench import bench_table, combine, differences, final_accuracy, mean_ci95, seed_report, time_mean_accuracy, time_to_target, within
-from server.checkpoint import ServerState
-from server.config import fleet_config_from_dict
+from fleet.bench.fleet import bench_table, combine, differences, final_accuracy, mean_ci95, seed_report, time_mean_accuracy, time_to_target, within
+from fleet.federated.state import ServerState
+from fleet.federated.config import fleet_config_from_dict
 from server.server_app import out_of_time
 
 
@@ -134,7 +134,7 @@ def test_server_gives_up_on_devices_that_never_connect():
 def test_bench_plot_draws_every_seed(tmp_path):
     import json
 
-    from server.bench import plot_bench
+    from fleet.bench.fleet import plot_bench
 
     histories = {"fedavg": hist([(20, 0.6), (40, 0.7)]), "naive": hist([(10, 0.65), (20, 0.7), (30, 0.72), (40, 0.75)])}
     histories["fleet"] = histories["naive"]
@@ -160,8 +160,8 @@ def test_reuse_takes_only_a_finished_run_made_with_the_same_config(tmp_path):
 
     from fleet.config import config_to_dict
     from fleet.errors import ConfigError
-    from server.bench import bench_fleet, reused_summary
-    from server.config import run_dir
+    from fleet.bench.fleet import bench_fleet, reused_summary
+    from fleet.federated.config import run_dir
 
     want = fleet_config_from_dict({"name": "b-naive", "output_dir": str(tmp_path), "federation": {"strategy": "naive", "rounds": 4}})
     out = run_dir(want)
@@ -188,8 +188,8 @@ def test_reuse_accepts_a_raised_round_cap_once_the_time_budget_is_reached(tmp_pa
 
     from fleet.config import config_to_dict
     from fleet.errors import ConfigError
-    from server.bench import reused_summary
-    from server.config import run_dir
+    from fleet.bench.fleet import reused_summary
+    from fleet.federated.config import run_dir
 
     want = fleet_config_from_dict({"name": "b-fleet", "output_dir": str(tmp_path),
                                    "federation": {"rounds": 41, "time_budget_s": 100.0}})
@@ -206,7 +206,7 @@ def test_reuse_accepts_a_raised_round_cap_once_the_time_budget_is_reached(tmp_pa
 
 
 def test_elastic_round_cap_follows_the_deadline_factor():
-    from server.bench import elastic_round_cap
+    from fleet.bench.fleet import elastic_round_cap
 
     fed = fleet_config_from_dict({"federation": {"rounds": 10, "tiers": [1, 2, 3, 4]}}).federation
     assert elastic_round_cap(fed) == 41  # rounds of at least 1/4 of FedAvg's
@@ -224,7 +224,7 @@ def test_bench_carries_elastic_runs_to_the_horizon_past_their_round_cap(tmp_path
 
     import yaml
 
-    from server.bench import bench_fleet
+    from fleet.bench.fleet import bench_fleet
 
     overrides = {"output_dir": str(tmp_path), "federation.deadline_s": 0.001, "federation.min_rho_margin": 0.0}
     report = bench_fleet("simulations/fleet-tiny.yaml", overrides, quiet=True)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from client.local import (
+from fleet.federated.round import (
     RoundPlan,
     blend_importance,
     device_rho,
@@ -19,10 +19,11 @@ from client.local import (
     window_mask,
     window_position,
 )
-from client.task import device_data, device_memory, fleet_indices, memory_budget_of
+from fleet.federated.device import device_memory, memory_budget_of
+from fleet.federated.split import device_data, fleet_indices
 from fleet.errors import BudgetError, ConfigError
 from fleet.experiment import make_model, obtain_profile
-from server.config import fleet_config_from_dict, load_fleet_config
+from fleet.federated.config import fleet_config_from_dict, load_fleet_config
 
 TINY = "simulations/fleet-tiny.yaml"
 

@@ -105,7 +105,7 @@ def test_profile_of_another_batch_size_stops_the_launch_in_one_line(tmp_path):
 def test_flwr_without_the_simulation_internals_is_named_in_one_line(tmp_path, monkeypatch):
     """`fleet simulate` leans on flwr 1.42's simulation internals; another flwr must say so, not crash."""
     from fleet.errors import FleetError
-    from server.config import fleet_config_from_dict
+    from fleet.federated.config import fleet_config_from_dict
     from server.simulation import run_simulation
 
     monkeypatch.setitem(sys.modules, "flwr.simulation.run_simulation", None)  # what a release without it looks like

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from fleet.errors import BudgetError, ConfigError
-from fleet.memory.cli import register_bench, register_plan
+from fleet.commands.memory import register_bench, register_plan
 from fleet.memory.planner import MemoryPlan
 
 

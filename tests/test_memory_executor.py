@@ -22,7 +22,7 @@ from fleet.memory import (
     resolve_budget,
     segment_model,
 )
-from fleet.memory.bench import build_model
+from fleet.bench.memory import build_model
 from fleet.memory.planner import FROZEN, KEEP, PAGE, RECOMPUTE, evaluate_plan
 
 BATCH = 4

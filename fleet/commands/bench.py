@@ -34,7 +34,7 @@ def register_bench(bench_sub: argparse._SubParsersAction) -> None:
 def _profile(args: argparse.Namespace):
     import torch
 
-    from fleet.bench import measure_profile
+    from fleet.bench.steps import measure_profile
     from fleet.device_profile import DeviceProfile
     from fleet.errors import ConfigError
 
@@ -58,7 +58,7 @@ def _emit(result: dict, as_json: bool, lines: list[str]) -> None:
 
 
 def run_timing(args: argparse.Namespace) -> int:
-    from fleet.bench import timing_bench
+    from fleet.bench.timing import timing_bench
 
     r = timing_bench(_profile(args), selections=args.selections, repeats=args.repeats)
     lines = [f"{'selected':>8} {'kmin':>5} {'predicted ms':>13} {'measured ms':>12} {'error':>7}"]
@@ -77,7 +77,7 @@ def run_timing(args: argparse.Namespace) -> int:
 
 
 def run_speedup(args: argparse.Namespace) -> int:
-    from fleet.bench import speedup_bench
+    from fleet.bench.speedup import speedup_bench
     from fleet.errors import ConfigError
 
     if not 0 < args.rho <= 1:

@@ -77,14 +77,14 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from server.bench import bench_fleet
+    from fleet.bench.fleet import bench_fleet
 
     result = bench_fleet(args.config, _overrides(args), target_fraction=args.target, quiet=args.json,
                          seeds=args.seeds, final_rounds=args.final_rounds, reuse=tuple(args.reuse))
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        from server.bench import bench_table
+        from fleet.bench.fleet import bench_table
 
         print(bench_table(result))
     return 0

@@ -28,7 +28,7 @@ def register_bench(bench_sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from fleet.personalize import personalize, summary_table
+    from fleet.bench.personalize import personalize, summary_table
 
     if args.methods:
         args.set.append(f"methods=[{args.methods}]")

@@ -3,7 +3,6 @@
 * :func:`measure_block_costs`, :func:`measure_storage` -> :class:`MemoryProfile`, :class:`StorageProfile`
 * :func:`plan_memory` -> :class:`MemoryPlan` (pure; raises BudgetError with the smallest feasible budget)
 * :func:`apply_plan` -> context manager that makes ``loss.backward()`` steps follow a plan
-* :func:`run_memory_bench` -> dict of measured figures
 """
 
 from fleet.memory.costs import (
@@ -22,7 +21,6 @@ from fleet.memory.planner import (
     plan_memory,
     resolve_budget,
 )
-from fleet.memory.bench import run_memory_bench
 from fleet.memory.segment import segment_model
 
 __all__ = [
@@ -40,6 +38,5 @@ __all__ = [
     "min_feasible_budget",
     "plan_memory",
     "resolve_budget",
-    "run_memory_bench",
     "segment_model",
 ]

@@ -89,7 +89,7 @@ def _mb(n: int | float | None) -> str:
 def run_plan(args: argparse.Namespace) -> int:
     import yaml
 
-    from fleet.memory.bench import build_model
+    from fleet.bench.memory import build_model
     from fleet.memory.costs import measure_block_costs, measure_storage
     from fleet.memory.planner import min_feasible_budget, plan_memory, resolve_budget
 
@@ -140,7 +140,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from fleet.memory.bench import run_memory_bench
+    from fleet.bench.memory import run_memory_bench
 
     _threads(args)
     out = run_memory_bench(

@@ -34,9 +34,9 @@ from typing import Any
 
 from fleet.config import config_to_dict
 from fleet.errors import ConfigError, FleetError
-from server.config import FederationConfig, FleetConfig, load_fleet_config, run_dir
-from server.simulation import EFFECTIVE_CONFIG, prepare
-from server.tracking import SUMMARY_FILE
+from fleet.federated.config import FederationConfig, FleetConfig, load_fleet_config, run_dir
+from fleet.federated.prepare import EFFECTIVE_CONFIG, prepare
+from fleet.federated.tracking import SUMMARY_FILE
 
 METHODS = ("fedavg", "naive", "fleet")
 FIGURES = ("time_to_target_s", "final_accuracy", "late_accuracy", "time_mean_accuracy", "last_round_accuracy", "personalized_accuracy_mean",

@@ -24,7 +24,7 @@ from fleet.memory.budgeted import MemoryBudget
 from fleet.models import head_parameter_names
 from fleet.selection import select_tensors, selection_cost
 from fleet.trainer import Trainer, TrainerOptions
-from server.config import FleetConfig
+from fleet.federated.config import FleetConfig
 
 PROBE_STEPS = 2.0  # an importance probe costs about two full steps (one update, one gradient)
 

@@ -1,7 +1,7 @@
 """The fleet's starting checkpoint, trained on samples no device holds.
 
 ``federation.pretrained_samples`` images are set aside before partitioning (see
-:func:`client.task.fleet_indices`), so the fleet fine-tunes a model that has
+:func:`fleet.federated.device.fleet_indices`), so the fleet fine-tunes a model that has
 never seen its data, as a vendor would ship one.
 """
 
@@ -11,12 +11,12 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from client.task import fleet_indices
+from fleet.federated.split import fleet_indices
 from fleet.experiment import load_data, make_model
 from fleet.models import save_checkpoint
 from fleet.pretrain import train_epochs
 from fleet.trainer import TrainerOptions
-from server.config import FleetConfig
+from fleet.federated.config import FleetConfig
 
 
 def pretrain_fleet_model(cfg: FleetConfig, out: Path, log: Callable[[str], None] = print) -> Path:

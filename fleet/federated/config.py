@@ -19,7 +19,7 @@ from fleet.errors import ConfigError
 STRATEGIES = ("fleet", "naive", "fedavg")
 PARTITIONS = ("iid", "dirichlet", "shards")
 RUN_ONLY_KEYS = ("config", "resume")  # run-config keys that are not fields of the YAML
-APP_ROOT = Path(__file__).resolve().parent.parent  # holds pyproject.toml and simulations/
+APP_ROOT = Path(__file__).resolve().parents[2]  # holds pyproject.toml and simulations/
 
 
 @dataclass

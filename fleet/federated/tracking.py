@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fleet.experiment import write_json
+from fleet.atomic import write_json
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"

@@ -12,23 +12,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fleet.atomic import write_atomic
+from fleet.atomic import load_torch, save_torch
 
 CHECKPOINT_FILE = "checkpoint.pt"
-
-
-def save_torch(path: Path, obj: dict) -> None:
-    """Atomic torch.save: readers see the old file or the new one, never half of one."""
-    write_atomic(path, lambda fh: torch.save(obj, fh), binary=True)
-
-
-def load_torch(path: Path) -> dict | None:
-    if not path.is_file():
-        return None
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # unreadable: treated as absent, never a crash
-        return None
 
 
 @dataclass

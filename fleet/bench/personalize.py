@@ -11,8 +11,9 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from fleet.atomic import write_json
 from fleet.config import ExperimentConfig, config_to_dict
-from fleet.experiment import load_data, make_model, obtain_profile, trainer_options, write_json
+from fleet.experiment import load_data, make_model, obtain_profile, trainer_options
 from fleet.pretrain import ensure_pretrained
 from fleet.trainer import EpochStats, Trainer
 from fleet.train_run import format_epoch, run_dir, trainer_record

@@ -1,68 +1,22 @@
-"""One edge device of the fleet: its model, its data partition, its timing profile and its saved state.
+"""One edge device of the fleet: its identity, tier, timing profile, memory budget and saved state.
 
-The same deterministic split is computed on every device (and the server), so a
-device needs only its partition id; nothing is downloaded at run time.
+Everything here is read from the fleet config and the device's node config (both untrusted), so
+each lookup validates what it reads and names the field in its error.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from torch import nn
 
-from fleet.data import ArrayDataset
 from fleet.device_profile import DeviceProfile
 from fleet.errors import ConfigError
-from fleet.experiment import check_profile, load_data, make_model, obtain_profile
+from fleet.experiment import check_profile, make_model, obtain_profile
 from fleet.memory.budgeted import MemoryBudget
-from fleet.partition import partition_indices, split_train_test
-from server.checkpoint import load_torch, save_torch
-from server.config import FleetConfig, resolve_path, run_dir
-
-
-@dataclass
-class DeviceData:
-    train: ArrayDataset
-    test: ArrayDataset
-
-
-_DATA: dict[str, tuple[ArrayDataset, ArrayDataset]] = {}  # a simulation actor serves many devices
-
-
-def _dataset(cfg: FleetConfig) -> tuple[ArrayDataset, ArrayDataset]:
-    key = repr((cfg.data, cfg.train.seed))
-    if key not in _DATA:
-        _DATA.clear()
-        _DATA[key] = load_data(cfg.data, cfg.train.seed)
-    return _DATA[key]
-
-
-def fleet_indices(cfg: FleetConfig, labels: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-    """(pretraining indices, one index array per device): disjoint, the same everywhere."""
-    fed = cfg.federation
-    order = np.random.default_rng([cfg.train.seed, 7]).permutation(len(labels))
-    pool = order if fed.pretrain_classes is None else order[np.isin(labels[order], fed.pretrain_classes)]
-    pre = np.sort(pool[: fed.pretrained_samples])  # a start from other classes is held out from those alone
-    rest = np.setdiff1d(order, pre)  # sorted
-    parts = partition_indices(
-        labels[rest], fed.num_devices, fed.partition, alpha=fed.alpha, seed=cfg.train.seed, min_partition_size=2
-    )
-    parts = [rest[p] for p in parts]
-    if fed.samples_per_device is not None:
-        rng = np.random.default_rng([cfg.train.seed, 11])
-        parts = [np.sort(rng.permutation(p)[: fed.samples_per_device]) for p in parts]
-    return pre, parts
-
-
-def device_data(cfg: FleetConfig, partition_id: int) -> DeviceData:
-    """The device's own training data and held-out split."""
-    train, _ = _dataset(cfg)
-    _, parts = fleet_indices(cfg, train.labels.numpy())
-    tr, te = split_train_test(parts[partition_id], cfg.federation.test_fraction, seed=cfg.train.seed + partition_id)
-    return DeviceData(train.subset(tr), train.subset(te))
+from fleet.atomic import load_torch, save_torch
+from fleet.federated.config import FleetConfig, resolve_path, run_dir
 
 
 def tier_of(cfg: FleetConfig, partition_id: int, node_config: dict[str, Any]) -> float:

@@ -1,0 +1,60 @@
+"""Before a fleet run starts: the shared device profile, the pretrained start and the effective config.
+
+Done once by the launcher (``fleet simulate``, the benchmark), not by every device, so
+that all simulated devices share one measured profile and one starting checkpoint, and
+the run directory holds the exact config the devices ran with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import yaml
+
+from fleet.config import config_to_dict
+from fleet.experiment import make_model, obtain_profile
+from fleet.federated.config import FleetConfig, run_dir
+from fleet.federated.state import CHECKPOINT_FILE
+
+EFFECTIVE_CONFIG = "fleet-config.yaml"
+
+
+def prepare(cfg: FleetConfig, *, resume: bool, log: Callable[[str], None] = print) -> tuple[FleetConfig, Path]:
+    """Profile, pretrain and write the effective config; returns it and its path."""
+    if cfg.train.profile is not None:
+        # Every ClientApp checks it too, but there a mismatch fails each device inside Flower;
+        # here it stops the launch in one line, before the previous run is moved aside.
+        obtain_profile(cfg, make_model(cfg.model, cfg.train.seed), log=log)
+    out = run_dir(cfg)
+    if not resume and (out / CHECKPOINT_FILE).exists():
+        backup = out.with_name(f"{out.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.move(str(out), backup)
+        log(f"kept the previous run of {cfg.name} in {backup}")
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = dataclasses.replace(cfg, output_dir=str(out.parent))
+    if cfg.federation.pretrained_samples > 0 and cfg.model.weights is None:
+        ckpt = out / "pretrained.pt"
+        if not ckpt.exists():
+            from fleet.federated.pretrain import pretrain_fleet_model  # only when pretraining
+
+            pretrain_fleet_model(cfg, ckpt, log)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, weights=str(ckpt)))
+    if cfg.train.profile is None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(cfg.federation.client_threads)  # profile as the ClientApps will run
+        try:
+            profile_path = out / "device-profile.yaml"
+            obtain_profile(cfg, make_model(cfg.model, cfg.train.seed), profile_path, log=log)
+        finally:
+            torch.set_num_threads(threads)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, profile=str(profile_path)))
+    path = out / EFFECTIVE_CONFIG
+    path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    return cfg, path
+
+

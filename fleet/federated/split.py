@@ -1,0 +1,60 @@
+"""The fleet's deterministic data split: pretraining hold-out, one partition per device.
+
+Every device (and the server, for pretraining) computes the same split from the
+config alone, so a device needs only its partition id and nothing is sent or
+downloaded. A simulation worker serves many devices, so the loaded dataset is
+kept once per process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fleet.data import ArrayDataset
+from fleet.experiment import load_data
+from fleet.federated.config import FleetConfig
+from fleet.partition import partition_indices, split_train_test
+
+
+@dataclass
+class DeviceData:
+    train: ArrayDataset
+    test: ArrayDataset
+
+
+_DATA: dict[str, tuple[ArrayDataset, ArrayDataset]] = {}  # a simulation actor serves many devices
+
+
+def _dataset(cfg: FleetConfig) -> tuple[ArrayDataset, ArrayDataset]:
+    key = repr((cfg.data, cfg.train.seed))
+    if key not in _DATA:
+        _DATA.clear()
+        _DATA[key] = load_data(cfg.data, cfg.train.seed)
+    return _DATA[key]
+
+
+def fleet_indices(cfg: FleetConfig, labels: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(pretraining indices, one index array per device): disjoint, the same everywhere."""
+    fed = cfg.federation
+    order = np.random.default_rng([cfg.train.seed, 7]).permutation(len(labels))
+    pool = order if fed.pretrain_classes is None else order[np.isin(labels[order], fed.pretrain_classes)]
+    pre = np.sort(pool[: fed.pretrained_samples])  # a start from other classes is held out from those alone
+    rest = np.setdiff1d(order, pre)  # sorted
+    parts = partition_indices(
+        labels[rest], fed.num_devices, fed.partition, alpha=fed.alpha, seed=cfg.train.seed, min_partition_size=2
+    )
+    parts = [rest[p] for p in parts]
+    if fed.samples_per_device is not None:
+        rng = np.random.default_rng([cfg.train.seed, 11])
+        parts = [np.sort(rng.permutation(p)[: fed.samples_per_device]) for p in parts]
+    return pre, parts
+
+
+def device_data(cfg: FleetConfig, partition_id: int) -> DeviceData:
+    """The device's own training data and held-out split."""
+    train, _ = _dataset(cfg)
+    _, parts = fleet_indices(cfg, train.labels.numpy())
+    tr, te = split_train_test(parts[partition_id], cfg.federation.test_fraction, seed=cfg.train.seed + partition_id)
+    return DeviceData(train.subset(tr), train.subset(te))

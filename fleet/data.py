@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import gzip
 import os
-import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -123,8 +120,9 @@ def _fashion_missing(root: Path) -> list[str]:
 
 def _fashion_fix(root: Path, missing: Sequence[str]) -> str:
     return (
-        f"data.root: fashion-mnist files not found under {root} (expected {missing[0]}); install them with "
-        f"`apt-get install dataset-fashion-mnist` or point data.root at a folder holding them"
+        f"data.root: fashion-mnist files not found under {root} (missing {', '.join(missing)}); install them with "
+        f"`apt-get install dataset-fashion-mnist` (or `bash scripts/install.sh` as root), "
+        f"or point data.root at a folder holding them"
     )
 
 
@@ -140,25 +138,16 @@ def _load_fashion_idx(root: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
     return images[:, None], labels
 
 
-def ensure_fashion_mnist(root: str | os.PathLike = FASHION_MNIST_ROOT) -> Path:
-    """Make Fashion-MNIST present, installing the Debian package when we are allowed to."""
+def check_fashion_mnist(root: str | os.PathLike = FASHION_MNIST_ROOT) -> Path:
+    """``root`` if it holds the four Fashion-MNIST IDX files, else a DataError saying how to install them.
+
+    Nothing is installed from here: that is scripts/install.sh's job (it installs
+    dataset-fashion-mnist when run as root).
+    """
     path = Path(root)
     missing = _fashion_missing(path)
-    if not missing:
-        return path
-    apt = shutil.which("apt-get")
-    can_install = path == FASHION_MNIST_ROOT and apt is not None and hasattr(os, "geteuid") and os.geteuid() == 0
-    if not can_install:
-        raise DataError(_fashion_fix(path, missing))
-    print(f"fleet: fashion-mnist missing under {path}; running `apt-get install -y dataset-fashion-mnist`", file=sys.stderr, flush=True)
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = [apt, "install", "-y", "dataset-fashion-mnist"]
-    if subprocess.run(install, env=env, capture_output=True).returncode != 0:
-        subprocess.run([apt, "update"], env=env, capture_output=True)
-        subprocess.run(install, env=env, capture_output=True)
-    missing = _fashion_missing(path)
     if missing:
-        raise DataError(_fashion_fix(path, missing).replace("not found", "still not found after apt-get install", 1))
+        raise DataError(_fashion_fix(path, missing))
     return path
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -9,9 +10,9 @@ import torch
 from torch import nn
 
 from fleet.config import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
-from fleet.data import ArrayDataset, ensure_fashion_mnist, load_dataset
+from fleet.data import ArrayDataset, check_fashion_mnist, load_dataset
 from fleet.device_profile import DeviceProfile
-from fleet.models import build_model, head_parameter_names
+from fleet.models import build_model, head_parameter_names, input_channels, model_meta
 from fleet.profiler import profile_device, tensor_order
 from fleet.trainer import TrainerOptions, make_optimizer
 
@@ -31,14 +32,10 @@ def cap_per_class(ds: ArrayDataset, per_class: int | None, seed: int) -> ArrayDa
 
 def load_data(cfg: DataConfig, seed: int = 0) -> tuple[ArrayDataset, ArrayDataset]:
     if cfg.dataset == "fashion-mnist" and cfg.root is None:
-        ensure_fashion_mnist()
+        check_fashion_mnist()
     train = load_dataset(cfg.dataset, "train", root=cfg.root, classes=cfg.classes)
     test = load_dataset(cfg.dataset, "test", root=cfg.root, classes=cfg.classes)
     return cap_per_class(train, cfg.train_per_class, seed), cap_per_class(test, cfg.test_per_class, seed + 1)
-
-
-def model_meta(cfg: ModelConfig) -> dict:
-    return {"name": cfg.name, "num_classes": cfg.num_classes, "in_channels": cfg.in_channels, "small_input": cfg.small_input}
 
 
 def make_model(cfg: ModelConfig, seed: int = 0) -> nn.Module:
@@ -58,8 +55,9 @@ def make_model(cfg: ModelConfig, seed: int = 0) -> nn.Module:
     return model
 
 
-def trainer_options(cfg: TrainConfig, input_size: int) -> TrainerOptions:
-    return TrainerOptions(
+def trainer_options(cfg: TrainConfig, input_size: int, **changes) -> TrainerOptions:
+    """The trainer's options for ``cfg``; ``changes`` override fields (e.g. ``method="full"``, ``seed``, ``rho``)."""
+    options = TrainerOptions(
         method=cfg.method,
         lr=cfg.lr,
         momentum=cfg.momentum,
@@ -72,10 +70,11 @@ def trainer_options(cfg: TrainConfig, input_size: int) -> TrainerOptions:
         input_size=input_size,
         seed=cfg.seed,
     )
+    return dataclasses.replace(options, **changes)
 
 
 def check_profile(profile: DeviceProfile, model: nn.Module, batch_size: int, input_size: int, source: str) -> None:
-    example = torch.zeros(1, profile_in_channels(model), input_size, input_size)
+    example = torch.zeros(1, input_channels(model), input_size, input_size)
     order = tensor_order(model, example)
     profile.check_matches(
         [n for n, _, _ in order],
@@ -84,10 +83,6 @@ def check_profile(profile: DeviceProfile, model: nn.Module, batch_size: int, inp
         input_size=input_size,
         source=source,
     )
-
-
-def profile_in_channels(model: nn.Module) -> int:
-    return next(m for m in model.modules() if isinstance(m, nn.Conv2d)).in_channels
 
 
 def obtain_profile(
@@ -111,7 +106,7 @@ def obtain_profile(
     opts = trainer_options(cfg.train, size)
     profile = profile_device(
         model,
-        model_meta(cfg.model),
+        model_meta(cfg.model.name, cfg.model.num_classes, cfg.model.in_channels, cfg.model.small_input),
         batch_size=batch,
         input_size=size,
         make_optimizer=lambda ps: make_optimizer(ps, opts),

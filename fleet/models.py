@@ -116,6 +116,21 @@ def head_parameter_names(model: nn.Module) -> list[str]:
     return [f"{prefix}.{name}" for name, _ in head.named_parameters()]
 
 
+def input_channels(model: nn.Module) -> int:
+    """Channels the model takes in: those of its first Conv2d (the stem)."""
+    for module in model.modules():
+        if isinstance(module, nn.Conv2d):
+            return module.in_channels
+    raise ModelError(
+        f"model: {type(model).__name__} has no Conv2d, so its input channels are unknown; use one of {', '.join(MODEL_NAMES)}"
+    )
+
+
+def model_meta(name: str, num_classes: int, in_channels: int, small_input: bool) -> dict:
+    """What rebuilds a zoo model: the ``model`` dict of a device profile and the core of a checkpoint's meta."""
+    return {"name": name, "num_classes": num_classes, "in_channels": in_channels, "small_input": small_input}
+
+
 def build_model(
     name: str,
     num_classes: int,

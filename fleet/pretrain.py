@@ -17,7 +17,7 @@ from torch import nn
 from fleet.config import ExperimentConfig
 from fleet.data import ArrayDataset
 from fleet.experiment import load_data, make_model, trainer_options
-from fleet.models import load_checkpoint_meta, save_checkpoint
+from fleet.models import load_checkpoint_meta, model_meta, save_checkpoint
 from fleet.trainer import Trainer, TrainerOptions
 
 
@@ -77,10 +77,7 @@ def pretrain(cfg: ExperimentConfig, out: Path | None = None, log: Callable[[str]
 
     accuracy = train_epochs(model, options, train_ds, test_ds, pcfg.train.epochs, report)
     meta = {
-        "model": pcfg.model.name,
-        "num_classes": pcfg.model.num_classes,
-        "in_channels": pcfg.model.in_channels,
-        "small_input": pcfg.model.small_input,
+        **model_meta(pcfg.model.name, pcfg.model.num_classes, pcfg.model.in_channels, pcfg.model.small_input),
         "dataset": pcfg.data.dataset,
         "classes": pcfg.data.classes,
         "input_size": pcfg.data.input_size,

@@ -1,7 +1,7 @@
 """Tensor timing profiler: what each trainable tensor costs on *this* device.
 
 The model is read as the chain of its parametric layers in forward execution
-order (ALGORITHMS.md section 1). Times are measured in context, inside real
+order (docs/algorithms.md section 1). Times are measured in context, inside real
 backward passes of the whole model, rather than layer by layer in isolation,
 so that caches, threading and the non-parametric ops between layers (ReLU,
 pooling, residual adds) are paid as they really are:
@@ -32,12 +32,14 @@ import socket
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from fleet.device_profile import DeviceProfile, TensorTiming
 from fleet.hooks import no_grad_forward
+from fleet.models import input_channels
 
 LayerOrder = list[tuple[str, nn.Module]]
 
@@ -196,6 +198,213 @@ def _layer_inputs(model: nn.Module, layers: LayerOrder, x: torch.Tensor) -> dict
     return captured
 
 
+@dataclass
+class _Samples:
+    """Raw timings of the interleaved runs; the dicts hold one list per layer index."""
+
+    gaps_a: dict[int, list[float]]  # backward gaps, every parameter trainable (run A)
+    gaps_b: dict[int, list[float]]  # backward gaps, only the input requires grad (run B)
+    fw_rec: dict[int, list[float]]  # forward gaps, everything trainable (graph recorded)
+    fw_plain: dict[int, list[float]]  # forward gaps, nothing trainable (no graph)
+    fw_times: list[float] = field(default_factory=list)  # whole forwards with nothing trainable
+    head_times: list[float] = field(default_factory=list)  # backward start to the first layer's stamp
+    step_times: list[tuple[float, float]] = field(default_factory=list)  # (forward, backward + update) of real steps
+
+    @classmethod
+    def empty(cls, n_layers: int) -> _Samples:
+        def per_layer() -> dict[int, list[float]]:
+            return {i: [] for i in range(n_layers)}
+
+        return cls(per_layer(), per_layer(), per_layer(), per_layer())
+
+
+@dataclass
+class _Pieces:
+    """Uncalibrated costs, per layer (in forward order) or per tensor (in :func:`tensor_order`)."""
+
+    forward: float  # a whole forward with nothing trainable
+    fixed_backward: float  # the loss's own backward plus the optimizer call overhead
+    dy: list[float]  # per layer: backward gap with only the input requiring grad
+    rec: list[float]  # per layer: graph-recording cost in the forward
+    dw: list[list[float]]  # per layer, per tensor: weight-gradient time
+    opt: list[float]  # per tensor: optimizer update time
+
+
+def _add_gaps(into: dict[int, list[float]], stamps: dict[int, float], end: float) -> None:
+    for i, g in _gaps(stamps, end).items():
+        into[i].append(g)
+
+
+def _warm_up(
+    model: nn.Module, params: list[nn.Parameter], x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, warmup: int
+) -> None:
+    _set_trainable(params, True)
+    for _ in range(warmup):
+        loss_fn(model(x), y).backward()
+        _set_trainable(params, True)
+
+
+def _time_real_step(
+    model: nn.Module,
+    params: list[nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: Callable,
+) -> tuple[float, float]:
+    """(forward, backward + update) of a full training step, timed exactly as the trainer runs it."""
+    _set_trainable(params, True)
+    start = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model(x), y)
+    middle = time.perf_counter()
+    loss.backward()
+    optimizer.step()
+    return middle - start, time.perf_counter() - middle
+
+
+def _sample_forwards(
+    model: nn.Module,
+    layers: LayerOrder,
+    params: list[nn.Parameter],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: Callable,
+    samples: _Samples,
+) -> None:
+    """Forward with nothing trainable (no graph recorded) and with everything trainable.
+
+    The difference is each layer's recording cost, paid only above the input-most selected tensor.
+    """
+    _set_trainable(params, False)
+    start = time.perf_counter()
+    stamps, end, _ = _forward_stamps(model, layers, x, y, loss_fn)
+    samples.fw_times.append(end - start)
+    _add_gaps(samples.fw_plain, stamps, end)
+    _set_trainable(params, True)
+    stamps, end, loss = _forward_stamps(model, layers, x, y, loss_fn)
+    del loss
+    _add_gaps(samples.fw_rec, stamps, end)
+
+
+def _sample_backwards(
+    model: nn.Module,
+    layers: LayerOrder,
+    params: list[nn.Parameter],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: Callable,
+    samples: _Samples,
+) -> None:
+    """Backward run A (everything trainable, as left by the forwards), then run B (only the input)."""
+    stamps, bstart, end = _backward_stamps(model, layers, x, y, loss_fn)
+    if stamps:
+        samples.head_times.append(min(stamps.values()) - bstart)
+    _add_gaps(samples.gaps_a, stamps, end)
+    _set_trainable(params, False)
+    stamps, _, end = _backward_stamps(model, layers, x, y, loss_fn)
+    _add_gaps(samples.gaps_b, stamps, end)
+
+
+def _collect_samples(
+    model: nn.Module,
+    layers: LayerOrder,
+    params: list[nn.Parameter],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: Callable,
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    repeats: int,
+) -> _Samples:
+    """Real steps, forwards and backwards, interleaved and repeated."""
+    samples = _Samples.empty(len(layers))
+    step_optimizer = make_optimizer(params)
+    for _ in range(repeats):
+        # A real full training step is the anchor for calibration.
+        samples.step_times.append(_time_real_step(model, params, step_optimizer, x, y, loss_fn))
+        _sample_forwards(model, layers, params, x, y, loss_fn, samples)
+        _sample_backwards(model, layers, params, x, y, loss_fn, samples)
+    _set_trainable(params, True)
+    return samples
+
+
+def _pieces(
+    model: nn.Module,
+    layers: LayerOrder,
+    params: list[nn.Parameter],
+    x: torch.Tensor,
+    samples: _Samples,
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    repeats: int,
+) -> _Pieces:
+    """Medians of the samples, turned into per-layer and per-tensor costs (run A minus run B is t_dw)."""
+    inputs = _layer_inputs(model, layers, x)
+    layer_b: list[float] = []
+    layer_rec: list[float] = []
+    layer_dw: list[list[float]] = []
+    for i, (_, layer) in enumerate(layers):
+        a, b = _median_or_zero(samples.gaps_a[i]), _median_or_zero(samples.gaps_b[i])
+        shares = _split_within_layer(layer, inputs[i], max(3, repeats // 2)) if i in inputs else None
+        n_params = len(list(layer.parameters(recurse=False)))
+        shares = shares or [1.0 / n_params] * n_params
+        layer_b.append(b)
+        layer_rec.append(max(_median_or_zero(samples.fw_rec[i]) - _median_or_zero(samples.fw_plain[i]), 0.0))
+        layer_dw.append([max(a - b, 0.0) * s for s in shares])
+    t_opt, t_opt_fixed = _optimizer_times(params, make_optimizer, repeats)
+    return _Pieces(
+        forward=statistics.median(samples.fw_times),
+        fixed_backward=(statistics.median(samples.head_times) if samples.head_times else 0.0) + t_opt_fixed,
+        dy=layer_b,
+        rec=layer_rec,
+        dw=layer_dw,
+        opt=t_opt,
+    )
+
+
+def _calibration(pieces: _Pieces, step_times: list[tuple[float, float]]) -> tuple[float, float]:
+    """Factors (forward, backward) that make the pieces of a full step add up to a real one.
+
+    Isolated pieces miss part of what a real step pays between them (allocator, thread
+    wake-ups, caches refilled after the optimizer pass). Scale the forward pieces and the
+    backward/update pieces so that a real full step costs what it measurably costs; partial
+    selections are then predicted from the pieces' relative costs.
+    """
+    real_forward = statistics.median(f for f, _ in step_times)
+    real_backward = statistics.median(b for _, b in step_times)
+    pieces_forward = pieces.forward + sum(pieces.rec)
+    pieces_backward = pieces.fixed_backward + sum(pieces.dy[1:]) + sum(map(sum, pieces.dw)) + sum(pieces.opt)
+    cal_f = real_forward / pieces_forward if pieces_forward > 0 else 1.0
+    cal_b = real_backward / pieces_backward if pieces_backward > 0 else 1.0
+    return cal_f, cal_b
+
+
+def _tensor_timings(
+    layers: LayerOrder,
+    order: list[tuple[str, str, nn.Parameter]],
+    layer_dw: list[list[float]],
+    t_opt: list[float],
+    layer_dy: list[float],
+) -> list[TensorTiming]:
+    """One TensorTiming per tensor; a layer's ``t_dy`` is charged to its first tensor."""
+    timings: list[TensorTiming] = []
+    k = 0
+    for i, (layer_name, layer) in enumerate(layers):
+        for j, (_pname, p) in enumerate(layer.named_parameters(recurse=False)):
+            name, _, _ = order[k]
+            timings.append(
+                TensorTiming(
+                    name=name,
+                    layer=layer_name,
+                    shape=list(p.shape),
+                    t_dw=layer_dw[i][j],
+                    t_opt=t_opt[k],
+                    t_dy=layer_dy[i] if j == 0 else 0.0,
+                )
+            )
+            k += 1
+    return timings
+
+
 def measure_tensor_timings(
     model: nn.Module,
     x: torch.Tensor,
@@ -215,103 +424,17 @@ def measure_tensor_timings(
     order = tensor_order(model, x)
     params = [p for _, _, p in order]
 
-    _set_trainable(params, True)
-    for _ in range(warmup):
-        loss_fn(model(x), y).backward()
-        _set_trainable(params, True)
+    _warm_up(model, params, x, y, loss_fn, warmup)
+    samples = _collect_samples(model, layers, params, x, y, loss_fn, make_optimizer, repeats)
+    pieces = _pieces(model, layers, params, x, samples, make_optimizer, repeats)
+    cal_f, cal_b = _calibration(pieces, samples.step_times)
 
-    gaps_a: dict[int, list[float]] = {i: [] for i in range(len(layers))}
-    gaps_b: dict[int, list[float]] = {i: [] for i in range(len(layers))}
-    fw_rec: dict[int, list[float]] = {i: [] for i in range(len(layers))}
-    fw_plain: dict[int, list[float]] = {i: [] for i in range(len(layers))}
-    fw_times: list[float] = []
-    head_times: list[float] = []
-    step_times: list[tuple[float, float]] = []  # (forward, backward + update) of real steps
-    step_optimizer = make_optimizer(params)
-    for _ in range(repeats):
-        # A real full training step, timed exactly as the trainer runs it: the anchor for calibration.
-        _set_trainable(params, True)
-        start = time.perf_counter()
-        step_optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        middle = time.perf_counter()
-        loss.backward()
-        step_optimizer.step()
-        step_times.append((middle - start, time.perf_counter() - middle))
-        del loss
-        # Forward with nothing trainable (no graph recorded) and with everything trainable:
-        # the difference is each layer's recording cost, paid only above the input-most selected tensor.
-        _set_trainable(params, False)
-        start = time.perf_counter()
-        stamps, end, _ = _forward_stamps(model, layers, x, y, loss_fn)
-        fw_times.append(end - start)
-        for i, g in _gaps(stamps, end).items():
-            fw_plain[i].append(g)
-        _set_trainable(params, True)
-        stamps, end, loss = _forward_stamps(model, layers, x, y, loss_fn)
-        del loss
-        for i, g in _gaps(stamps, end).items():
-            fw_rec[i].append(g)
-        stamps, bstart, end = _backward_stamps(model, layers, x, y, loss_fn)
-        if stamps:
-            head_times.append(min(stamps.values()) - bstart)
-        for i, g in _gaps(stamps, end).items():
-            gaps_a[i].append(g)
-        _set_trainable(params, False)
-        stamps, _, end = _backward_stamps(model, layers, x, y, loss_fn)
-        for i, g in _gaps(stamps, end).items():
-            gaps_b[i].append(g)
-    _set_trainable(params, True)
-
-    inputs = _layer_inputs(model, layers, x)
-    layer_b: list[float] = []
-    layer_rec: list[float] = []
-    layer_dw: list[list[float]] = []
-    for i, (_, layer) in enumerate(layers):
-        a, b = _median_or_zero(gaps_a[i]), _median_or_zero(gaps_b[i])
-        shares = _split_within_layer(layer, inputs[i], max(3, repeats // 2)) if i in inputs else None
-        n_params = len(list(layer.parameters(recurse=False)))
-        shares = shares or [1.0 / n_params] * n_params
-        layer_b.append(b)
-        layer_rec.append(max(_median_or_zero(fw_rec[i]) - _median_or_zero(fw_plain[i]), 0.0))
-        layer_dw.append([max(a - b, 0.0) * s for s in shares])
-    t_opt, t_opt_fixed = _optimizer_times(params, make_optimizer, repeats)
-    fw_plain_total = statistics.median(fw_times)
-    fixed_backward = (statistics.median(head_times) if head_times else 0.0) + t_opt_fixed
-
-    # Isolated pieces miss part of what a real step pays between them (allocator, thread
-    # wake-ups, caches refilled after the optimizer pass). Scale the forward pieces and the
-    # backward/update pieces so that a real full step costs what it measurably costs; partial
-    # selections are then predicted from the pieces' relative costs.
-    real_forward = statistics.median(f for f, _ in step_times)
-    real_backward = statistics.median(b for _, b in step_times)
-    pieces_forward = fw_plain_total + sum(layer_rec)
-    pieces_backward = fixed_backward + sum(layer_b[1:]) + sum(map(sum, layer_dw)) + sum(t_opt)
-    cal_f = real_forward / pieces_forward if pieces_forward > 0 else 1.0
-    cal_b = real_backward / pieces_backward if pieces_backward > 0 else 1.0
-    t_fw = fw_plain_total * cal_f + fixed_backward * cal_b
-    layer_dy = [b * cal_b + r * cal_f for b, r in zip(layer_b, layer_rec)]
-    layer_dw = [[v * cal_b for v in row] for row in layer_dw]
-    t_opt = [v * cal_b for v in t_opt]
-    calibration = {"forward": cal_f, "backward": cal_b}
-
-    timings: list[TensorTiming] = []
-    k = 0
-    for i, (layer_name, layer) in enumerate(layers):
-        for j, (pname, p) in enumerate(layer.named_parameters(recurse=False)):
-            name, _, _ = order[k]
-            timings.append(
-                TensorTiming(
-                    name=name,
-                    layer=layer_name,
-                    shape=list(p.shape),
-                    t_dw=layer_dw[i][j],
-                    t_opt=t_opt[k],
-                    t_dy=layer_dy[i] if j == 0 else 0.0,
-                )
-            )
-            k += 1
-    return t_fw, timings, calibration
+    t_fw = pieces.forward * cal_f + pieces.fixed_backward * cal_b
+    layer_dy = [b * cal_b + r * cal_f for b, r in zip(pieces.dy, pieces.rec)]
+    layer_dw = [[v * cal_b for v in row] for row in pieces.dw]
+    t_opt = [v * cal_b for v in pieces.opt]
+    timings = _tensor_timings(layers, order, layer_dw, t_opt, layer_dy)
+    return t_fw, timings, {"forward": cal_f, "backward": cal_b}
 
 
 def _optimizer_times(
@@ -362,7 +485,7 @@ def profile_device(
     seed: int = 0,
 ) -> DeviceProfile:
     """Measure ``model`` on this device for a batch of random inputs of the given size."""
-    in_channels = next(m for m in model.modules() if isinstance(m, nn.Conv2d)).in_channels
+    in_channels = input_channels(model)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(batch_size, in_channels, input_size, input_size, generator=gen)
     y = torch.randint(0, int(model_meta.get("num_classes", 2)), (batch_size,), generator=gen)

@@ -15,7 +15,11 @@ from fleet.experiment import load_data, make_model, obtain_profile, trainer_opti
 from fleet.trainer import EpochStats, Trainer
 
 
-def run_dir(cfg: ExperimentConfig) -> Path:
+def experiment_dir(cfg: ExperimentConfig) -> Path:
+    """Where one experiment's records go: ``output_dir/name`` (relative when ``output_dir`` is).
+
+    Not :func:`fleet.federated.config.run_dir`, which is a fleet run's absolute folder.
+    """
     return Path(cfg.output_dir) / cfg.name
 
 
@@ -60,7 +64,7 @@ def run_training(cfg: ExperimentConfig, log: Callable[[str], None] = print) -> t
     """Train ``cfg.train.method`` and write ``runs/<name>/train-<method>.json``."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    out = run_dir(cfg)
+    out = experiment_dir(cfg)
     train_ds, test_ds = load_data(cfg.data, cfg.train.seed)
     model = make_model(cfg.model, cfg.train.seed)
     profile = obtain_profile(cfg, model, out / "device-profile.yaml", log=log)

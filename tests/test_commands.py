@@ -5,6 +5,7 @@ import json
 import pytest
 
 from fleet.cli import main
+from fleet.models import load_checkpoint_meta, model_meta
 from tests.conftest import BATCH, INPUT
 
 
@@ -81,3 +82,6 @@ def test_personalize_from_pretrained(tmp_path, capsys):
     assert record["methods"]["elastic"]["selections"]
     assert (run / "personalize.png").stat().st_size > 10_000 and (run / "personalize.csv").is_file()
     assert (tmp_path / "pretrained").is_dir()  # the checkpoint was made and cached
+    (checkpoint,) = (tmp_path / "pretrained").glob("*.pt")
+    meta = load_checkpoint_meta(checkpoint)
+    assert {k: meta[k] for k in ("name", "num_classes", "in_channels", "small_input")} == model_meta("resnet18", 5, 1, False)

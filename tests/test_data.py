@@ -15,7 +15,7 @@ from fleet.data import (
     FASHION_MNIST_ROOT,
     ArrayDataset,
     batches,
-    ensure_fashion_mnist,
+    check_fashion_mnist,
     load_dataset,
     make_synthetic,
     read_idx,
@@ -93,7 +93,7 @@ def test_real_debian_fashion_mnist() -> None:
     assert torch.bincount(test.labels).tolist() == [1000] * 10
     pixels = train.images.float() / 255
     assert abs(float(pixels.mean()) - train.mean[0]) < 1e-3 and abs(float(pixels.std()) - train.std[0]) < 1e-3
-    assert ensure_fashion_mnist() == FASHION_MNIST_ROOT
+    assert check_fashion_mnist() == FASHION_MNIST_ROOT
 
 
 def test_torchvision_mnist_layout(tmp_path: Path) -> None:
@@ -271,7 +271,7 @@ def test_missing_files_say_how_to_fix(tmp_path: Path, name: str) -> None:
     msg = str(info.value)
     assert msg.startswith("data.root:") and str(tmp_path / "empty") in msg and "\n" not in msg
     if name == "fashion-mnist":
-        assert "expected train-images-idx3-ubyte.gz" in msg and "apt-get install dataset-fashion-mnist" in msg
+        assert "missing train-images-idx3-ubyte.gz" in msg and "apt-get install dataset-fashion-mnist" in msg
     elif name != "imagefolder":
         assert "download=True" in msg
 
@@ -281,8 +281,41 @@ def test_imagefolder_needs_root() -> None:
         load_dataset("imagefolder", "train")
 
 
-def test_ensure_fashion_mnist_does_not_install_outside_default_root(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="apt-get install dataset-fashion-mnist"):
-        ensure_fashion_mnist(tmp_path)
+def test_check_fashion_mnist_names_missing_files_and_install_command(tmp_path: Path) -> None:
+    with pytest.raises(DataError) as info:
+        check_fashion_mnist(tmp_path)
+    msg = str(info.value)
+    assert "\n" not in msg and str(tmp_path) in msg
+    for stem in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+        assert f"{stem}.gz" in msg
+    assert "`apt-get install dataset-fashion-mnist`" in msg and "scripts/install.sh" in msg and "data.root" in msg
     _fake_mnist_dir(tmp_path)
-    assert ensure_fashion_mnist(tmp_path) == tmp_path
+    assert check_fashion_mnist(tmp_path) == tmp_path
+
+
+def test_check_fashion_mnist_names_only_what_is_missing(tmp_path: Path) -> None:
+    _fake_mnist_dir(tmp_path)
+    (tmp_path / "t10k-labels-idx1-ubyte").unlink()
+    with pytest.raises(DataError, match=r"\(missing t10k-labels-idx1-ubyte\.gz\)"):
+        check_fashion_mnist(tmp_path)
+
+
+def test_check_fashion_mnist_never_installs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Even as root, with apt-get present and the default root empty, the loader only reports."""
+    import os
+    import shutil
+    import subprocess
+
+    import fleet.data
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"the data loader tried to run {args[0] if args else kwargs}")
+
+    for name in ("run", "call", "check_call", "check_output", "Popen"):
+        monkeypatch.setattr(subprocess, name, refuse)
+    monkeypatch.setattr(shutil, "which", lambda cmd, *a, **k: f"/usr/bin/{cmd}")
+    monkeypatch.setattr(os, "geteuid", lambda: 0, raising=False)
+    monkeypatch.setattr(fleet.data, "FASHION_MNIST_ROOT", tmp_path)
+    with pytest.raises(DataError, match="apt-get install dataset-fashion-mnist"):
+        check_fashion_mnist(tmp_path)
+    assert not (tmp_path / "train-images-idx3-ubyte.gz").exists()

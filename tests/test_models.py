@@ -13,7 +13,9 @@ from fleet.models import (
     MODEL_NAMES,
     build_model,
     head_parameter_names,
+    input_channels,
     load_checkpoint_meta,
+    model_meta,
     save_checkpoint,
 )
 
@@ -108,7 +110,7 @@ def test_weights_round_trip_through_checkpoint(tmp_path) -> None:
     torch.manual_seed(1)
     src = build_model("mobilenet_v3_small", 5, in_channels=1, small_input=True)
     path = tmp_path / "deep" / "dir" / "ckpt.pt"
-    meta = {"model": "mobilenet_v3_small", "num_classes": 5, "in_channels": 1, "small_input": True}
+    meta = {**model_meta("mobilenet_v3_small", 5, 1, True), "accuracy": 0.5}
     save_checkpoint(src, path, meta)
     assert load_checkpoint_meta(path) == meta
     assert [p.name for p in path.parent.iterdir()] == ["ckpt.pt"]  # no temp file left behind
@@ -198,3 +200,21 @@ def test_checkpoint_meta_must_be_plain(tmp_path) -> None:
     with pytest.raises(ModelError, match=r"meta\.root is a PosixPath|meta\.root is a WindowsPath"):
         save_checkpoint(model, tmp_path / "c.pt", {"root": tmp_path})
     assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("small_input,in_channels", [(True, 1), (False, 3), (False, 2)])
+def test_input_channels_reads_the_stem(name: str, small_input: bool, in_channels: int) -> None:
+    assert input_channels(build_model(name, 4, in_channels=in_channels, small_input=small_input)) == in_channels
+
+
+def test_input_channels_without_conv_says_so() -> None:
+    with pytest.raises(ModelError, match="Sequential has no Conv2d"):
+        input_channels(nn.Sequential(nn.Flatten(), nn.Linear(4, 2)))
+
+
+def test_model_meta_rebuilds_the_model() -> None:
+    meta = model_meta("resnet18", 6, 1, True)
+    assert meta == {"name": "resnet18", "num_classes": 6, "in_channels": 1, "small_input": True}
+    model = build_model(meta["name"], meta["num_classes"], in_channels=meta["in_channels"], small_input=meta["small_input"])
+    assert input_channels(model) == 1

@@ -16,7 +16,7 @@ from fleet.config import ExperimentConfig, config_to_dict
 from fleet.experiment import load_data, make_model, obtain_profile, trainer_options
 from fleet.pretrain import ensure_pretrained
 from fleet.trainer import EpochStats, Trainer
-from fleet.train_run import format_epoch, run_dir, trainer_record
+from fleet.train_run import experiment_dir, format_epoch, trainer_record
 
 
 def personalize(
@@ -25,13 +25,13 @@ def personalize(
     methods = list(methods or cfg.methods)
     checkpoint = cfg.model.weights or str(ensure_pretrained(cfg, log))
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, weights=checkpoint, reset_head=True))
-    out = run_dir(cfg)
+    out = experiment_dir(cfg)
     train_ds, test_ds = load_data(cfg.data, cfg.train.seed)
     profile = obtain_profile(cfg, make_model(cfg.model, cfg.train.seed), out / "device-profile.yaml", log=log)
     trainers = {
         m: Trainer(
             make_model(cfg.model, cfg.train.seed),
-            trainer_options(dataclasses.replace(cfg.train, method=m), cfg.data.input_size),
+            trainer_options(cfg.train, cfg.data.input_size, method=m),
             profile,
         )
         for m in methods

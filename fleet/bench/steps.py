@@ -2,7 +2,7 @@
 
 Every variant is measured interleaved with the others in one run (step by
 step, round-robin), repeated, and summarized by medians, because a shared
-machine can slow down by 2x for seconds at a time.
+machine can slow down severalfold for seconds at a time.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fleet.device_profile import DeviceProfile
-from fleet.models import build_model
+from fleet.models import build_model, input_channels, model_meta
 from fleet.profiler import profile_device, tensor_order
 from fleet.trainer import TrainerOptions, make_optimizer
 
@@ -25,7 +25,7 @@ class StepBench:
 
     def __init__(self, model: nn.Module, batch_size: int, input_size: int, num_classes: int, seed: int = 0):
         self.model = model.train()
-        in_channels = next(m for m in model.modules() if isinstance(m, nn.Conv2d)).in_channels
+        in_channels = input_channels(model)
         gen = torch.Generator().manual_seed(seed)
         self.x = torch.randn(batch_size, in_channels, input_size, input_size, generator=gen)
         self.y = torch.randint(0, num_classes, (batch_size,), generator=gen)
@@ -71,7 +71,7 @@ def measure_profile(
 ) -> DeviceProfile:
     torch.manual_seed(0)
     model = build_model(model_name, num_classes, in_channels=in_channels, small_input=small_input)
-    meta = {"name": model_name, "num_classes": num_classes, "in_channels": in_channels, "small_input": small_input}
+    meta = model_meta(model_name, num_classes, in_channels, small_input)
     opts = TrainerOptions()
     return profile_device(
         model, meta, batch_size=batch_size, input_size=input_size,

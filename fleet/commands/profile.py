@@ -32,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
 
     from fleet.config import load_config
     from fleet.errors import ConfigError
-    from fleet.experiment import make_model, model_meta, trainer_options
+    from fleet.experiment import make_model, trainer_options
+    from fleet.models import model_meta
     from fleet.profiler import profile_device
     from fleet.trainer import make_optimizer
 
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     profile = profile_device(
         model,
-        model_meta(cfg.model),
+        model_meta(cfg.model.name, cfg.model.num_classes, cfg.model.in_channels, cfg.model.small_input),
         batch_size=cfg.train.batch_size,
         input_size=size,
         make_optimizer=lambda ps: make_optimizer(ps, opts),

@@ -1,5 +1,5 @@
 """A device's timing profile: the YAML file ``fleet profile`` writes, and the
-timing model that predicts a step's cost from it (ALGORITHMS.md section 1)."""
+timing model that predicts a step's cost from it (docs/algorithms.md section 1)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Tensor importance: how much the loss would rise if a tensor's update were undone.
 
 ``I_k = -sum_i g_k,i * dw_k,i`` with ``dw`` one optimizer step on all tensors
-and ``g`` the loss gradient at the updated weights (ALGORITHMS.md section 2).
+and ``g`` the loss gradient at the updated weights (docs/algorithms.md section 2).
 The probe must leave no trace: weights, buffers (BatchNorm running stats),
 optimizer state (momentum) and ``requires_grad`` flags are all restored, so
 importance evaluation never changes what training would have done.

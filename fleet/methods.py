@@ -1,4 +1,4 @@
-"""Which tensors each training method trains (ALGORITHMS.md section 4).
+"""Which tensors each training method trains (docs/algorithms.md section 4).
 
 ``full``, ``tl``, ``bn_bias`` and ``prunetrain`` train a fixed set; ``elastic``
 re-chooses its set as training goes (see :mod:`fleet.trainer`).

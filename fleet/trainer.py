@@ -1,4 +1,4 @@
-"""Elastic training and its baselines in one harness (ALGORITHMS.md section 4).
+"""Elastic training and its baselines in one harness (docs/algorithms.md section 4).
 
 A :class:`Trainer` owns one model, one optimizer over *all* its tensors and the
 current selection. Freezing is ``requires_grad=False`` plus ``grad=None``:
@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -25,9 +25,10 @@ from fleet.device_profile import DeviceProfile
 from fleet.errors import BudgetError
 from fleet.importance import evaluate_importance
 from fleet.methods import group_lasso_penalty, static_mask
-from fleet.models import head_parameter_names
+from fleet.models import head_parameter_names, input_channels
 from fleet.profiler import parametric_layers, tensor_order
-from fleet.selection import select_tensors
+from fleet.policies import SelectionPolicy, select_in_window
+from fleet.selection import select_tensors, selection_cost
 
 if TYPE_CHECKING:
     from fleet.memory.budgeted import MemoryBudget
@@ -81,6 +82,9 @@ class TrainerOptions:
     seed: int = 0
 
 
+DEFAULT_POLICY = SelectionPolicy()
+
+
 def make_optimizer(params: Sequence[nn.Parameter], options: TrainerOptions) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=options.lr, momentum=options.momentum, weight_decay=options.weight_decay)
 
@@ -117,9 +121,8 @@ class Trainer:
         self.set_mask(static_mask(self.options.method, self.names, self.layers, head_parameter_names(self.model)))
 
     def _input_shape(self) -> tuple[int, int, int]:
-        first = next(m for m in self.model.modules() if isinstance(m, nn.Conv2d))
         size = self.options.input_size or 32
-        return (first.in_channels, size, size)
+        return (input_channels(self.model), size, size)
 
     # --- selection --------------------------------------------------------
     def set_mask(self, mask: Sequence[bool]) -> None:
@@ -132,28 +135,56 @@ class Trainer:
 
     def reselect(
         self,
-        probe: tuple[torch.Tensor, torch.Tensor],
+        probe: tuple[torch.Tensor, torch.Tensor] | None = None,
         *,
-        allowed: Sequence[bool] | None = None,
-        blend: Callable[[list[float]], list[float]] | None = None,
+        importance: Sequence[float] | None = None,
+        policy: SelectionPolicy = DEFAULT_POLICY,
         epoch: int = 0,
     ) -> Selection:
-        """Evaluate importance on ``probe`` and choose the tensors that fit the budget.
+        """Choose the tensors with the most importance that fit the budget, and train exactly those.
 
-        ``allowed`` restricts the choice (a window of blocks); ``blend`` mixes the
-        local importance with another signal before selection.
+        Importance is measured on ``probe``, or given (a device re-using last round's probe).
+        ``policy`` sets the budget, extra per-tensor costs, blending and a window; the default is
+        plain ElasticTrainer: the profile's budget at ``options.rho``, the exact DP.
         """
-        assert self.profile is not None
-        importance = evaluate_importance(self.model, self.params, self.optimizer, *probe, step_context=self.step_context)
-        if blend is not None:
-            importance = blend(importance)
-        ranked = importance if allowed is None else [v if a else 0.0 for v, a in zip(importance, allowed)]
-        budget = self.profile.backward_budget(self.options.rho)
-        mask = select_tensors(ranked, self.profile.t_dw, self.profile.t_dy, budget)
+        if self.profile is None:
+            raise BudgetError("a selection needs a device profile; pass --profile or let fleet measure one")
+        if importance is None:
+            if probe is None:
+                raise ValueError("reselect needs a probe batch or the importance to select by")
+            importance = evaluate_importance(self.model, self.params, self.optimizer, *probe, step_context=self.step_context)
+        importance = list(importance)
+        ranked = policy.blend(importance, self.names) if policy.blend is not None else importance
+        budget = policy.budget_s if policy.budget_s is not None else self.profile.backward_budget(self.options.rho)
+        costs = list(self.profile.t_dw)
+        if policy.extra_costs is not None:
+            costs = [c + e for c, e in zip(costs, policy.extra_costs)]
+        t_dy = self.profile.t_dy
+        allowed = policy.window.allowed(self.names, costs, t_dy, budget) if policy.window is not None else None
+
+        def choose(b: float) -> list[bool]:
+            if allowed is None:
+                return select_tensors(ranked, costs, t_dy, b)
+            return select_in_window(ranked, allowed, costs, t_dy, b, policy.window.mode)
+
+        mask = choose(budget)
+        if policy.charge_memory and self.memory is not None:
+            self.set_mask(mask)
+            added = self.memory_added_s()
+            if added > 0 and selection_cost(mask, costs, t_dy) + added > budget:
+                mask = choose(max(budget - added, 0.0))
         self.set_mask(mask)
         selection = Selection(self.step_count, epoch, mask, importance, self.profile.step_time(mask))
         self.selections.append(selection)
         return selection
+
+    def memory_added_s(self) -> float:
+        """Seconds the memory plan for the current selection adds to one step on this device (its
+        tier); raises BudgetError (one line) when no plan fits the budget."""
+        if self.memory is None:
+            return 0.0
+        factor = self.profile.speed_factor if self.profile is not None else 1.0
+        return self.memory.added_time_s(self.model) * factor
 
     def step_context(self) -> contextlib.AbstractContextManager:
         """The memory plan for the current ``requires_grad`` flags, around one forward and backward

@@ -4,13 +4,13 @@ Each round: send the global model and the round's deadline, aggregate only the
 tensors each device trained (:class:`ElasticFedAvg`), evaluate global and
 personalized accuracy on every device, advance the simulated clock, write a
 metrics line and a progress line, and checkpoint. ``resume = true`` in the run
-config continues from the last checkpoint.
+config continues from the last checkpoint. The round's state lives in one
+:class:`~fleet.federated.state.ServerState`; the tracking is Flower-free.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 import uuid
 from pathlib import Path
@@ -21,10 +21,12 @@ from flwr.serverapp import Grid, ServerApp
 
 from fleet.errors import FleetError
 from fleet.experiment import make_model
-from fleet.federated.state import CHECKPOINT_FILE, ServerState, load_checkpoint, save_checkpoint
+from fleet.federated import keys
+from fleet.federated.aggregate import error_summary
 from fleet.federated.config import FleetConfig, config_from_run_config, run_dir
-from server.strategy import ElasticFedAvg, error_summary
-from fleet.federated.tracking import Tracker, device_rows, p10, plot_run, progress_line, round_time
+from fleet.federated.state import ServerState, keep_previous_run, load_checkpoint, save_checkpoint
+from fleet.federated.tracking import Tracker, plot_run, progress_line, round_record, round_time
+from server.strategy import ElasticFedAvg
 
 app = ServerApp()
 log = logging.getLogger("fleet.server")
@@ -60,13 +62,15 @@ def wait_for_devices(grid: Grid, cfg: FleetConfig, timeout: float) -> list[int]:
 
 def query_full_times(grid: Grid, node_ids: list[int], timeout: float) -> dict[str, float]:
     """Ask every device for its full-training time of one round (for the default deadline)."""
-    messages = [Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=n, message_type=MessageType.QUERY) for n in node_ids]
+    content = RecordDict({keys.CONFIG: ConfigRecord({})})
+    messages = [Message(content, dst_node_id=n, message_type=MessageType.QUERY) for n in node_ids]
     times = {}
     for reply in grid.send_and_receive(messages, timeout=timeout):
+        node = reply.metadata.src_node_id
         if reply.has_error():
-            log.warning("device on node %d could not report its profile: %s", reply.metadata.src_node_id, error_summary(reply.error.reason))
+            log.warning("device on node %d could not report its profile: %s", node, error_summary(reply.error.reason))
             continue
-        times[str(reply.metadata.src_node_id)] = float(reply.content["metrics"]["full-time-s"])
+        times[str(node)] = float(reply.content[keys.METRICS][keys.FULL_TIME_S])
     return times
 
 
@@ -86,11 +90,46 @@ def start_state(cfg: FleetConfig, out: Path, resume: bool) -> tuple[dict[str, np
             print(f"resuming {cfg.name} after round {state.round} (simulated time {state.sim_time_s:.1f}s)", flush=True)
             return {k: v.numpy() for k, v in model.items()}, state
         print(f"no checkpoint in {out}; starting {cfg.name} from round 1", flush=True)
-    elif (out / CHECKPOINT_FILE).exists():
-        backup = out.with_name(f"{out.name}.{time.strftime('%Y%m%d-%H%M%S')}")
-        shutil.move(str(out), backup)
-        print(f"kept the previous run of {cfg.name} in {backup}", flush=True)
+    else:
+        keep_previous_run(out, cfg.name, lambda line: print(line, flush=True))
     return initial_arrays(cfg), ServerState(run_tag=uuid.uuid4().hex[:12])
+
+
+def make_strategy(cfg: FleetConfig, state: ServerState, arrays: dict[str, np.ndarray]) -> ElasticFedAvg:
+    fed = cfg.federation
+    full_upload_s = sum(a.nbytes for a in arrays.values() if a.dtype.kind == "f") / fed.bandwidth_bytes_per_s
+    return ElasticFedAvg(
+        state,
+        method=fed.strategy,
+        deadline_s=fed.deadline_s,
+        deadline_factor=fed.deadline_factor,
+        full_upload_s=full_upload_s if fed.deadline_includes_upload else 0.0,
+        param_names=param_names(cfg),
+        lr=cfg.train.lr,
+        blend=fed.strategy == "fleet" and fed.blend_beta is not None,
+        min_train_nodes=1,
+        min_evaluate_nodes=1,
+        min_available_nodes=fed.num_devices,
+    )
+
+
+def run_round(grid: Grid, cfg: FleetConfig, strategy: ElasticFedAvg, arrays: dict[str, np.ndarray], server_round: int) -> tuple[dict[str, np.ndarray], dict]:
+    """One round: train, aggregate, evaluate, advance the clocks; (new global arrays, metrics record)."""
+    state, timeout = strategy.state, cfg.federation.timeout_s
+    started = time.perf_counter()
+    rejected_before = len(state.replies.rejections)
+    record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+    deadline = strategy.round_deadline()
+    replies = grid.send_and_receive(strategy.configure_train(server_round, record, ConfigRecord(), grid), timeout=timeout)
+    new_record, _ = strategy.aggregate_train(server_round, replies)
+    if new_record is not None:
+        arrays, record = {k: a.numpy() for k, a in new_record.items()}, new_record
+    replies = grid.send_and_receive(strategy.configure_evaluate(server_round, record, ConfigRecord(), grid), timeout=timeout)
+    accuracy = strategy.aggregate_evaluate(server_round, replies)
+    accuracy = None if accuracy is None else dict(accuracy)
+    rt = round_time(state.replies.train, cfg.federation.bandwidth_bytes_per_s)
+    state.finish_round(server_round, rt, time.perf_counter() - started)
+    return arrays, round_record(state, cfg.federation.strategy, deadline, rt, accuracy, strategy.param_names, rejected_before)
 
 
 def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool) -> dict:
@@ -101,64 +140,15 @@ def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool) -> dict:
     arrays, state = start_state(cfg, out, resume)
     out.mkdir(parents=True, exist_ok=True)
     tracker = Tracker(out, resume_round=state.round if resume else None)
-    full_upload_s = sum(a.nbytes for a in arrays.values() if a.dtype.kind == "f") / fed.bandwidth_bytes_per_s
-    strategy = ElasticFedAvg(
-        method=fed.strategy,
-        deadline_s=fed.deadline_s,
-        deadline_factor=fed.deadline_factor,
-        full_upload_s=full_upload_s if fed.deadline_includes_upload else 0.0,
-        param_names=param_names(cfg),
-        lr=cfg.train.lr,
-        blend=fed.strategy == "fleet" and fed.blend_beta is not None,
-        run_tag=state.run_tag,
-        min_train_nodes=1,
-        min_evaluate_nodes=1,
-        min_available_nodes=fed.num_devices,
-    )
-    strategy.global_importance = dict(state.global_importance)
+    strategy = make_strategy(cfg, state, arrays)
     node_ids = wait_for_devices(grid, cfg, fed.timeout_s)
-    if fed.strategy != "fedavg" and fed.deadline_s is None:
-        if not state.full_times:
-            state.full_times = query_full_times(grid, node_ids, fed.timeout_s)
-        strategy.full_times = {int(k): v for k, v in state.full_times.items()}
+    if fed.strategy != "fedavg" and fed.deadline_s is None and not state.full_times:
+        state.full_times = query_full_times(grid, node_ids, fed.timeout_s)
     for server_round in range(state.round + 1, fed.rounds + 1):
         if out_of_time(cfg, state):
             print(f"simulated time {state.sim_time_s:.1f}s reached federation.time_budget_s; stopping after round {state.round}", flush=True)
             break
-        started = time.perf_counter()
-        global_record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
-        deadline = strategy.round_deadline()
-        replies = grid.send_and_receive(strategy.configure_train(server_round, global_record, ConfigRecord(), grid), timeout=fed.timeout_s)
-        rejected_before = len(strategy.rejections)
-        new_record, _ = strategy.aggregate_train(server_round, replies)
-        if new_record is not None:
-            arrays = {k: a.numpy() for k, a in new_record.items()}
-            global_record = new_record
-        replies = grid.send_and_receive(strategy.configure_evaluate(server_round, global_record, ConfigRecord(), grid), timeout=fed.timeout_s)
-        accuracy = strategy.aggregate_evaluate(server_round, replies)
-        train = strategy.train_results
-        rt = round_time(train, fed.bandwidth_bytes_per_s)
-        state.round = server_round
-        state.sim_time_s += rt
-        state.wall_time_s += time.perf_counter() - started
-        state.full_times = {str(k): v for k, v in strategy.full_times.items()}
-        state.global_importance = dict(strategy.global_importance)
-        devices = device_rows(train, strategy.eval_results)
-        record = {
-            "round": server_round,
-            "strategy": fed.strategy,
-            "deadline_s": deadline,
-            "round_time_s": rt,
-            "sim_time_s": state.sim_time_s,
-            "wall_time_s": state.wall_time_s,
-            "global_accuracy": None if accuracy is None else accuracy["global-accuracy"],
-            "personal_accuracy": None if accuracy is None else accuracy["personal-accuracy"],
-            "personal_accuracy_p10": p10([d["personal_accuracy"] for d in devices if "personal_accuracy" in d]),
-            "bytes_uploaded": int(sum(d.get("bytes-uploaded", 0) for d in train)),
-            "tensors_trained_by_nobody": sum(1 for k in strategy.param_names if k not in strategy.senders),
-            "rejections": [r.as_dict() for r in strategy.rejections[rejected_before:]],
-            "devices": devices,
-        }
+        arrays, record = run_round(grid, cfg, strategy, arrays, server_round)
         tracker.add(record)
         save_checkpoint(out, arrays, state)
         print(progress_line(record, fed.rounds), flush=True)

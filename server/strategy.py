@@ -1,59 +1,43 @@
-"""ElasticFedAvg: FedAvg over only the tensors each device trained (ALGORITHMS.md section 5).
+"""ElasticFedAvg: Flower's FedAvg, aggregating each tensor over only the devices that trained it.
 
-``W_k <- sum_n a_nk m_n W_nk / sum_n a_nk m_n`` over the devices n that uploaded
-tensor k (``m_n`` its samples); a tensor nobody trained keeps its value, so the
-global model is never truncated to a subset. Flower's own FedAvg rejects
-replies whose keys differ, and ``aggregate_train`` does not see the current
-global arrays, so they are kept from ``configure_train``.
+A thin adapter: it unpacks Flower Messages and calls the Flower-free server
+arithmetic in :mod:`fleet.federated.aggregate`. Flower's own FedAvg rejects
+replies whose keys differ, and ``aggregate_train`` does not see the current global
+arrays, so they are kept from ``configure_train``. Everything a round learns goes
+into the one :class:`~fleet.federated.state.ServerState` the round loop owns.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from fleet.federated import keys
+from fleet.federated.aggregate import (
+    Rejection,
+    error_summary,
+    global_importance,
+    masked_average,
+    round_deadline,
+    tensor_problem,
+    weight_problem,
+    weighted_mean,
+)
+from fleet.federated.state import ServerState
+
 log = logging.getLogger("fleet.server")
-
-WEIGHT_KEY = "num-examples"
-
-
-@dataclass
-class Rejection:
-    """A reply the round went on without, and why."""
-
-    server_round: int
-    node_id: int
-    partition_id: int | None
-    reason: str
-
-    def as_dict(self) -> dict:
-        return {"round": self.server_round, "node_id": self.node_id, "partition_id": self.partition_id, "reason": self.reason}
 
 
 def _partition(msg: Message) -> int | None:
-    if msg.has_error() or "metrics" not in msg.content.metric_records:
+    if msg.has_error() or keys.METRICS not in msg.content.metric_records:
         return None
-    value = msg.content.metric_records["metrics"].get("partition-id")
+    value = msg.content.metric_records[keys.METRICS].get(keys.PARTITION_ID)
     return int(value) if isinstance(value, (int, float)) else None
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failure|Interrupt|Exit)(: .*)?$")
-
-
-def error_summary(reason: str, limit: int = 300) -> str:
-    """One line for a device's failure: the first exception line of the traceback Flower relays
-    (the root cause: a simulated ClientApp's error arrives wrapped in Ray's and Flower's own)."""
-    lines = [ln.strip() for ln in _ANSI.sub("", reason).splitlines() if ln.strip()]
-    first = next((ln for ln in lines if _EXCEPTION_LINE.match(ln)), lines[0] if lines else "no reason given")
-    return first if len(first) <= limit else first[: limit - 3] + "..."
 
 
 def check_reply(msg: Message, global_arrays: dict[str, np.ndarray]) -> str | None:
@@ -63,58 +47,25 @@ def check_reply(msg: Message, global_arrays: dict[str, np.ndarray]) -> str | Non
     content = msg.content
     if len(content.array_records) != 1:
         return f"expected one ArrayRecord, got {len(content.array_records)}"
-    if "metrics" not in content.metric_records:
-        return "no 'metrics' MetricRecord"
-    weight = content.metric_records["metrics"].get(WEIGHT_KEY)
-    if not isinstance(weight, (int, float)) or not np.isfinite(weight) or weight <= 0:
-        return f"'{WEIGHT_KEY}' must be a positive number, got {weight!r}"
+    if keys.METRICS not in content.metric_records:
+        return f"no '{keys.METRICS}' MetricRecord"
+    problem = weight_problem(content.metric_records[keys.METRICS].get(keys.NUM_EXAMPLES))
     record = next(iter(content.array_records.values()))
     for name, arr in record.items():
-        if name not in global_arrays:
-            return f"unknown tensor {name!r}"
-        ref = global_arrays[name]
-        if tuple(arr.shape) != tuple(ref.shape):
-            return f"tensor {name!r} has shape {tuple(arr.shape)}, the model has {tuple(ref.shape)}"
-        if np.dtype(arr.dtype) != ref.dtype:
-            return f"tensor {name!r} has dtype {arr.dtype}, the model has {ref.dtype}"
-        try:
-            values = arr.numpy()
-        except Exception as exc:  # a corrupt payload is the device's fault, not the round's
-            return f"tensor {name!r} cannot be decoded ({type(exc).__name__})"
-        if values.dtype.kind == "f" and not np.isfinite(values).all():
-            return f"tensor {name!r} holds non-finite values"
-    return None
-
-
-def masked_average(
-    global_arrays: dict[str, np.ndarray], updates: list[tuple[dict[str, np.ndarray], float]]
-) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-    """Per tensor, the sample-weighted mean over the devices that sent it; (new arrays, senders per tensor)."""
-    sums: dict[str, np.ndarray] = {}
-    weights: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for arrays, w in updates:
-        for name, value in arrays.items():
-            acc = sums.get(name)
-            contrib = value.astype(np.float64) * w
-            sums[name] = contrib if acc is None else acc + contrib
-            weights[name] = weights.get(name, 0.0) + w
-            counts[name] = counts.get(name, 0) + 1
-    out = {}
-    for name, ref in global_arrays.items():
-        out[name] = (sums[name] / weights[name]).astype(ref.dtype) if name in sums else ref
-    return out, counts
+        problem = problem or tensor_problem(name, arr.shape, arr.dtype, arr.numpy, global_arrays)
+    return problem
 
 
 class ElasticFedAvg(FedAvg):
     """FedAvg that aggregates per tensor over only the devices that trained it.
 
-    Also sends each round's deadline and the global importance signal, and keeps
-    per-device results of the last round for tracking.
+    Also sends each round's deadline and the global importance signal; per-device results
+    of the round go to ``state.replies``.
     """
 
     def __init__(
         self,
+        state: ServerState,
         *,
         method: str = "fleet",
         deadline_s: float | None = None,
@@ -123,11 +74,11 @@ class ElasticFedAvg(FedAvg):
         param_names: Iterable[str] = (),
         lr: float = 0.01,
         blend: bool = True,
-        run_tag: str = "",
         **kwargs,
     ) -> None:
-        kwargs.setdefault("weighted_by_key", WEIGHT_KEY)
+        kwargs.setdefault("weighted_by_key", keys.NUM_EXAMPLES)
         super().__init__(**kwargs)
+        self.state = state
         self.method = method
         self.deadline_s = deadline_s
         self.deadline_factor = deadline_factor
@@ -135,105 +86,74 @@ class ElasticFedAvg(FedAvg):
         self.param_names = list(param_names)
         self.lr = lr
         self.blend = blend
-        self.run_tag = run_tag
-        self.full_times: dict[int, float] = {}  # node id -> its full-training time for one round's work
-        self.global_importance: dict[str, float] = {}
-        self.current: dict[str, np.ndarray] = {}
-        self.rejections: list[Rejection] = []
-        self.train_results: list[dict] = []
-        self.eval_results: list[dict] = []
-        self.senders: dict[str, int] = {}
 
-    # --- round deadline ---------------------------------------------------
     def round_deadline(self) -> float:
-        """0 (train fully) for FedAvg; else the configured deadline or the fastest device's round time
-        when it trains fully: its full-training time plus, when the deadline covers uploads, the
-        upload of the whole model. A slower device then spends on compute what it saves on upload."""
-        if self.method == "fedavg":
-            return 0.0
-        if self.deadline_s is not None:
-            return self.deadline_s
-        if not self.full_times:
-            return 0.0
-        return self.deadline_factor * (min(self.full_times.values()) + self.full_upload_s)
+        full_times = {int(k): v for k, v in self.state.full_times.items()}
+        return round_deadline(self.method, self.deadline_s, self.deadline_factor, full_times, self.full_upload_s)
 
     # --- training ---------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        self.current = {name: arr.numpy() for name, arr in arrays.items()}
+        self.state.replies.sent = {name: arr.numpy() for name, arr in arrays.items()}
         config = ConfigRecord(dict(config))
-        config["strategy"] = self.method
-        config["deadline-s"] = float(self.round_deadline())
-        config["run-tag"] = self.run_tag
-        if self.blend and self.global_importance:
-            config["gi-names"] = list(self.global_importance)
-            config["gi-values"] = [float(v) for v in self.global_importance.values()]
+        config[keys.STRATEGY] = self.method
+        config[keys.DEADLINE_S] = float(self.round_deadline())
+        config[keys.RUN_TAG] = self.state.run_tag
+        gi = self.state.global_importance
+        if self.blend and gi:
+            config[keys.GLOBAL_IMPORTANCE_NAMES] = list(gi)
+            config[keys.GLOBAL_IMPORTANCE_VALUES] = [float(v) for v in gi.values()]
         return super().configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        replies = list(replies)
-        self.train_results = []
+        state, current = self.state, self.state.replies.sent
+        state.replies.train = []
         updates: list[tuple[dict[str, np.ndarray], float]] = []
         for msg in replies:
-            reason = check_reply(msg, self.current)
+            reason = check_reply(msg, current)
             if reason is not None:
                 self._reject(server_round, msg, reason)
                 continue
-            metrics = dict(msg.content.metric_records["metrics"])
+            metrics = dict(msg.content.metric_records[keys.METRICS])
             record = next(iter(msg.content.array_records.values()))
-            updates.append(({k: a.numpy() for k, a in record.items()}, float(metrics[WEIGHT_KEY])))
-            full = metrics.get("full-time-s")
+            updates.append(({k: a.numpy() for k, a in record.items()}, float(metrics[keys.NUM_EXAMPLES])))
+            full = metrics.get(keys.FULL_TIME_S)
             if isinstance(full, (int, float)) and full > 0:
-                self.full_times[msg.metadata.src_node_id] = float(full)
-            self.train_results.append({"node_id": msg.metadata.src_node_id, **metrics})
+                state.full_times[str(msg.metadata.src_node_id)] = float(full)
+            state.replies.train.append({"node_id": msg.metadata.src_node_id, **metrics})
         if not updates:
+            state.replies.senders = {}
             log.warning("round %d: no usable training replies; the global model is unchanged", server_round)
             return None, None
-        new, self.senders = masked_average(self.current, updates)
-        self.global_importance = {
-            k: float(np.sum((new[k].astype(np.float64) - self.current[k]) ** 2) / self.lr)
-            for k in self.param_names
-            if k in new
-        }
+        new, state.replies.senders = masked_average(current, updates)
+        state.global_importance = global_importance(new, current, self.param_names, self.lr)
         record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in new.items()})
-        total = sum(w for _, w in updates)
-        summary = MetricRecord(
-            {
-                "devices": len(updates),
-                "loss": float(sum(r["loss"] * r[WEIGHT_KEY] for r in self.train_results) / total),
-                "bytes-uploaded": int(sum(r.get("bytes-uploaded", 0) for r in self.train_results)),
-            }
-        )
-        return record, summary
+        rows = state.replies.train
+        summary = {"devices": len(updates), keys.LOSS: weighted_mean(rows, keys.LOSS),
+                   keys.BYTES_UPLOADED: int(sum(r.get(keys.BYTES_UPLOADED, 0) for r in rows))}
+        return record, MetricRecord(summary)
 
     def _reject(self, server_round: int, msg: Message, reason: str) -> None:
         rej = Rejection(server_round, msg.metadata.src_node_id, _partition(msg), reason)
-        self.rejections.append(rej)
-        who = f"node {rej.node_id}" + (f" (device {rej.partition_id})" if rej.partition_id is not None else "")
-        log.warning("round %d: rejected reply from %s: %s", server_round, who, reason)
+        self.state.replies.rejections.append(rej)
+        log.warning("round %d: rejected reply from %s: %s", server_round, rej.who(), reason)
 
     # --- evaluation -------------------------------------------------------
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         config = ConfigRecord(dict(config))
-        config["run-tag"] = self.run_tag
+        config[keys.RUN_TAG] = self.state.run_tag
         return super().configure_evaluate(server_round, arrays, config, grid)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        self.eval_results = []
+        rows = self.state.replies.evaluation = []
         for msg in replies:
-            if msg.has_error() or "metrics" not in msg.content.metric_records:
-                reason = error_summary(msg.error.reason) if msg.has_error() else "no 'metrics' MetricRecord"
+            if msg.has_error() or keys.METRICS not in msg.content.metric_records:
+                reason = error_summary(msg.error.reason) if msg.has_error() else f"no '{keys.METRICS}' MetricRecord"
                 log.warning("round %d: evaluation from node %d failed: %s", server_round, msg.metadata.src_node_id, reason)
                 continue
-            metrics = dict(msg.content.metric_records["metrics"])
-            if not isinstance(metrics.get(WEIGHT_KEY), (int, float)) or metrics[WEIGHT_KEY] <= 0:
+            metrics = dict(msg.content.metric_records[keys.METRICS])
+            if weight_problem(metrics.get(keys.NUM_EXAMPLES)) is not None:
                 continue
-            self.eval_results.append({"node_id": msg.metadata.src_node_id, **metrics})
-        if not self.eval_results:
+            rows.append({"node_id": msg.metadata.src_node_id, **metrics})
+        if not rows:
             return None
-        total = sum(r[WEIGHT_KEY] for r in self.eval_results)
-        return MetricRecord(
-            {
-                key: float(sum(r[key] * r[WEIGHT_KEY] for r in self.eval_results) / total)
-                for key in ("global-accuracy", "personal-accuracy")
-            }
-        )
+        return MetricRecord({key: weighted_mean(rows, key) for key in (keys.GLOBAL_ACCURACY, keys.PERSONAL_ACCURACY)})

@@ -8,17 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from fleet.federated.round import (
-    RoundPlan,
-    blend_importance,
-    device_rho,
-    drop_stale_momentum,
-    fitted_window_mask,
-    local_round,
-    select_in_window,
-    window_mask,
-    window_position,
-)
+from fleet.federated.round import RoundPlan, device_rho, drop_stale_momentum, local_round
+from fleet.policies import blend_importance, fitted_window_mask, select_in_window, window_mask, window_position
 from fleet.federated.device import device_memory, memory_budget_of
 from fleet.federated.split import device_data, fleet_indices
 from fleet.errors import BudgetError, ConfigError

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Error, Message, MessageType, Metadata, MetricRecord, RecordDict
 
-from server.strategy import ElasticFedAvg, check_reply, error_summary, masked_average
+from fleet.federated.aggregate import error_summary, masked_average
+from fleet.federated.state import ServerState
+from server.strategy import ElasticFedAvg, check_reply
 
 
 def reply(node: int, arrays: dict[str, np.ndarray] | None, samples: int = 10, partition: int | None = None, error: str | None = None) -> Message:
@@ -26,8 +28,8 @@ def reply(node: int, arrays: dict[str, np.ndarray] | None, samples: int = 10, pa
 
 
 def make_strategy(global_arrays: dict[str, np.ndarray]) -> ElasticFedAvg:
-    s = ElasticFedAvg(param_names=list(global_arrays), min_available_nodes=1, min_train_nodes=1)
-    s.current = {k: v.copy() for k, v in global_arrays.items()}  # what configure_train keeps
+    s = ElasticFedAvg(ServerState(), param_names=list(global_arrays), min_available_nodes=1, min_train_nodes=1)
+    s.state.replies.sent = {k: v.copy() for k, v in global_arrays.items()}  # what configure_train keeps
     return s
 
 
@@ -49,10 +51,10 @@ def test_masked_average_weights_by_samples_over_senders_only():
     np.testing.assert_allclose(out["b"], 3.0)  # only device 11 trained b: its value, not diluted by 12
     np.testing.assert_array_equal(out["c"], GLOBAL["c"])  # trained by nobody: keeps its value
     assert out["a"].dtype == np.float32
-    assert s.senders == {"a": 2, "b": 1}
+    assert s.state.replies.senders == {"a": 2, "b": 1}
     assert metrics["devices"] == 2
-    assert s.global_importance["c"] == 0.0
-    assert s.global_importance["a"] == pytest.approx(4 * 3.25**2 / s.lr)
+    assert s.state.global_importance["c"] == 0.0
+    assert s.state.global_importance["a"] == pytest.approx(4 * 3.25**2 / s.lr)
 
 
 def test_masked_average_function_matches_formula():
@@ -83,8 +85,8 @@ def test_malformed_reply_is_rejected_and_round_goes_on(arrays, reason, caplog):
         record, _ = s.aggregate_train(4, [good, bad])
     out = {k: a.numpy() for k, a in record.items()}
     np.testing.assert_allclose(out["b"], 5.0)  # the bad device's 1000 samples did not count
-    assert len(s.rejections) == 1
-    rej = s.rejections[0]
+    assert len(s.state.replies.rejections) == 1
+    rej = s.state.replies.rejections[0]
     assert (rej.server_round, rej.node_id, rej.partition_id) == (4, 12, 3)
     assert reason in rej.reason
     assert "node 12 (device 3)" in caplog.text and reason in caplog.text
@@ -96,9 +98,9 @@ def test_failed_device_and_bad_weight_are_rejected():
     zero = reply(14, {"b": np.zeros(3, np.float32)}, samples=0)
     good = reply(11, {"a": np.ones((2, 2), np.float32)}, samples=5)
     record, _ = s.aggregate_train(2, [failed, zero, good])
-    assert [r.node_id for r in s.rejections] == [13, 14]
-    assert "failed on purpose" in s.rejections[0].reason
-    assert "num-examples" in s.rejections[1].reason
+    assert [r.node_id for r in s.state.replies.rejections] == [13, 14]
+    assert "failed on purpose" in s.state.replies.rejections[0].reason
+    assert "num-examples" in s.state.replies.rejections[1].reason
     np.testing.assert_allclose(record["a"].numpy(), 1.0)
     np.testing.assert_array_equal(record["b"].numpy(), GLOBAL["b"])
 
@@ -113,7 +115,7 @@ def test_no_usable_reply_keeps_global_model():
 def test_deadline_is_fastest_full_time_and_zero_for_fedavg():
     s = make_strategy(GLOBAL)
     assert s.round_deadline() == 0.0  # nothing known yet: devices train fully
-    s.full_times = {1: 4.0, 2: 1.5, 3: 6.0}
+    s.state.full_times = {"1": 4.0, "2": 1.5, "3": 6.0}
     assert s.round_deadline() == 1.5
     s.deadline_factor = 2.0
     assert s.round_deadline() == 3.0
@@ -124,8 +126,8 @@ def test_deadline_is_fastest_full_time_and_zero_for_fedavg():
 
 
 def test_deadline_adds_the_full_upload_when_it_covers_uploads():
-    s = ElasticFedAvg(param_names=["a"], full_upload_s=2.5, min_available_nodes=1, min_train_nodes=1)
-    s.full_times = {1: 4.0, 2: 1.5}
+    s = ElasticFedAvg(ServerState(), param_names=["a"], full_upload_s=2.5, min_available_nodes=1, min_train_nodes=1)
+    s.state.full_times = {"1": 4.0, "2": 1.5}
     assert s.round_deadline() == 4.0  # the fastest device's round: full training plus full upload
 
 
@@ -141,6 +143,6 @@ def test_a_device_failure_is_logged_in_one_line():
     )
     s = make_strategy(GLOBAL)
     s.aggregate_train(1, [reply(13, None, error=relayed), reply(11, {"a": np.ones((2, 2), np.float32)})])
-    assert s.rejections[0].reason == "device failed: OSError: [Errno 28] No space left on device"
+    assert s.state.replies.rejections[0].reason == "device failed: OSError: [Errno 28] No space left on device"
     assert error_summary("x" * 500).endswith("...") and len(error_summary("x" * 500)) == 300
     assert error_summary("") == "no reason given"

@@ -56,8 +56,6 @@ class FederationConfig:
     pretrained_samples: int = 0  # bench: samples held out from the devices to pretrain the start model
     pretrain_epochs: int = 2
     pretrain_classes: list[int] | None = None  # bench: pretrain only on these labels (a start from other classes); null: all
-    fail_device: int | None = None  # fault injection for tests: this partition raises ...
-    fail_round: int | None = None  # ... in this round
 
 
 @dataclass
@@ -112,8 +110,6 @@ def _check_rules(cfg: FleetConfig) -> None:
     if fed.pretrain_classes is not None and max(fed.pretrain_classes) >= cfg.model.num_classes:
         raise ConfigError(f"federation.pretrain_classes: label {max(fed.pretrain_classes)} is not below model.num_classes={cfg.model.num_classes}; "
                           "use labels of the model's classes")
-    if (fed.fail_device is None) != (fed.fail_round is None):
-        raise ConfigError("federation.fail_device: set both fail_device and fail_round, or neither")
 
 
 def fleet_config_from_dict(data: dict | None, overrides: dict[str, Any] | None = None) -> FleetConfig:

@@ -16,13 +16,14 @@ from fleet.errors import ConfigError
 from fleet.experiment import check_profile, make_model, obtain_profile
 from fleet.memory.budgeted import MemoryBudget
 from fleet.atomic import load_torch, save_torch
+from fleet.federated import keys
 from fleet.federated.config import FleetConfig, resolve_path, run_dir
 
 
 def tier_of(cfg: FleetConfig, partition_id: int, node_config: dict[str, Any]) -> float:
     """The device's speed tier: ``tier`` in the node config, else the config's tiers in turn."""
-    if "tier" in node_config:
-        tier = float(node_config["tier"])
+    if keys.NODE_TIER in node_config:
+        tier = float(node_config[keys.NODE_TIER])
         if not tier > 0:
             raise ConfigError(f"node config tier: {tier!r} is not allowed; use a slow-down factor > 0 (1 = as profiled)")
         return tier
@@ -31,9 +32,9 @@ def tier_of(cfg: FleetConfig, partition_id: int, node_config: dict[str, Any]) ->
 
 
 def partition_of(cfg: FleetConfig, node_config: dict[str, Any]) -> int:
-    if "partition-id" not in node_config:
+    if keys.NODE_PARTITION_ID not in node_config:
         raise ConfigError("node config: partition-id missing; start the SuperNode with --node-config \"partition-id=0\"")
-    pid = int(node_config["partition-id"])
+    pid = int(node_config[keys.NODE_PARTITION_ID])
     if not 0 <= pid < cfg.federation.num_devices:
         raise ConfigError(
             f"node config partition-id: {pid} is outside 0..{cfg.federation.num_devices - 1} "
@@ -47,11 +48,11 @@ def device_profile(cfg: FleetConfig, model: nn.Module | None, node_config: dict[
 
     A device with neither measures itself once and keeps the result in its state directory.
     """
-    path = node_config.get("profile") or cfg.train.profile
+    path = node_config.get(keys.NODE_PROFILE) or cfg.train.profile
     if path:
         base = DeviceProfile.load(resolve_path(str(path)))
         if model is not None:
-            where = "node config profile" if node_config.get("profile") else "train.profile"
+            where = "node config profile" if node_config.get(keys.NODE_PROFILE) else "train.profile"
             check_profile(base, model, cfg.train.batch_size, cfg.data.input_size, f"profile {path} ({where})")
     else:
         if model is None:
@@ -64,13 +65,13 @@ def memory_budget_of(cfg: FleetConfig, partition_id: int, node_config: dict[str,
     """The device's activation memory budget in MB (None: unlimited), from the first that sets one:
     node config ``memory-budget-mb``, the device profile's ``memory_budget_mb``,
     ``federation.memory_budgets_mb`` (device i takes entry i % len; 0 = unlimited), ``train.memory_budget_mb``."""
-    if "memory-budget-mb" in node_config:
+    if keys.NODE_MEMORY_BUDGET_MB in node_config:
         try:
-            mb = float(node_config["memory-budget-mb"])
+            mb = float(node_config[keys.NODE_MEMORY_BUDGET_MB])
         except (TypeError, ValueError):
             mb = float("nan")
         if not mb > 0:
-            raise ConfigError(f"node config memory-budget-mb: {node_config['memory-budget-mb']!r} is not allowed; use a positive number of MB")
+            raise ConfigError(f"node config memory-budget-mb: {node_config[keys.NODE_MEMORY_BUDGET_MB]!r} is not allowed; use a positive number of MB")
         return mb
     if profile.memory_budget_mb is not None:
         return float(profile.memory_budget_mb)
@@ -84,20 +85,16 @@ def memory_budget_of(cfg: FleetConfig, partition_id: int, node_config: dict[str,
 def device_memory(cfg: FleetConfig, model: nn.Module, budget_mb: float, state_dir: Path, node_config: dict[str, Any]) -> MemoryBudget:
     """Plans for this device's budget; its memory profile is measured once and kept in its state directory."""
     shape = (cfg.train.batch_size, cfg.model.in_channels, cfg.data.input_size, cfg.data.input_size)
-    spill = node_config.get("spill-dir") or cfg.train.spill_dir or str(state_dir / "spill")
+    spill = node_config.get(keys.NODE_SPILL_DIR) or cfg.train.spill_dir or str(state_dir / "spill")
     return MemoryBudget.measure(model, shape, budget_mb, str(spill), model_name=cfg.model.name,
                                 cache=state_dir / "memory-profile.json", flag="memory-budget-mb")
 
 
 def state_dir_of(cfg: FleetConfig, partition_id: int, node_config: dict[str, Any]) -> Path:
     """Where device state outlives a round: node config ``state-dir`` or runs/<name>/devices/<id>."""
-    if node_config.get("state-dir"):
-        return Path(str(node_config["state-dir"])).expanduser() / cfg.name
+    if node_config.get(keys.NODE_STATE_DIR):
+        return Path(str(node_config[keys.NODE_STATE_DIR])).expanduser() / cfg.name
     return run_dir(cfg) / "devices" / f"device-{partition_id}"
-
-
-def build_model(cfg: FleetConfig) -> nn.Module:
-    return make_model(cfg.model, cfg.train.seed)
 
 
 # --- device state that must outlive a round --------------------------------

@@ -8,8 +8,6 @@ the run directory holds the exact config the devices ran with.
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import yaml
 from fleet.config import config_to_dict
 from fleet.experiment import make_model, obtain_profile
 from fleet.federated.config import FleetConfig, run_dir
-from fleet.federated.state import CHECKPOINT_FILE
+from fleet.federated.state import keep_previous_run
 
 EFFECTIVE_CONFIG = "fleet-config.yaml"
 
@@ -31,10 +29,8 @@ def prepare(cfg: FleetConfig, *, resume: bool, log: Callable[[str], None] = prin
         # here it stops the launch in one line, before the previous run is moved aside.
         obtain_profile(cfg, make_model(cfg.model, cfg.train.seed), log=log)
     out = run_dir(cfg)
-    if not resume and (out / CHECKPOINT_FILE).exists():
-        backup = out.with_name(f"{out.name}.{time.strftime('%Y%m%d-%H%M%S')}")
-        shutil.move(str(out), backup)
-        log(f"kept the previous run of {cfg.name} in {backup}")
+    if not resume:
+        keep_previous_run(out, cfg.name, log)
     out.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.replace(cfg, output_dir=str(out.parent))
     if cfg.federation.pretrained_samples > 0 and cfg.model.weights is None:

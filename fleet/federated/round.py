@@ -1,16 +1,18 @@
 """A device's local work in one round: pick its tensors under its own budget, train, report.
 
-Selection follows ALGORITHMS.md section 5: ``rho_n = min(1, D / T_full,n)`` from
-the round deadline ``D`` and the device's own profile, the exact DP under that
-budget, optionally led by a sliding window of blocks (with rollback) and
-fed importance blended with the server's global signal (FedEL's remedies).
+Flower-free: the ClientApp translates the server's Message into a :class:`RoundPlan`
+and the :class:`RoundResult` back into a reply. Selection follows docs/algorithms.md
+section 5: the round deadline ``D`` and the device's own profile give its budget
+(``rho_n = min(1, D / T_full,n)``, less what the round costs anyway: an importance
+probe, the upload), and :meth:`fleet.trainer.Trainer.reselect` makes the selection
+under a :class:`~fleet.policies.SelectionPolicy` (FedEL's window and blending for the
+``fleet`` strategy).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,12 +21,14 @@ from torch import nn
 
 from fleet.data import ArrayDataset, batches
 from fleet.device_profile import DeviceProfile
-from fleet.importance import evaluate_importance, normalize
+from fleet.experiment import trainer_options
+from fleet.federated import keys
+from fleet.federated.config import FleetConfig
+from fleet.importance import evaluate_importance
 from fleet.memory.budgeted import MemoryBudget
 from fleet.models import head_parameter_names
-from fleet.selection import select_tensors, selection_cost
-from fleet.trainer import Trainer, TrainerOptions
-from fleet.federated.config import FleetConfig
+from fleet.policies import Blend, SelectionPolicy, Window
+from fleet.trainer import Trainer
 
 PROBE_STEPS = 2.0  # an importance probe costs about two full steps (one update, one gradient)
 
@@ -44,96 +48,6 @@ class RoundResult:
     arrays: dict[str, torch.Tensor]  # only what the device trained (plus its norm statistics)
     metrics: dict[str, float | int]
     state: dict  # device state to keep for the next round
-
-
-def window_position(server_round: int, positions: int, schedule: str = "rollback") -> int:
-    """How many blocks the window sits from the output end in ``server_round``.
-
-    ``rollback``: 0, 1, ..., positions-1, then straight back to 0 (FedEL's slide and roll-back).
-    ``pingpong``: 0, 1, ..., positions-1, positions-2, ..., 1, 0, ...: the window walks back one
-    block per round instead of jumping from the input side to the output side."""
-    r = server_round - 1
-    if schedule == "pingpong" and positions > 1:
-        period = 2 * (positions - 1)
-        p = r % period
-        return p if p < positions else period - p
-    return r % positions
-
-
-def _window_bounds(n: int, num_blocks: int, window_blocks: int, server_round: int, schedule: str = "rollback") -> tuple[list[np.ndarray], int, int]:
-    blocks = np.array_split(np.arange(n), min(num_blocks, n))
-    b = len(blocks)
-    w = min(window_blocks, b)
-    hi = b - window_position(server_round, b - w + 1, schedule)
-    return blocks, hi - w, hi
-
-
-def _blocks_mask(names: list[str], head: set[str], blocks: list[np.ndarray], lo: int, hi: int) -> list[bool]:
-    inside = set(int(i) for blk in blocks[lo:hi] for i in blk)
-    return [i in inside or n in head for i, n in enumerate(names)]
-
-
-def window_mask(
-    names: list[str], head: set[str], num_blocks: int, window_blocks: int, server_round: int, schedule: str = "rollback"
-) -> list[bool]:
-    """FedEL's window: ``window_blocks`` contiguous blocks that slide one block per round from
-    the output side toward the input, then roll back to the output side. The head is always in."""
-    blocks, lo, hi = _window_bounds(len(names), num_blocks, window_blocks, server_round, schedule)
-    return _blocks_mask(names, head, blocks, lo, hi)
-
-
-def fitted_window_mask(
-    names: list[str], head: set[str], num_blocks: int, window_blocks: int, server_round: int, fits: Callable[[list[bool]], bool],
-    schedule: str = "rollback",
-) -> list[bool]:
-    """The round's window (:func:`window_mask`), widened one whole block at a time, first toward
-    the output side and then toward the input side, while training *every* tensor in it still
-    fits this device's budget (``fits``). A fixed window starves devices with budget to spare
-    (at the input-side positions a 2x device used only a third of its budget); the widened
-    window keeps the slide's input end, so slow devices still reach the front layers, as far
-    toward the input as they can train a whole block."""
-    blocks, lo, hi = _window_bounds(len(names), num_blocks, window_blocks, server_round, schedule)
-    # A device that cannot afford to train even the window's input-most block whole would spend
-    # its round on a tensor or two (a 4x-slower device trained 0.00% of the weights in every
-    # input-side round): slide its window toward the output until it can.
-    while lo < len(blocks) - 1 and not fits(_blocks_mask(names, head, blocks, lo, lo + 1)):
-        lo, hi = lo + 1, min(hi + 1, len(blocks))
-    while True:
-        if hi < len(blocks) and fits(_blocks_mask(names, head, blocks, lo, hi + 1)):
-            hi += 1
-        elif lo > 0 and fits(_blocks_mask(names, head, blocks, lo - 1, hi)):
-            lo -= 1
-        else:
-            return _blocks_mask(names, head, blocks, lo, hi)
-
-
-def select_in_window(
-    ranked: list[float], allowed: list[bool], t_dw: list[float], t_dy: list[float], budget: float, mode: str = "cover"
-) -> list[bool]:
-    """The DP's selection once the window is placed.
-
-    ``only`` (FedEL as published): the DP picks inside the window alone, by importance.
-    ``cover``: the window is there so that every part of the model gets trained, so the DP first
-    trains as many of the window's tensors as fit (importance breaks ties), then spends the budget
-    left on the most important tensors anywhere; the backward pass already runs through every
-    layer after the window, so those cost only their weight gradients. Measured on the benchmark
-    (2 seeds): ``only`` fills an output-side window with a few large tensors and leaves part of
-    slow devices' budget idle, and the global model dipped 4-8 points after each roll-back;
-    ``cover`` ended 0.3 points higher on the last-3-rounds mean and 1.4 points higher over the
-    last 30% of the time. Filling the window by importance instead, then the rest, ended lower
-    than both (77.2%).
-    """
-    if mode == "only":
-        return select_tensors([v if a else 0.0 for v, a in zip(ranked, allowed)], t_dw, t_dy, budget)
-    # Each window tensor is worth more than all the others together: the DP maximizes how many it trains.
-    keep = 1.0 + sum(abs(v) for v in ranked)
-    return select_tensors([v + keep if a else max(v, 0.0) for v, a in zip(ranked, allowed)], t_dw, t_dy, budget)
-
-
-def blend_importance(local: list[float], names: list[str], global_imp: dict[str, float], beta: float) -> list[float]:
-    """``beta * I_local + (1 - beta) * I_global``, both normalized by their max magnitude."""
-    g = normalize([global_imp.get(n, 0.0) for n in names])
-    return [beta * l_ + (1.0 - beta) * g_ for l_, g_ in zip(local, g)]
 
 
 def device_rho(cfg: FleetConfig, profile: DeviceProfile, deadline_s: float) -> tuple[float, float]:
@@ -181,9 +95,95 @@ def drop_stale_momentum(optimizer: torch.optim.Optimizer, names: list[str], para
             optimizer.state.pop(p, None)
 
 
-def memory_added_s(memory: MemoryBudget | None, model: nn.Module, profile: DeviceProfile) -> float:
-    """Seconds the memory plan for the current selection adds to one step on this device (its tier)."""
-    return 0.0 if memory is None else memory.added_time_s(model) * profile.speed_factor
+@dataclass
+class RoundBudget:
+    """What this round's local work may cost the device, from the deadline and its uplink."""
+
+    deadline_s: float  # <= 0: no deadline
+    full_time_s: float  # training every tensor for the round's local steps
+    upload_s: list[float]  # per tensor (0 when the deadline is compute only)
+    buffers_s: float  # uploading the norm statistics, which every trained round sends
+
+    @property
+    def trains_fully(self) -> bool:
+        """No deadline, or one that already covers full training and the whole upload."""
+        total = self.full_time_s + sum(self.upload_s) + self.buffers_s
+        return self.deadline_s <= 0 or self.deadline_s >= total * (1 - 1e-9)
+
+
+def round_budget(cfg: FleetConfig, trainer: Trainer, plan: RoundPlan) -> RoundBudget:
+    fed = cfg.federation
+    full = fed.local_steps * trainer.profile.full_step_time
+    deadline = plan.deadline_s if plan.strategy != "fedavg" else 0.0
+    if not fed.deadline_includes_upload:
+        return RoundBudget(deadline, full, [0.0] * len(trainer.names), 0.0)
+    buffers = sum(b.numel() * b.element_size() for b in float_buffers(trainer.model).values())
+    return RoundBudget(deadline, full, tensor_upload_s(cfg, trainer.params), buffers / fed.bandwidth_bytes_per_s)
+
+
+def round_trainer(
+    cfg: FleetConfig, model: nn.Module, profile: DeviceProfile, memory: MemoryBudget | None,
+    plan: RoundPlan, partition_id: int, prev_state: dict,
+) -> Trainer:
+    """The round's trainer, with the device's momentum from earlier rounds (stale entries dropped)."""
+    seed = cfg.train.seed + 1000 * plan.server_round + partition_id
+    options = trainer_options(cfg.train, cfg.data.input_size, method="full", rho=1.0, seed=seed)
+    trainer = Trainer(model, options, profile, memory)
+    if "optimizer" in prev_state:
+        try:
+            trainer.optimizer.load_state_dict(prev_state["optimizer"])
+        except (ValueError, KeyError, RuntimeError):
+            pass  # another model layout: start with fresh momentum
+    drop_stale_momentum(trainer.optimizer, trainer.names, trainer.params, prev_state.get("trained"))
+    return trainer
+
+
+def round_policy(cfg: FleetConfig, trainer: Trainer, plan: RoundPlan, budget: RoundBudget, probe_cost: float) -> SelectionPolicy:
+    """The device's selection policy: its deadline as a budget, each tensor's upload as a cost,
+    and for the ``fleet`` strategy FedEL's blending and window."""
+    fed = cfg.federation
+    fleet = plan.strategy == "fleet"
+    blend = Blend(plan.global_importance, fed.blend_beta) if fleet and fed.blend_beta is not None and plan.global_importance else None
+    window = None
+    if fleet and fed.window:
+        head = frozenset(head_parameter_names(trainer.model))
+        window = Window(plan.server_round, head, fed.num_blocks, fed.window_blocks, fed.window_schedule, fed.window_mode, fed.window_fit)
+    return SelectionPolicy(
+        budget_s=step_budget(cfg, trainer.profile, budget.deadline_s - probe_cost - budget.buffers_s),
+        extra_costs=[u / fed.local_steps for u in budget.upload_s],  # a tensor's upload, spread over the steps
+        blend=blend,
+        window=window,
+        charge_memory=True,
+    )
+
+
+def select_for_round(cfg: FleetConfig, trainer: Trainer, train: ArrayDataset, plan: RoundPlan, prev_state: dict) -> tuple[float, list[float], int]:
+    """Select this round's tensors through :meth:`Trainer.reselect`; returns (probe cost in
+    simulated seconds, the local importance, the round it was probed in)."""
+    budget = round_budget(cfg, trainer, plan)
+    importance = [float(v) for v in prev_state.get("importance", [])]
+    imp_round = int(prev_state.get("importance_round", -(10**9)))
+    if budget.trains_fully:
+        trainer.set_mask([True] * len(trainer.names))
+        return 0.0, importance, imp_round
+    probe_cost = 0.0
+    if len(importance) != len(trainer.names) or plan.server_round - imp_round >= cfg.federation.importance_interval:
+        x, y = trainer.probe_batch(train)
+        importance = evaluate_importance(trainer.model, trainer.params, trainer.optimizer, x, y, step_context=trainer.step_context)
+        imp_round = plan.server_round
+        probe_cost = PROBE_STEPS * (trainer.profile.full_step_time + trainer.memory_added_s())
+    trainer.reselect(importance=importance, policy=round_policy(cfg, trainer, plan, budget, probe_cost))
+    return probe_cost, importance, imp_round
+
+
+def train_steps(trainer: Trainer, train: ArrayDataset, steps: int) -> list[float]:
+    """``steps`` local steps, re-shuffling on every pass over the device's data."""
+    endless = (
+        xy
+        for _ in itertools.count()
+        for xy in batches(train, trainer.options.batch_size, shuffle=True, generator=trainer.generator, input_size=trainer.options.input_size)
+    )
+    return [trainer.train_step(x, y) for x, y in itertools.islice(endless, steps)]
 
 
 def local_round(
@@ -202,119 +202,58 @@ def local_round(
     plan for the device's activation budget, and the time the plan adds counts against
     the deadline: when it would overrun, the selection is made again with that much less.
     """
-    fed = cfg.federation
-    t = cfg.train
-    full_time = fed.local_steps * profile.full_step_time
-    options = TrainerOptions(
-        method="full",
-        lr=t.lr,
-        momentum=t.momentum,
-        weight_decay=t.weight_decay,
-        rho=1.0,
-        batch_size=t.batch_size,
-        input_size=cfg.data.input_size,
-        seed=t.seed + 1000 * plan.server_round + partition_id,
-    )
-    trainer = Trainer(model, options, profile, memory)
     prev_state = prev_state or {}
-    if "optimizer" in prev_state:
-        try:
-            trainer.optimizer.load_state_dict(prev_state["optimizer"])
-        except (ValueError, KeyError, RuntimeError):
-            pass  # another model layout: start with fresh momentum
-    names = trainer.names
-    drop_stale_momentum(trainer.optimizer, names, trainer.params, prev_state.get("trained"))
+    trainer = round_trainer(cfg, model, profile, memory, plan, partition_id, prev_state)
     started = time.perf_counter()
-    probe_cost = 0.0
-    importance: list[float] = list(prev_state.get("importance", []))
-    imp_round = int(prev_state.get("importance_round", -10**9))
-    deadline = plan.deadline_s if plan.strategy != "fedavg" else 0.0
-    upload_s = tensor_upload_s(cfg, trainer.params)
-    buffers_s = sum(b.numel() * b.element_size() for b in float_buffers(model).values()) / fed.bandwidth_bytes_per_s
-    if not fed.deadline_includes_upload:
-        upload_s, buffers_s = [0.0] * len(names), 0.0
-    if deadline <= 0 or deadline >= (full_time + sum(upload_s) + buffers_s) * (1 - 1e-9):
-        mask = [True] * len(names)
-    else:
-        if len(importance) != len(names) or plan.server_round - imp_round >= fed.importance_interval:
-            x, y = trainer.probe_batch(train)
-            importance = evaluate_importance(model, trainer.params, trainer.optimizer, x, y, step_context=trainer.step_context)
-            imp_round = plan.server_round
-            probe_cost = PROBE_STEPS * (profile.full_step_time + memory_added_s(memory, model, profile))
-        ranked = importance
-        if plan.strategy == "fleet" and fed.blend_beta is not None and plan.global_importance:
-            ranked = blend_importance(importance, names, plan.global_importance, fed.blend_beta)
-        budget = step_budget(cfg, profile, deadline - probe_cost - buffers_s)
-        costs = [dw + u / fed.local_steps for dw, u in zip(profile.t_dw, upload_s)]  # a tensor's upload, spread over the steps
-        allowed = None
-        if plan.strategy == "fleet" and fed.window:
-            head = set(head_parameter_names(model))
-            if fed.window_fit:
-                allowed = fitted_window_mask(names, head, fed.num_blocks, fed.window_blocks, plan.server_round,
-                                             lambda m: selection_cost(m, costs, profile.t_dy) <= budget, fed.window_schedule)
-            else:
-                allowed = window_mask(names, head, fed.num_blocks, fed.window_blocks, plan.server_round, fed.window_schedule)
-
-        def choose(b: float) -> list[bool]:
-            if allowed is None:
-                return select_tensors(ranked, costs, profile.t_dy, b)
-            return select_in_window(ranked, allowed, costs, profile.t_dy, b, fed.window_mode)
-
-        mask = choose(budget)
-        if memory is not None:
-            trainer.set_mask(mask)
-            added = memory_added_s(memory, model, profile)
-            if added > 0 and selection_cost(mask, costs, profile.t_dy) + added > budget:
-                mask = choose(max(budget - added, 0.0))
-    rho = profile.step_time(mask) / profile.full_step_time
-    trainer.set_mask(mask)
-    added_s = memory_added_s(memory, model, profile)  # raises BudgetError (one line) if no plan fits
-
-    losses: list[float] = []
-    steps = fed.local_steps if any(mask) else 0
-    endless = (
-        xy
-        for _ in itertools.count()  # re-shuffled on every pass over the local data
-        for xy in batches(train, t.batch_size, shuffle=True, generator=trainer.generator, input_size=cfg.data.input_size)
-    )
-    for x, y in itertools.islice(endless, steps):
-        losses.append(trainer.train_step(x, y))
+    probe_cost, importance, imp_round = select_for_round(cfg, trainer, train, plan, prev_state)
+    mask = trainer.mask
+    added_s = trainer.memory_added_s()  # raises BudgetError (one line) if no plan fits
+    steps = cfg.federation.local_steps if any(mask) else 0
+    losses = train_steps(trainer, train, steps)
     measured = time.perf_counter() - started
     predicted = steps * (profile.step_time(mask) + added_s) + probe_cost
-
-    params = dict(zip(names, trainer.params))
-    arrays = {n: params[n].detach().clone() for n, m in zip(names, mask) if m}
+    arrays = {n: p.detach().clone() for n, p, m in zip(trainer.names, trainer.params, mask) if m}
     if steps:
         arrays.update({n: b.detach().clone() for n, b in float_buffers(model).items()})
-    upload = sum(a.numel() * a.element_size() for a in arrays.values())
-    metrics: dict[str, float | int] = {
-        "partition-id": partition_id,
-        "tier": profile.speed_factor,
-        "num-examples": len(train),
-        "selected": int(sum(mask)),
-        "num-tensors": len(names),
-        "trained-fraction": float(sum(p.numel() for p, m in zip(trainer.params, mask) if m) / sum(p.numel() for p in trainer.params)),
-        "rho": rho,
-        "predicted-time-s": predicted,
-        "measured-time-s": measured,
-        "full-time-s": full_time,
-        "speedup": full_time / predicted if predicted > 0 else 0.0,
-        "bytes-uploaded": int(upload),
-        "loss": float(np.mean(losses)) if losses else float("nan"),
-        "steps": steps,
-    }
+    metrics = round_metrics(cfg, trainer, len(train), arrays, losses, predicted, measured)
     if memory is not None:
         metrics.update({
-            "memory-budget-bytes": memory.budget_bytes,
-            "memory-peak-bytes": memory.peak_bytes,
-            "memory-added-s": added_s,
+            keys.MEMORY_BUDGET_BYTES: memory.budget_bytes,
+            keys.MEMORY_PEAK_BYTES: memory.peak_bytes,
+            keys.MEMORY_ADDED_S: added_s,
         })
+    metrics[keys.PARTITION_ID] = partition_id
     state = {
         "round": plan.server_round,
         "optimizer": trainer.optimizer.state_dict(),
         "personal": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "importance": [float(v) for v in importance],
         "importance_round": imp_round,
-        "trained": [n for n, m in zip(names, mask) if m] if steps else [],
+        "trained": [n for n, m in zip(trainer.names, mask) if m] if steps else [],
     }
     return RoundResult(arrays, metrics, state)
+
+
+def round_metrics(
+    cfg: FleetConfig, trainer: Trainer, num_examples: int, arrays: dict[str, torch.Tensor],
+    losses: list[float], predicted: float, measured: float,
+) -> dict[str, float | int]:
+    """The reply's metrics (see :mod:`fleet.federated.keys`)."""
+    profile, mask, params = trainer.profile, trainer.mask, trainer.params
+    full_time = cfg.federation.local_steps * profile.full_step_time
+    trained = sum(p.numel() for p, m in zip(params, mask) if m)
+    return {
+        keys.TIER: profile.speed_factor,
+        keys.NUM_EXAMPLES: num_examples,
+        keys.SELECTED: int(sum(mask)),
+        keys.NUM_TENSORS: len(mask),
+        keys.TRAINED_FRACTION: float(trained / sum(p.numel() for p in params)),
+        keys.RHO: profile.step_time(mask) / profile.full_step_time,
+        keys.PREDICTED_TIME_S: predicted,
+        keys.MEASURED_TIME_S: measured,
+        keys.FULL_TIME_S: full_time,
+        keys.SPEEDUP: full_time / predicted if predicted > 0 else 0.0,
+        keys.BYTES_UPLOADED: int(sum(a.numel() * a.element_size() for a in arrays.values())),
+        keys.LOSS: float(np.mean(losses)) if losses else float("nan"),
+        keys.STEPS: len(losses),
+    }

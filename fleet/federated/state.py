@@ -1,20 +1,40 @@
-"""The server's per-round checkpoint: global model plus everything needed to continue.
+"""The server's state: one object the round loop owns, checkpointed after every round.
 
-Written atomically after each round, so a server killed at any moment resumes
-from the last completed round with nothing lost.
+:class:`ServerState` holds everything that outlives a round (round number, clocks,
+the devices' full-training times, the global importance signal) and, in
+``replies``, what the current round's replies brought. The strategy reads and
+writes this object; it keeps no state of its own, so what a resumed run needs is
+exactly what the checkpoint holds. Written atomically, so a server killed at any
+moment resumes from the last completed round with nothing lost.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import dataclasses
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from fleet.atomic import load_torch, save_torch
+from fleet.federated.aggregate import Rejection
 
 CHECKPOINT_FILE = "checkpoint.pt"
+
+
+@dataclass
+class RoundReplies:
+    """What one round's replies brought (not checkpointed: a resumed round is run again)."""
+
+    sent: dict[str, np.ndarray] = field(default_factory=dict)  # the global arrays the round started from
+    train: list[dict] = field(default_factory=list)  # accepted train replies' metrics, with node_id
+    evaluation: list[dict] = field(default_factory=list)  # accepted evaluate replies' metrics, with node_id
+    rejections: list[Rejection] = field(default_factory=list)  # every rejection of the run so far
+    senders: dict[str, int] = field(default_factory=dict)  # tensor -> devices that trained it this round
 
 
 @dataclass
@@ -27,11 +47,21 @@ class ServerState:
     run_tag: str = ""
     full_times: dict[str, float] = field(default_factory=dict)  # node id -> full-training time per round
     global_importance: dict[str, float] = field(default_factory=dict)
+    replies: RoundReplies = field(default_factory=RoundReplies)
+
+    def finish_round(self, server_round: int, round_time_s: float, wall_s: float) -> None:
+        """Advance the round number and both clocks once a round's replies are in."""
+        self.round = server_round
+        self.sim_time_s += round_time_s
+        self.wall_time_s += wall_s
+
+    def persistent(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "replies"}
 
 
 def save_checkpoint(out: Path, arrays: dict[str, np.ndarray], state: ServerState) -> Path:
     path = out / CHECKPOINT_FILE
-    save_torch(path, {"model": {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}, "meta": asdict(state)})
+    save_torch(path, {"model": {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}, "meta": state.persistent()})
     return path
 
 
@@ -40,3 +70,14 @@ def load_checkpoint(out: Path) -> tuple[dict[str, torch.Tensor], ServerState] | 
     if not obj or "model" not in obj or "meta" not in obj:
         return None
     return obj["model"], ServerState(**obj["meta"])
+
+
+def keep_previous_run(out: Path, name: str, log: Callable[[str], None] = print) -> Path | None:
+    """Move a finished or interrupted run in ``out`` aside (``<out>.<timestamp>``) before a fresh
+    start, so that starting again never overwrites results."""
+    if not (out / CHECKPOINT_FILE).exists():
+        return None
+    backup = out.with_name(f"{out.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+    shutil.move(str(out), backup)
+    log(f"kept the previous run of {name} in {backup}")
+    return backup

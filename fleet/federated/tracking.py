@@ -13,7 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fleet.atomic import write_json
+from fleet.atomic import write_json, write_text_atomic
+from fleet.federated import keys
+from fleet.federated.state import ServerState
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -21,24 +23,57 @@ SUMMARY_FILE = "summary.json"
 
 def round_time(devices: list[dict], bandwidth: float) -> float:
     """The slowest device's simulated training time plus its upload time."""
-    return max((d["predicted-time-s"] + d.get("bytes-uploaded", 0) / bandwidth for d in devices), default=0.0)
+    return max((d[keys.PREDICTED_TIME_S] + d.get(keys.BYTES_UPLOADED, 0) / bandwidth for d in devices), default=0.0)
 
 
 def device_rows(train: list[dict], evaluation: list[dict]) -> list[dict]:
-    """One row per device: its train metrics joined with its evaluation, keyed by partition."""
+    """One row per device: its train metrics joined with its evaluation, keyed by partition.
+
+    Metric keys become snake_case (``bytes-uploaded`` -> ``bytes_uploaded``); a device's test
+    samples are ``test_examples`` and, when it also trained, its train samples ``train_examples``."""
     by_pid: dict[int, dict] = {}
     for r in train:
-        by_pid.setdefault(int(r["partition-id"]), {}).update(r)
+        by_pid.setdefault(int(r[keys.PARTITION_ID]), {}).update(r)
     for r in evaluation:
-        row = by_pid.setdefault(int(r["partition-id"]), {})
-        row.update({"partition-id": r["partition-id"], "global-accuracy": r["global-accuracy"], "personal-accuracy": r["personal-accuracy"], "test-examples": r["num-examples"]})
+        row = by_pid.setdefault(int(r[keys.PARTITION_ID]), {})
+        row.update({k: r[k] for k in (keys.PARTITION_ID, keys.GLOBAL_ACCURACY, keys.PERSONAL_ACCURACY)})
+        row["test-examples"] = r[keys.NUM_EXAMPLES]
     rows = []
     for pid in sorted(by_pid):
-        row = {k.replace("-", "_"): v for k, v in by_pid[pid].items() if k not in ("num-examples",)}
-        if "num-examples" in by_pid[pid] and "test-examples" in by_pid[pid]:
-            row["train_examples"] = by_pid[pid]["num-examples"]
+        row = {k.replace("-", "_"): v for k, v in by_pid[pid].items() if k != keys.NUM_EXAMPLES}
+        if keys.NUM_EXAMPLES in by_pid[pid] and "test-examples" in by_pid[pid]:
+            row["train_examples"] = by_pid[pid][keys.NUM_EXAMPLES]
         rows.append(row)
     return rows
+
+
+def round_record(
+    state: ServerState,
+    strategy: str,
+    deadline_s: float,
+    round_time_s: float,
+    accuracy: dict | None,
+    param_names: list[str],
+    rejected_before: int,
+) -> dict:
+    """The metrics.jsonl line of the round ``state`` has just finished."""
+    train = state.replies.train
+    devices = device_rows(train, state.replies.evaluation)
+    return {
+        "round": state.round,
+        "strategy": strategy,
+        "deadline_s": deadline_s,
+        "round_time_s": round_time_s,
+        "sim_time_s": state.sim_time_s,
+        "wall_time_s": state.wall_time_s,
+        "global_accuracy": None if accuracy is None else accuracy[keys.GLOBAL_ACCURACY],
+        "personal_accuracy": None if accuracy is None else accuracy[keys.PERSONAL_ACCURACY],
+        "personal_accuracy_p10": p10([d["personal_accuracy"] for d in devices if "personal_accuracy" in d]),
+        "bytes_uploaded": int(sum(d.get(keys.BYTES_UPLOADED, 0) for d in train)),
+        "tensors_trained_by_nobody": sum(1 for k in param_names if k not in state.replies.senders),
+        "rejections": [r.as_dict() for r in state.replies.rejections[rejected_before:]],
+        "devices": devices,
+    }
 
 
 def p10(values: list[float]) -> float | None:
@@ -64,9 +99,7 @@ class Tracker:
         self._rewrite()
 
     def _rewrite(self) -> None:
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
-        os.replace(tmp, self.path)
+        write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
 
     def add(self, record: dict) -> None:
         self.records.append(record)

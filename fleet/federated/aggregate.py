@@ -1,0 +1,126 @@
+"""The server's arithmetic, free of Flower: reply checks, masked averaging, deadlines, signals.
+
+Every reply is untrusted: it is checked tensor by tensor against the global model
+before anything of it is used, and a failed check becomes a :class:`Rejection`
+that names the device and the reason. The strategy (server/strategy.py) only
+unpacks Flower Messages and calls these functions.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from fleet.federated import keys
+
+
+@dataclass
+class Rejection:
+    """A reply the round went on without, and why."""
+
+    server_round: int
+    node_id: int
+    partition_id: int | None
+    reason: str
+
+    def as_dict(self) -> dict:
+        return {"round": self.server_round, "node_id": self.node_id, "partition_id": self.partition_id, "reason": self.reason}
+
+    def who(self) -> str:
+        return f"node {self.node_id}" + (f" (device {self.partition_id})" if self.partition_id is not None else "")
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failure|Interrupt|Exit)(: .*)?$")
+
+
+def error_summary(reason: str, limit: int = 300) -> str:
+    """One line for a device's failure: the first exception line of the traceback Flower relays
+    (the root cause: a simulated ClientApp's error arrives wrapped in Ray's and Flower's own)."""
+    lines = [ln.strip() for ln in _ANSI.sub("", reason).splitlines() if ln.strip()]
+    first = next((ln for ln in lines if _EXCEPTION_LINE.match(ln)), lines[0] if lines else "no reason given")
+    return first if len(first) <= limit else first[: limit - 3] + "..."
+
+
+def weight_problem(weight: object) -> str | None:
+    """Why a reply's sample count cannot weight an average, or None."""
+    if not isinstance(weight, (int, float)) or not np.isfinite(weight) or weight <= 0:
+        return f"'{keys.NUM_EXAMPLES}' must be a positive number, got {weight!r}"
+    return None
+
+
+def tensor_problem(
+    name: str, shape: Iterable[int], dtype: str, decode: Callable[[], np.ndarray], global_arrays: Mapping[str, np.ndarray]
+) -> str | None:
+    """Why one uploaded tensor cannot be averaged into ``global_arrays``, or None.
+
+    ``decode`` is called only once name, shape and dtype are known good, so a huge or
+    mislabelled payload is refused before it is unpacked."""
+    if name not in global_arrays:
+        return f"unknown tensor {name!r}"
+    ref = global_arrays[name]
+    if tuple(shape) != tuple(ref.shape):
+        return f"tensor {name!r} has shape {tuple(shape)}, the model has {tuple(ref.shape)}"
+    if np.dtype(dtype) != ref.dtype:
+        return f"tensor {name!r} has dtype {dtype}, the model has {ref.dtype}"
+    try:
+        values = decode()
+    except Exception as exc:  # a corrupt payload is the device's fault, not the round's
+        return f"tensor {name!r} cannot be decoded ({type(exc).__name__})"
+    if values.dtype.kind == "f" and not np.isfinite(values).all():
+        return f"tensor {name!r} holds non-finite values"
+    return None
+
+
+def masked_average(
+    global_arrays: Mapping[str, np.ndarray], updates: list[tuple[dict[str, np.ndarray], float]]
+) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Per tensor, the sample-weighted mean over the devices that sent it; (new arrays, senders per tensor).
+
+    ``W_k <- sum_n a_nk m_n W_nk / sum_n a_nk m_n`` (docs/algorithms.md section 5): a tensor
+    nobody trained keeps its value, so the global model is never truncated to a subset."""
+    sums: dict[str, np.ndarray] = {}
+    weights: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for arrays, w in updates:
+        for name, value in arrays.items():
+            acc = sums.get(name)
+            contrib = value.astype(np.float64) * w
+            sums[name] = contrib if acc is None else acc + contrib
+            weights[name] = weights.get(name, 0.0) + w
+            counts[name] = counts.get(name, 0) + 1
+    out = {}
+    for name, ref in global_arrays.items():
+        out[name] = (sums[name] / weights[name]).astype(ref.dtype) if name in sums else ref
+    return out, counts
+
+
+def global_importance(
+    new: Mapping[str, np.ndarray], old: Mapping[str, np.ndarray], param_names: Iterable[str], lr: float
+) -> dict[str, float]:
+    """FedEL's global signal ``I_global,k = ||W_k^r - W_k^(r-1)||^2 / lr`` per trainable tensor."""
+    return {k: float(np.sum((new[k].astype(np.float64) - old[k]) ** 2) / lr) for k in param_names if k in new}
+
+
+def round_deadline(
+    method: str, deadline_s: float | None, deadline_factor: float, full_times: Mapping[int, float], full_upload_s: float
+) -> float:
+    """0 (train fully) for FedAvg; else the configured deadline or the fastest device's round time
+    when it trains fully: its full-training time plus, when the deadline covers uploads, the
+    upload of the whole model. A slower device then spends on compute what it saves on upload."""
+    if method == "fedavg":
+        return 0.0
+    if deadline_s is not None:
+        return deadline_s
+    if not full_times:
+        return 0.0
+    return deadline_factor * (min(full_times.values()) + full_upload_s)
+
+
+def weighted_mean(rows: list[dict], key: str) -> float:
+    """``key`` averaged over rows, weighted by each row's sample count."""
+    total = sum(r[keys.NUM_EXAMPLES] for r in rows)
+    return float(sum(r[key] * r[keys.NUM_EXAMPLES] for r in rows) / total)

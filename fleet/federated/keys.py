@@ -1,0 +1,52 @@
+"""The message protocol between the server and a device: one name per key.
+
+The server and the devices are different programs, and in deployment different
+machines and versions; a key spelled two ways fails silently (a ``.get`` that
+never finds its value). Every record and metric key is therefore named here once,
+and client/, server/ and the tracking use these names, never string literals.
+"""
+
+from __future__ import annotations
+
+# --- records inside a Message's RecordDict ----------------------------------------------
+ARRAYS = "arrays"  # ArrayRecord: the global model (to a device), the trained tensors (from it)
+CONFIG = "config"  # ConfigRecord: what the server asks of the round
+METRICS = "metrics"  # MetricRecord: what the device reports
+
+# --- server -> device (ConfigRecord) -----------------------------------------------------
+SERVER_ROUND = "server-round"  # set by Flower's FedAvg in every train and evaluate message
+STRATEGY = "strategy"  # fleet | naive | fedavg
+DEADLINE_S = "deadline-s"  # the round deadline in seconds; 0: train fully
+RUN_TAG = "run-tag"  # a device's saved state from another run is ignored
+GLOBAL_IMPORTANCE_NAMES = "gi-names"  # the server's global importance signal, per tensor name ...
+GLOBAL_IMPORTANCE_VALUES = "gi-values"  # ... and its values, in the same order
+
+# --- device -> server (MetricRecord) -----------------------------------------------------
+PARTITION_ID = "partition-id"  # which device (its data partition)
+NUM_EXAMPLES = "num-examples"  # samples behind a reply: the aggregation weight
+TIER = "tier"  # the device's slow-down factor against its profile
+FULL_TIME_S = "full-time-s"  # seconds one round's local work takes when training every tensor
+MIN_RHO = "min-rho"  # the device's floor: a forward pass over a full step
+SELECTED = "selected"  # tensors trained this round
+NUM_TENSORS = "num-tensors"  # trainable tensors in the model
+TRAINED_FRACTION = "trained-fraction"  # share of the weights trained
+RHO = "rho"  # predicted step time over a full step's
+PREDICTED_TIME_S = "predicted-time-s"  # the timing model's figure for the round (the simulated clock)
+MEASURED_TIME_S = "measured-time-s"  # wall time of the round's training on the host
+SPEEDUP = "speedup"  # full-training time over predicted time
+BYTES_UPLOADED = "bytes-uploaded"  # bytes of the tensors in the reply
+LOSS = "loss"  # mean training loss of the round
+STEPS = "steps"  # local steps trained
+MEMORY_BUDGET_BYTES = "memory-budget-bytes"  # activation memory budget (only under one)
+MEMORY_PEAK_BYTES = "memory-peak-bytes"  # measured activation peak (only under a budget)
+MEMORY_ADDED_S = "memory-added-s"  # seconds the memory plan adds per step (only under a budget)
+GLOBAL_ACCURACY = "global-accuracy"  # the global model on the device's held-out split
+PERSONAL_ACCURACY = "personal-accuracy"  # the device's personalized model on the same split
+
+# --- operator -> device: a SuperNode's --node-config ---------------------------------------
+NODE_PARTITION_ID = "partition-id"  # which slice of the shared dataset this device trains on
+NODE_TIER = "tier"  # slow-down factor against the profile (simulated tiers); default: federation.tiers
+NODE_PROFILE = "profile"  # the device's own profile YAML (else train.profile, else measured once)
+NODE_MEMORY_BUDGET_MB = "memory-budget-mb"  # activation memory budget
+NODE_SPILL_DIR = "spill-dir"  # where paged-out activations go
+NODE_STATE_DIR = "state-dir"  # where state that outlives a round is kept

@@ -1,0 +1,126 @@
+"""What a device does for each message the server sends: query, train, evaluate.
+
+Flower-free: the ClientApp (client/client_app.py) unpacks a Message into the
+run config, the node config, the global weights and the round's config, calls one
+of these functions, and packs the result into its reply. State that must outlive
+a round (personalized weights, momentum, importance) is written atomically to the
+device's state directory: in deployment a new ClientApp process starts for every
+message, so nothing in memory survives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fleet.device_profile import DeviceProfile
+from fleet.experiment import make_model
+from fleet.federated import keys
+from fleet.federated.config import FleetConfig
+from fleet.federated.device import (
+    device_memory,
+    device_profile,
+    load_state,
+    memory_budget_of,
+    partition_of,
+    save_state,
+    state_dir_of,
+    tier_of,
+)
+from fleet.federated.round import RoundPlan, RoundResult, local_round
+from fleet.federated.split import device_data
+from fleet.trainer import accuracy
+
+STATE_FILE = "state.pt"
+
+
+@dataclass
+class Device:
+    """One device as its node config and the fleet config describe it."""
+
+    cfg: FleetConfig
+    partition_id: int
+    node_config: dict[str, Any]
+
+    @classmethod
+    def from_configs(cls, cfg: FleetConfig, node_config: Mapping[str, Any]) -> Device:
+        node_config = dict(node_config)
+        torch.set_num_threads(cfg.federation.client_threads)
+        return cls(cfg, partition_of(cfg, node_config), node_config)
+
+    @property
+    def state_dir(self) -> Path:
+        return state_dir_of(self.cfg, self.partition_id, self.node_config)
+
+    def profile(self, model: nn.Module | None = None) -> DeviceProfile:
+        """Its measured profile times its tier (checked against ``model`` when given)."""
+        base = device_profile(self.cfg, model, self.node_config, self.state_dir)
+        return base.scaled(tier_of(self.cfg, self.partition_id, self.node_config))
+
+    def model(self, weights: Mapping[str, torch.Tensor]) -> nn.Module:
+        model = make_model(self.cfg.model, self.cfg.train.seed)
+        model.load_state_dict(weights, strict=True)
+        return model
+
+
+def query(device: Device) -> dict[str, float | int]:
+    """This device's full-training time for a round (the server's default deadline) and floor."""
+    profile = device.profile()
+    return {
+        keys.PARTITION_ID: device.partition_id,
+        keys.TIER: profile.speed_factor,
+        keys.FULL_TIME_S: device.cfg.federation.local_steps * profile.full_step_time,
+        keys.MIN_RHO: profile.min_rho,
+    }
+
+
+def round_plan(config: Mapping[str, Any], default_strategy: str) -> RoundPlan:
+    """The server's train config as a :class:`RoundPlan`."""
+    names = list(config.get(keys.GLOBAL_IMPORTANCE_NAMES, []))
+    values = list(config.get(keys.GLOBAL_IMPORTANCE_VALUES, []))
+    return RoundPlan(
+        server_round=int(config[keys.SERVER_ROUND]),
+        strategy=str(config.get(keys.STRATEGY, default_strategy)),
+        deadline_s=float(config.get(keys.DEADLINE_S, 0.0)),
+        global_importance=dict(zip(names, values)),
+    )
+
+
+def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> RoundResult:
+    """Train elastically from the global ``weights`` within this device's budget; keep its state."""
+    cfg = device.cfg
+    plan = round_plan(config, cfg.federation.strategy)
+    model = device.model(weights)
+    profile = device.profile(model)
+    budget_mb = memory_budget_of(cfg, device.partition_id, device.node_config, profile)
+    memory = None if budget_mb is None else device_memory(cfg, model, budget_mb, device.state_dir, device.node_config)
+    run_tag = str(config.get(keys.RUN_TAG, ""))
+    state_path = device.state_dir / STATE_FILE
+    data = device_data(cfg, device.partition_id)
+    result = local_round(cfg, model, profile, data.train, load_state(state_path, run_tag), plan, device.partition_id, memory)
+    save_state(state_path, {**result.state, "run_tag": run_tag})
+    return result
+
+
+def evaluate(device: Device, weights: Mapping[str, torch.Tensor], run_tag: str | None) -> dict[str, float | int]:
+    """Accuracy of the global model and of this device's personalized model on its held-out split."""
+    cfg = device.cfg
+    data = device_data(cfg, device.partition_id)
+    model = device.model(weights)
+    global_acc = accuracy(model, data.test, cfg.data.input_size)
+    state = load_state(device.state_dir / STATE_FILE, run_tag)
+    personal_acc = global_acc  # a device that never trained is personalized to nothing yet
+    if state and "personal" in state:
+        model.load_state_dict(state["personal"], strict=True)
+        personal_acc = accuracy(model, data.test, cfg.data.input_size)
+    return {
+        keys.PARTITION_ID: device.partition_id,
+        keys.NUM_EXAMPLES: len(data.test),
+        keys.GLOBAL_ACCURACY: global_acc,
+        keys.PERSONAL_ACCURACY: personal_acc,
+    }

@@ -230,101 +230,84 @@ class _Pieces:
     opt: list[float]  # per tensor: optimizer update time
 
 
+@dataclass
+class _Run:
+    """What every timed run of one profiling session shares."""
+
+    model: nn.Module
+    layers: LayerOrder
+    params: list[nn.Parameter]
+    x: torch.Tensor
+    y: torch.Tensor
+    loss_fn: Callable
+
+    def trainable(self, flag: bool) -> None:
+        _set_trainable(self.params, flag)
+
+
 def _add_gaps(into: dict[int, list[float]], stamps: dict[int, float], end: float) -> None:
     for i, g in _gaps(stamps, end).items():
         into[i].append(g)
 
 
-def _warm_up(
-    model: nn.Module, params: list[nn.Parameter], x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, warmup: int
-) -> None:
-    _set_trainable(params, True)
+def _warm_up(run: _Run, warmup: int) -> None:
+    run.trainable(True)
     for _ in range(warmup):
-        loss_fn(model(x), y).backward()
-        _set_trainable(params, True)
+        run.loss_fn(run.model(run.x), run.y).backward()
+        run.trainable(True)
 
 
-def _time_real_step(
-    model: nn.Module,
-    params: list[nn.Parameter],
-    optimizer: torch.optim.Optimizer,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    loss_fn: Callable,
-) -> tuple[float, float]:
+def _time_real_step(run: _Run, optimizer: torch.optim.Optimizer) -> tuple[float, float]:
     """(forward, backward + update) of a full training step, timed exactly as the trainer runs it."""
-    _set_trainable(params, True)
+    run.trainable(True)
     start = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
-    loss = loss_fn(model(x), y)
+    loss = run.loss_fn(run.model(run.x), run.y)
     middle = time.perf_counter()
     loss.backward()
     optimizer.step()
     return middle - start, time.perf_counter() - middle
 
 
-def _sample_forwards(
-    model: nn.Module,
-    layers: LayerOrder,
-    params: list[nn.Parameter],
-    x: torch.Tensor,
-    y: torch.Tensor,
-    loss_fn: Callable,
-    samples: _Samples,
-) -> None:
+def _sample_forwards(run: _Run, samples: _Samples) -> None:
     """Forward with nothing trainable (no graph recorded) and with everything trainable.
 
     The difference is each layer's recording cost, paid only above the input-most selected tensor.
     """
-    _set_trainable(params, False)
+    run.trainable(False)
     start = time.perf_counter()
-    stamps, end, _ = _forward_stamps(model, layers, x, y, loss_fn)
+    stamps, end, _ = _forward_stamps(run.model, run.layers, run.x, run.y, run.loss_fn)
     samples.fw_times.append(end - start)
     _add_gaps(samples.fw_plain, stamps, end)
-    _set_trainable(params, True)
-    stamps, end, loss = _forward_stamps(model, layers, x, y, loss_fn)
+    run.trainable(True)
+    stamps, end, loss = _forward_stamps(run.model, run.layers, run.x, run.y, run.loss_fn)
     del loss
     _add_gaps(samples.fw_rec, stamps, end)
 
 
-def _sample_backwards(
-    model: nn.Module,
-    layers: LayerOrder,
-    params: list[nn.Parameter],
-    x: torch.Tensor,
-    y: torch.Tensor,
-    loss_fn: Callable,
-    samples: _Samples,
-) -> None:
+def _sample_backwards(run: _Run, samples: _Samples) -> None:
     """Backward run A (everything trainable, as left by the forwards), then run B (only the input)."""
-    stamps, bstart, end = _backward_stamps(model, layers, x, y, loss_fn)
+    stamps, bstart, end = _backward_stamps(run.model, run.layers, run.x, run.y, run.loss_fn)
     if stamps:
         samples.head_times.append(min(stamps.values()) - bstart)
     _add_gaps(samples.gaps_a, stamps, end)
-    _set_trainable(params, False)
-    stamps, _, end = _backward_stamps(model, layers, x, y, loss_fn)
+    run.trainable(False)
+    stamps, _, end = _backward_stamps(run.model, run.layers, run.x, run.y, run.loss_fn)
     _add_gaps(samples.gaps_b, stamps, end)
 
 
 def _collect_samples(
-    model: nn.Module,
-    layers: LayerOrder,
-    params: list[nn.Parameter],
-    x: torch.Tensor,
-    y: torch.Tensor,
-    loss_fn: Callable,
-    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-    repeats: int,
+    run: _Run, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], repeats: int
 ) -> _Samples:
     """Real steps, forwards and backwards, interleaved and repeated."""
-    samples = _Samples.empty(len(layers))
-    step_optimizer = make_optimizer(params)
+    samples = _Samples.empty(len(run.layers))
+    step_optimizer = make_optimizer(run.params)
     for _ in range(repeats):
         # A real full training step is the anchor for calibration.
-        samples.step_times.append(_time_real_step(model, params, step_optimizer, x, y, loss_fn))
-        _sample_forwards(model, layers, params, x, y, loss_fn, samples)
-        _sample_backwards(model, layers, params, x, y, loss_fn, samples)
-    _set_trainable(params, True)
+        samples.step_times.append(_time_real_step(run, step_optimizer))
+        _sample_forwards(run, samples)
+        _sample_backwards(run, samples)
+    run.trainable(True)
     return samples
 
 
@@ -424,8 +407,9 @@ def measure_tensor_timings(
     order = tensor_order(model, x)
     params = [p for _, _, p in order]
 
-    _warm_up(model, params, x, y, loss_fn, warmup)
-    samples = _collect_samples(model, layers, params, x, y, loss_fn, make_optimizer, repeats)
+    run = _Run(model, layers, params, x, y, loss_fn)
+    _warm_up(run, warmup)
+    samples = _collect_samples(run, make_optimizer, repeats)
     pieces = _pieces(model, layers, params, x, samples, make_optimizer, repeats)
     cal_f, cal_b = _calibration(pieces, samples.step_times)
 

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from fleet.errors import BudgetError, ConfigError
-from fleet.commands.memory import register_bench, register_plan
-from fleet.memory.planner import MemoryPlan
+from fleet.commands.memory import _budget_flags, register_bench, register_plan
+from fleet.memory.planner import BudgetValueError, InfeasibleBudgetError, MemoryPlan
 
 
 def parser() -> argparse.ArgumentParser:
@@ -57,14 +57,34 @@ def test_plan_memory_table_and_frozen_by_name(tmp_path, capsys):
 
 
 def test_plan_memory_errors(tmp_path):
-    with pytest.raises(BudgetError, match=r"memory budget 0\.01 MB is infeasible for resnet18 at batch 2; the smallest"):
+    with pytest.raises(
+        BudgetError,
+        match=r"^memory budget 0\.01 MB is infeasible for resnet18 at batch 2; the smallest feasible budget is "
+        r"([0-9.]+) MB \(--budget-mb \1, or --budget-fraction [0-9.]+ of the unconstrained [0-9.]+ MB\)$",
+    ):
         run(["plan-memory", "--model", "resnet18", "--batch-size", "2", "--budget-mb", "0.01",
+             "--spill-dir", str(tmp_path), "--repeats", "1"])
+    with pytest.raises(ConfigError, match=r"^budget_mb: got -1\.0; use a positive number of MB, e\.g\. --budget-mb 20$"):
+        run(["plan-memory", "--model", "resnet18", "--batch-size", "2", "--budget-mb", "-1",
              "--spill-dir", str(tmp_path), "--repeats", "1"])
     with pytest.raises(ConfigError, match="--frozen-below: 'layer9' is not a block"):
         run(["plan-memory", "--model", "resnet18", "--batch-size", "2", "--budget-mb", "1", "--frozen-below", "layer9",
              "--spill-dir", str(tmp_path), "--repeats", "1"])
     with pytest.raises(SystemExit):  # argparse: exactly one budget flag
         run(["plan-memory", "--model", "resnet18", "--budget-mb", "1", "--budget-fraction", "0.5"])
+
+
+def test_budget_errors_name_the_commands_flags():
+    infeasible = InfeasibleBudgetError(10_000, 2_345_678, 5_000_000, "resnet18 at batch 2")
+    with pytest.raises(BudgetError, match=r"is 2\.4 MB \(--budget-mb 2\.4, or --budget-fraction 0\.47 of the unconstrained 5\.0 MB\)$"):
+        with _budget_flags("--budget-mb", "--budget-fraction"):
+            raise infeasible
+    with pytest.raises(BudgetError, match=r"is 2\.4 MB \(--budget-fraction 0\.47 of the unconstrained 5\.0 MB\)$"):
+        with _budget_flags(None, "--budget-fraction"):  # bench memory has no --budget-mb
+            raise infeasible
+    with pytest.raises(ConfigError, match=r"^budget_fraction: got 0; use a positive fraction, e\.g\. --budget-fraction 0\.5$"):
+        with _budget_flags(None, "--budget-fraction"):
+            raise BudgetValueError("budget_fraction", 0)
 
 
 def test_bench_memory_json(tmp_path, capsys):

@@ -22,7 +22,7 @@ from fleet.memory import (
     resolve_budget,
     segment_model,
 )
-from fleet.bench.memory import build_model
+from fleet.bench.memory import bench_model
 from fleet.memory.planner import FROZEN, KEEP, PAGE, RECOMPUTE, evaluate_plan
 
 BATCH = 4
@@ -86,7 +86,7 @@ def storage(tmp_path_factory):
 @pytest.fixture(scope="module")
 def resnet(storage):
     torch.manual_seed(0)
-    model = build_model("resnet18", 10)
+    model = bench_model("resnet18", 10)
     profile = measure_block_costs(model, (BATCH, 3, 32, 32), model_name="resnet18", repeats=1, storage=storage)
     return model, profile
 
@@ -254,7 +254,7 @@ def test_plan_checks_model_and_input(resnet, tmp_path):
 @pytest.mark.parametrize("name", ["mobilenet_v2", "efficientnet_b0"])
 def test_inverted_residual_models(tmp_path, storage, name):
     torch.manual_seed(0)
-    model = build_model(name, 10)
+    model = bench_model(name, 10)
     shape = (2, 3, 32, 32)
     profile = measure_block_costs(model, shape, model_name=name, repeats=1, storage=storage)
     assert profile.measured_peak_bytes == profile.model_peak_bytes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import pickle
 import random
 import re
 import time
@@ -12,19 +13,21 @@ import pytest
 import yaml
 
 from fleet.errors import BudgetError, ConfigError
-from fleet.memory.costs import BlockCost, MemoryProfile, SavedItem, StorageProfile
 from fleet.memory.planner import (
     FROZEN,
     KEEP,
     MB,
     PAGE,
     RECOMPUTE,
+    BudgetValueError,
+    InfeasibleBudgetError,
     MemoryPlan,
     evaluate_plan,
     min_feasible_budget,
     plan_memory,
     resolve_budget,
 )
+from fleet.memory.records import BlockCost, MemoryProfile, SavedItem, StorageProfile
 
 
 def storage(write_bps=2e9, read_bps=1e9, watts=None) -> StorageProfile:
@@ -127,17 +130,34 @@ def test_dp_matches_brute_force_with_frozen_blocks(seed):
 def test_infeasible_budget_names_the_smallest_feasible_one():
     profile = chain(8, 3)
     smallest = min_feasible_budget(profile)
-    with pytest.raises(BudgetError) as err:
+    with pytest.raises(InfeasibleBudgetError) as err:
         plan_memory(profile, smallest - 1)
+    assert isinstance(err.value, BudgetError)
     msg = str(err.value)
-    assert "\n" not in msg
+    assert "\n" not in msg and "--" not in msg  # the solver names quantities, not flags
     assert msg.startswith("memory budget ") and "is infeasible for toy at batch 4" in msg
-    m = re.search(r"smallest feasible budget is ([0-9.]+) MB \(--budget-mb ([0-9.]+), or --budget-fraction ([0-9.]+)", msg)
-    assert m and m.group(1) == m.group(2)
-    suggested = float(m.group(2))
+    m = re.search(r"smallest feasible budget is ([0-9.]+) MB \(([0-9.]+) of the unconstrained", msg)
+    assert m
+    suggested = float(m.group(1))
     assert suggested * MB >= smallest  # rounded up, so the suggestion works
     plan_memory(profile, resolve_budget(profile, budget_mb=suggested))
-    plan_memory(profile, resolve_budget(profile, budget_fraction=float(m.group(3))))
+    plan_memory(profile, resolve_budget(profile, budget_fraction=float(m.group(2))))
+
+
+def test_infeasible_budget_named_by_the_caller():
+    profile = chain(8, 3)
+    with pytest.raises(InfeasibleBudgetError) as err:
+        plan_memory(profile, min_feasible_budget(profile) - 1)
+    neutral = str(err.value)
+    both = str(err.value.named("--budget-mb", "--budget-fraction"))
+    m = re.search(r"smallest feasible budget is ([0-9.]+) MB \(--budget-mb ([0-9.]+), or --budget-fraction ([0-9.]+)", both)
+    assert m and m.group(1) == m.group(2)
+    assert both.split("; ")[0] == neutral.split("; ")[0]
+    assert f"(memory-budget-mb {m.group(1)}, {m.group(3)} of the unconstrained" in str(err.value.named("memory-budget-mb"))
+    only_fraction = str(err.value.named(None, "--budget-fraction"))
+    assert f"(--budget-fraction {m.group(3)} of the unconstrained" in only_fraction and "MB (--budget-mb" not in only_fraction
+    again = pickle.loads(pickle.dumps(err.value.named("memory-budget-mb")))  # crosses process boundaries
+    assert str(again) == str(err.value.named("memory-budget-mb"))
 
 
 def test_real_scale_message():
@@ -195,10 +215,13 @@ def test_resolve_budget():
         resolve_budget(profile)
     with pytest.raises(ConfigError, match="exactly one"):
         resolve_budget(profile, budget_mb=1, budget_fraction=0.5)
-    with pytest.raises(ConfigError, match="budget_fraction: got -0.5"):
+    with pytest.raises(ConfigError, match=r"budget_fraction: got -0.5; use a positive fraction, e\.g\. 0\.5$"):
         resolve_budget(profile, budget_fraction=-0.5)
-    with pytest.raises(ConfigError, match="budget_mb: got 0"):
+    with pytest.raises(BudgetValueError, match=r"budget_mb: got 0; use a positive number of MB, e\.g\. 20$") as err:
         resolve_budget(profile, budget_mb=0)
+    assert err.value.field == "budget_mb"
+    assert str(err.value.named("--budget-mb")) == "budget_mb: got 0; use a positive number of MB, e.g. --budget-mb 20"
+    assert str(pickle.loads(pickle.dumps(err.value))) == str(err.value)
     with pytest.raises(ConfigError, match="frozen_below: got 9"):
         plan_memory(profile, 10**9, frozen_below=9)
     with pytest.raises(ConfigError, match="objective: got 'speed'"):

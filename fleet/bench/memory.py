@@ -30,41 +30,33 @@ The overhead there is against an unplanned step with the same blocks frozen.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import statistics
 import tempfile
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fleet.errors import ConfigError
-from fleet.memory.costs import MemoryProfile, measure_block_costs, measure_storage
 from fleet.memory.executor import apply_plan
-from fleet.memory.planner import MB, plan_memory, resolve_budget
+from fleet.memory.measure import measure_block_costs
+from fleet.memory.planner import MB, MemoryPlan, plan_memory, resolve_budget
+from fleet.memory.records import MemoryProfile, StorageProfile
+from fleet.memory.storage import measure_storage
+from fleet.models import build_model
 
 
-def build_model(
+def bench_model(
     name: str, num_classes: int = 10, *, in_channels: int = 3, small_input: bool = False
 ) -> nn.Module:
-    """A zoo model by name (fleet.models when available, else torchvision)."""
-    try:
-        from fleet.models import build_model as zoo_build
-    except ImportError:
-        zoo_build = None
-    if zoo_build is not None:
-        return zoo_build(name, num_classes, in_channels=in_channels, small_input=small_input)
-    import torchvision.models as tvm
-
-    from fleet.errors import ModelError
-
-    if not hasattr(tvm, name) or name.startswith("_"):
-        raise ModelError(f"model.name: unknown model {name!r}; use a torchvision model name such as resnet18")
-    if in_channels != 3 or small_input:
-        raise ModelError("model: in_channels/small_input need fleet.models; use the defaults")
-    return getattr(tvm, name)(weights=None, num_classes=num_classes)
+    """The zoo model (:func:`fleet.models.build_model`, untrained) that ``fleet bench memory``
+    and ``fleet plan-memory`` profile."""
+    return build_model(name, num_classes, in_channels=in_channels, small_input=small_input)
 
 
 def frozen_below_for_rho(profile: MemoryProfile, rho: float) -> int:
@@ -152,6 +144,89 @@ def compare_steps(model, plan, x, y, spill_dir, *, repeats: int, sync: bool = Fa
     }
 
 
+def _check_args(repeats: int, batch_size: int, input_size: int) -> None:
+    if repeats < 1:
+        raise ConfigError(f"repeats: got {repeats}; use 1 or more")
+    for field, value in (("batch_size", batch_size), ("input_size", input_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{field}: got {value!r}; use a positive integer")
+
+
+@contextlib.contextmanager
+def _spill_dir(spill_dir: str | os.PathLike | None) -> Iterator[str]:
+    """``spill_dir``, or a temporary directory removed afterwards."""
+    if spill_dir is not None:
+        yield os.fspath(spill_dir)
+        return
+    spill = tempfile.mkdtemp(prefix="fleet-bench-")
+    try:
+        yield spill
+    finally:
+        shutil.rmtree(spill, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _frozen_below(model: nn.Module, names: list[str], fb: int) -> Iterator[None]:
+    """Blocks ``names[:fb]`` frozen (``requires_grad=False``) inside the context."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        for k in range(fb):
+            m = model.get_submodule(names[k]) if names[k] else model
+            for p in m.parameters():
+                p.requires_grad_(False)
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+def _planned_run(plan: MemoryPlan, run: dict, budget: int) -> dict:
+    """What a benchmark row reports about one plan and its steps."""
+    return {
+        "budget_bytes": budget,
+        "predicted_peak_bytes": plan.predicted_peak_bytes,
+        "measured_peak_bytes": run["measured_peak_bytes"],
+        "within_budget": run["measured_peak_bytes"] <= budget,
+        "time_overhead": run["time_overhead"],
+        "time_overhead_iqr": run["time_overhead_iqr"],
+        "cpu_time_overhead": run["cpu_time_overhead"],
+        "planned_step_s": run["planned_step_s"],
+        "unplanned_step_s": run["unplanned_step_s"],
+        "predicted_added_s": plan.added_time_s,
+        "plan": plan.summary(),
+    }
+
+
+def _storage_summary(storage: StorageProfile, probe: StorageProfile) -> dict:
+    return {
+        "write_MBps": storage.write_bytes_per_s / MB,
+        "read_MBps": storage.read_bytes_per_s / MB,
+        "write_latency_s": storage.write_latency_s,
+        "read_latency_s": storage.read_latency_s,
+        "source": storage.source,
+        "probe_write_MBps": probe.write_bytes_per_s / MB,
+        "probe_read_MBps": probe.read_bytes_per_s / MB,
+    }
+
+
+def _elastic(model, profile, budget, x, y, spill, *, rho, repeats, objective, sync, overlap) -> dict:
+    """The same budget with the blocks below ``frozen_below_for_rho`` frozen, against
+    an unplanned step with the same blocks frozen."""
+    fb = frozen_below_for_rho(profile, rho)
+    names = [b.name for b in profile.blocks]
+    with _frozen_below(model, names, fb):
+        plan = plan_memory(profile, budget, objective=objective, frozen_below=fb, overlap=overlap)
+        run = compare_steps(model, plan, x, y, spill, repeats=repeats, sync=sync)
+    out = {
+        "rho": rho,
+        "frozen_below": fb,
+        "first_trained_block": names[fb] if fb < len(names) else None,
+        "unconstrained_peak_bytes": run["measured_unplanned_peak_bytes"],
+    }
+    out.update(_planned_run(plan, run, budget))
+    return out
+
+
 def run_memory_bench(
     model_name: str,
     budget_fraction: float,
@@ -171,24 +246,17 @@ def run_memory_bench(
     seed: int = 0,
 ) -> dict:
     """Profile, plan for ``budget_fraction`` of the unconstrained peak, run and measure."""
-    if repeats < 1:
-        raise ConfigError(f"repeats: got {repeats}; use 1 or more")
-    for field, value in (("batch_size", batch_size), ("input_size", input_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{field}: got {value!r}; use a positive integer")
+    _check_args(repeats, batch_size, input_size)
     torch.manual_seed(seed)
-    model = build_model(model_name, num_classes, in_channels=in_channels, small_input=small_input)
+    model = bench_model(model_name, num_classes, in_channels=in_channels, small_input=small_input)
     shape = (batch_size, in_channels, input_size, input_size)
-    own_dir = spill_dir is None
-    spill = os.fspath(spill_dir) if spill_dir is not None else tempfile.mkdtemp(prefix="fleet-bench-")
-    try:
+    with _spill_dir(spill_dir) as spill:
         probe = measure_storage(spill, sync=sync)
         t0 = time.perf_counter()
         profile = measure_block_costs(
             model, shape, model_name=model_name, storage=probe, seed=seed, repeats=profile_repeats
         )
         profile_s = time.perf_counter() - t0
-        storage = profile.storage
         budget = resolve_budget(profile, budget_fraction=budget_fraction)
         plan = plan_memory(profile, budget, objective=objective, overlap=overlap)
         gen = torch.Generator().manual_seed(seed + 1)
@@ -201,17 +269,7 @@ def run_memory_bench(
             "input_size": input_size,
             "budget_fraction": budget_fraction,
             "unconstrained_peak_bytes": profile.unconstrained_peak_bytes,
-            "budget_bytes": budget,
-            "predicted_peak_bytes": plan.predicted_peak_bytes,
-            "measured_peak_bytes": run["measured_peak_bytes"],
-            "within_budget": run["measured_peak_bytes"] <= budget,
-            "time_overhead": run["time_overhead"],
-            "time_overhead_iqr": run["time_overhead_iqr"],
-            "cpu_time_overhead": run["cpu_time_overhead"],
-            "planned_step_s": run["planned_step_s"],
-            "unplanned_step_s": run["unplanned_step_s"],
-            "predicted_added_s": plan.added_time_s,
-            "plan": plan.summary(),
+            **_planned_run(plan, run, budget),
             "actions": dict(zip(plan.blocks, plan.actions)),
             "solve_time_s": plan.solve_time_s,
             "profile_s": profile_s,
@@ -219,53 +277,14 @@ def run_memory_bench(
             "threads": torch.get_num_threads(),
             "spill_sync": sync,
             "overlap": overlap,
-            "storage": {
-                "write_MBps": storage.write_bytes_per_s / MB,
-                "read_MBps": storage.read_bytes_per_s / MB,
-                "write_latency_s": storage.write_latency_s,
-                "read_latency_s": storage.read_latency_s,
-                "source": storage.source,
-                "probe_write_MBps": probe.write_bytes_per_s / MB,
-                "probe_read_MBps": probe.read_bytes_per_s / MB,
-            },
+            "storage": _storage_summary(profile.storage, probe),
         }
         if rho is not None:
-            fb = frozen_below_for_rho(profile, rho)
-            names = [b.name for b in profile.blocks]
-            flags = [(p, p.requires_grad) for p in model.parameters()]
-            try:
-                for k in range(fb):
-                    m = model.get_submodule(names[k]) if names[k] else model
-                    for p in m.parameters():
-                        p.requires_grad_(False)
-                eplan = plan_memory(profile, budget, objective=objective, frozen_below=fb, overlap=overlap)
-                erun = compare_steps(model, eplan, x, y, spill, repeats=repeats, sync=sync)
-            finally:
-                for p, flag in flags:
-                    p.requires_grad_(flag)
-            out["elastic"] = {
-                "rho": rho,
-                "frozen_below": fb,
-                "first_trained_block": names[fb] if fb < len(names) else None,
-                "unconstrained_peak_bytes": erun["measured_unplanned_peak_bytes"],
-                "budget_bytes": budget,
-                "predicted_peak_bytes": eplan.predicted_peak_bytes,
-                "measured_peak_bytes": erun["measured_peak_bytes"],
-                "within_budget": erun["measured_peak_bytes"] <= budget,
-                "time_overhead": erun["time_overhead"],
-                "time_overhead_iqr": erun["time_overhead_iqr"],
-                "cpu_time_overhead": erun["cpu_time_overhead"],
-                "planned_step_s": erun["planned_step_s"],
-                "unplanned_step_s": erun["unplanned_step_s"],
-                "predicted_added_s": eplan.added_time_s,
-                "plan": eplan.summary(),
-            }
+            out["elastic"] = _elastic(
+                model, profile, budget, x, y, spill,
+                rho=rho, repeats=repeats, objective=objective, sync=sync, overlap=overlap,
+            )
             out["time_overhead_full"] = out["time_overhead"]
-            out["time_overhead_elastic"] = erun["time_overhead"]
+            out["time_overhead_elastic"] = out["elastic"]["time_overhead"]
         out["process_hwm_bytes"] = _rss_hwm()
         return out
-    finally:
-        if own_dir:
-            import shutil
-
-            shutil.rmtree(spill, ignore_errors=True)

@@ -5,16 +5,19 @@
 
 Budgets are in MB (10**6 bytes) or a fraction of the unconstrained activation
 peak. Each handler returns an exit code; user errors raise FleetError, which
-the main CLI prints as one ``error:`` line.
+the main CLI prints as one ``error:`` line. The planner's budget errors name
+quantities; :func:`_budget_flags` re-raises them naming this command's flags.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import tempfile
 import time
+from typing import Iterator
 
 from fleet.errors import ConfigError
 
@@ -86,16 +89,33 @@ def _mb(n: int | float | None) -> str:
     return "-" if n is None else f"{n / 1e6:.2f} MB"
 
 
+@contextlib.contextmanager
+def _budget_flags(mb_flag: str | None, fraction_flag: str) -> Iterator[None]:
+    """Re-raise the planner's budget errors naming this command's budget flags."""
+    from fleet.memory.planner import BudgetValueError, InfeasibleBudgetError
+
+    flags = {"budget_mb": mb_flag, "budget_fraction": fraction_flag}
+    try:
+        yield
+    except InfeasibleBudgetError as exc:
+        raise exc.named(mb_flag, fraction_flag) from None
+    except BudgetValueError as exc:
+        if flags.get(exc.field) is None:
+            raise
+        raise exc.named(flags[exc.field]) from None
+
+
 def run_plan(args: argparse.Namespace) -> int:
     import yaml
 
-    from fleet.bench.memory import build_model
-    from fleet.memory.costs import measure_block_costs, measure_storage
+    from fleet.bench.memory import bench_model
+    from fleet.memory.measure import measure_block_costs
     from fleet.memory.planner import min_feasible_budget, plan_memory, resolve_budget
+    from fleet.memory.storage import measure_storage
 
     _threads(args)
     start = time.perf_counter()
-    model = build_model(args.model, args.num_classes, in_channels=args.in_channels, small_input=args.small_input)
+    model = bench_model(args.model, args.num_classes, in_channels=args.in_channels, small_input=args.small_input)
     spill = args.spill_dir or os.path.join(tempfile.gettempdir(), "fleet-spill")
     storage = measure_storage(spill, sync=args.sync, storage_watts=args.storage_watts)
     shape = (args.batch_size, args.in_channels, args.input_size, args.input_size)
@@ -105,8 +125,9 @@ def run_plan(args: argparse.Namespace) -> int:
     profile_s = time.perf_counter() - start
     blocks = [b.name for b in profile.blocks]
     fb = _frozen_below(args.frozen_below, blocks)
-    budget = resolve_budget(profile, budget_mb=args.budget_mb, budget_fraction=args.budget_fraction)
-    plan = plan_memory(profile, budget, objective=args.objective, frozen_below=fb, overlap=args.overlap)
+    with _budget_flags("--budget-mb", "--budget-fraction"):
+        budget = resolve_budget(profile, budget_mb=args.budget_mb, budget_fraction=args.budget_fraction)
+        plan = plan_memory(profile, budget, objective=args.objective, frozen_below=fb, overlap=args.overlap)
     if args.profile_out:
         with open(args.profile_out, "w") as f:
             yaml.safe_dump(profile.to_dict(), f, sort_keys=False)
@@ -124,42 +145,47 @@ def run_plan(args: argparse.Namespace) -> int:
             step_s=profile.step_s,
         )
         print(json.dumps(out))
-        return 0
+    else:
+        _print_plan(args, plan, budget, minimum, profile.step_s)
+    return 0
+
+
+def _print_plan(args: argparse.Namespace, plan, budget: int, minimum: int, step_s: float) -> None:
     print(
         f"{args.model} at batch {args.batch_size}, {args.input_size}x{args.input_size}: unconstrained peak "
         f"{_mb(plan.unconstrained_peak_bytes)}, budget {_mb(budget)}, planned peak {_mb(plan.predicted_peak_bytes)} "
         f"(smallest feasible {_mb(minimum)}); added {1000 * plan.added_time_s:.1f} ms per step "
-        f"(step {1000 * profile.step_s:.0f} ms); solved in {plan.solve_time_s:.2f}s"
+        f"(step {1000 * step_s:.0f} ms); solved in {plan.solve_time_s:.2f}s"
     )
     print(f"{'block':<24}{'action':<11}{'peak in its backward':>22}")
     for name, action, overlap, peak in zip(plan.blocks, plan.actions, plan.overlap, plan.block_peaks):
         label = action + ("+" if overlap else "")
         print(f"{name or '(model)':<24}{label:<11}{_mb(peak):>22}")
     print("(page+ : written in the background and prefetched)")
-    return 0
 
 
 def run_bench(args: argparse.Namespace) -> int:
     from fleet.bench.memory import run_memory_bench
 
     _threads(args)
-    out = run_memory_bench(
-        args.model,
-        args.budget_fraction,
-        args.batch_size,
-        args.input_size,
-        repeats=args.repeats,
-        profile_repeats=args.profile_repeats,
-        rho=args.rho,
-        spill_dir=args.spill_dir,
-        num_classes=args.num_classes,
-        in_channels=args.in_channels,
-        small_input=args.small_input,
-        objective=args.objective,
-        sync=args.sync,
-        overlap=args.overlap,
-        seed=args.seed,
-    )
+    with _budget_flags(None, "--budget-fraction"):
+        out = run_memory_bench(
+            args.model,
+            args.budget_fraction,
+            args.batch_size,
+            args.input_size,
+            repeats=args.repeats,
+            profile_repeats=args.profile_repeats,
+            rho=args.rho,
+            spill_dir=args.spill_dir,
+            num_classes=args.num_classes,
+            in_channels=args.in_channels,
+            small_input=args.small_input,
+            objective=args.objective,
+            sync=args.sync,
+            overlap=args.overlap,
+            seed=args.seed,
+        )
     if args.json:
         print(json.dumps(out))
         return 0

@@ -18,9 +18,11 @@ from torch import nn
 
 from fleet.atomic import write_text_atomic
 from fleet.errors import FleetError
-from fleet.memory.costs import MemoryProfile, measure_block_costs, measure_storage
 from fleet.memory.executor import PlanRunner, apply_plan, first_trainable_block
-from fleet.memory.planner import MB, MemoryPlan, plan_memory
+from fleet.memory.measure import measure_block_costs
+from fleet.memory.planner import MB, InfeasibleBudgetError, MemoryPlan, plan_memory
+from fleet.memory.records import MemoryProfile
+from fleet.memory.storage import measure_storage
 
 
 @dataclass
@@ -31,7 +33,7 @@ class MemoryBudget:
     budget_bytes: int
     spill_dir: str
     objective: str = "time"
-    flag: str = "--memory-budget-mb"  # how the user sets the budget (named when it is infeasible)
+    flag: str = "--memory-budget-mb"  # the user's name for the budget (CLI flag or config key), shown in errors
     plans: dict[int, MemoryPlan] = field(default_factory=dict)
     _runners: dict[int, PlanRunner] = field(default_factory=dict)
 
@@ -45,7 +47,8 @@ class MemoryBudget:
         ``cache``: a JSON file holding an earlier measurement of the same model,
         input shape and thread count on this device, reused instead of measuring
         again (a deployed device starts a new process for every round).
-        ``flag``: how the user sets the budget, named when it is infeasible."""
+        ``flag``: the user's name for the budget (a CLI flag or a config key), which
+        an infeasible budget's error suggests a value for."""
         spill = spill_dir or os.path.join(tempfile.gettempdir(), "fleet-spill")
         name = model_name or type(model).__name__
         profile = _cached(cache, name, list(input_shape))
@@ -57,10 +60,13 @@ class MemoryBudget:
         return cls(profile, int(budget_mb * MB), spill, flag=flag)
 
     def plan_for(self, model: nn.Module) -> MemoryPlan:
-        """The plan for the current ``requires_grad`` flags (raises BudgetError if none fits)."""
+        """The plan for the current ``requires_grad`` flags (raises BudgetError naming ``flag`` if none fits)."""
         fb = first_trainable_block(model, [b.name for b in self.profile.blocks])
         if fb not in self.plans:
-            self.plans[fb] = plan_memory(self.profile, self.budget_bytes, objective=self.objective, frozen_below=fb, flag=self.flag)
+            try:
+                self.plans[fb] = plan_memory(self.profile, self.budget_bytes, objective=self.objective, frozen_below=fb)
+            except InfeasibleBudgetError as exc:
+                raise exc.named(self.flag) from None
         return self.plans[fb]
 
     @property

@@ -46,10 +46,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fleet.errors import ConfigError, ModelError, ProfileMismatchError
-from fleet.memory.costs import _caller_data
-from fleet.memory.meter import StorageMeter, storage_key
+from fleet.memory.meter import StorageMeter, is_caller_data, storage_key
 from fleet.memory.planner import FROZEN, PAGE, RECOMPUTE, MemoryPlan
-from fleet.memory.spill import Pager, _Kept
+from fleet.memory.spill import Kept, Pager
 
 
 class _Recompute:
@@ -261,12 +260,12 @@ class PlanRunner:
 
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in self._excluded and not (self._outside and _caller_data(t)):
+        if storage.data_ptr() not in self._excluded and not (self._outside and is_caller_data(t)):
             self.meter.watch_storage(storage)
-        return _Kept(t)
+        return Kept(t)
 
     @staticmethod
-    def _unpack(handle: _Kept) -> torch.Tensor:
+    def _unpack(handle: Kept) -> torch.Tensor:
         return handle.get()
 
     def _recompute_forward(self, buffers: list[torch.Tensor], forward):

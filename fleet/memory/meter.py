@@ -5,8 +5,9 @@ backward (saved tensors, checkpoint inputs, recomputed and paged-in copies)
 and counts its bytes from that moment until the storage is actually freed,
 whoever held it last. Storages are counted once however many tensors view
 them. The high-water mark of that sum is the step's activation peak, the
-figure a memory budget is checked against. Parameters, buffers and the
-model input are not activations and are skipped by the callers.
+figure a memory budget is checked against. Parameters, buffers, the
+model input and the caller's data (:func:`is_caller_data`) are not
+activations and are skipped by the callers.
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ def module_storage_keys(module: torch.nn.Module) -> set[int]:
     keys |= {storage_key(b) for b in module.buffers()}
     keys.discard(0)
     return keys
+
+
+def is_caller_data(t: torch.Tensor) -> bool:
+    """Whether a tensor saved outside the model's forward belongs to the caller:
+    not computed in the graph, like the loss's targets (often a view into the
+    whole dataset). Such tensors are not activations: never counted or paged."""
+    return t.grad_fn is None and not t.requires_grad
 
 
 class _Ref(weakref.ref):

@@ -1,7 +1,11 @@
 """Choose keep / recompute / page per block under a memory budget (POET-style).
 
-Pure functions over a :class:`~fleet.memory.costs.MemoryProfile`; nothing here
-touches a model.
+Pure functions over a :class:`~fleet.memory.records.MemoryProfile`; nothing here
+touches a model, and errors name quantities, not command-line flags: a caller
+that knows how the user set the budget re-raises :class:`InfeasibleBudgetError`
+and :class:`BudgetValueError` under its own setting's name (``.named(...)``).
+The problem is POET's (docs/algorithms.md section 6), restricted to a chain
+of blocks, where an exact dynamic program replaces POET's integer program.
 
 Memory model
 ------------
@@ -65,13 +69,13 @@ the actions of blocks k-1 and k, and on the few paged items still
 referenced from earlier blocks. So an exact dynamic program runs over the
 chain with state (previous action, such lingering items) and keeps, per
 state, the Pareto front of (bytes held so far, cost). It is exact (no
-rounding) and solves resnet50's 22 blocks in under 0.1 s. The same program with
-"peak so far" as the objective gives the smallest feasible budget, which an
-infeasible budget's :class:`~fleet.errors.BudgetError` reports. After the
+rounding), and the state stays small: one action and a few items. The same
+program with "peak so far" as the objective gives the smallest feasible
+budget, which an infeasible budget's :class:`InfeasibleBudgetError` reports. After the
 solve, with ``overlap=True`` each paged block is given background writes and
 a prefetch during the backward of the block above wherever the extra bytes
 still fit the budget. It is off by default: on a machine whose cores are all
-busy computing, the I/O thread only competes with them (measured slower here).
+busy computing, the I/O thread only competes with them.
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Iterable
 
 from fleet.errors import BudgetError, ConfigError, ProfileMismatchError
-from fleet.memory.costs import MemoryProfile, StorageProfile
+from fleet.memory.records import MemoryProfile, StorageProfile
 
 KEEP, RECOMPUTE, PAGE, FROZEN = "keep", "recompute", "page", "frozen"
 ACTIONS = (KEEP, RECOMPUTE, PAGE, FROZEN)
@@ -376,24 +380,125 @@ def min_feasible_budget(
     return int(_solve(profile, allowed, tables, math.inf, True)[1])
 
 
-def resolve_budget(
-    profile: MemoryProfile, *, budget_mb: float | None = None, budget_fraction: float | None = None
-) -> int:
-    """Budget in bytes from MB (10**6 bytes) or a fraction of the unconstrained peak."""
-    if (budget_mb is None) == (budget_fraction is None):
-        raise ConfigError("budget: give exactly one of --budget-mb (MB) or --budget-fraction (of the unconstrained peak)")
-    if budget_mb is not None:
-        if not (isinstance(budget_mb, (int, float)) and math.isfinite(budget_mb) and budget_mb > 0):
-            raise ConfigError(f"budget_mb: got {budget_mb!r}; use a positive number of MB, e.g. --budget-mb 20")
-        return int(budget_mb * MB)
-    if not (isinstance(budget_fraction, (int, float)) and math.isfinite(budget_fraction) and budget_fraction > 0):
-        raise ConfigError(f"budget_fraction: got {budget_fraction!r}; use a positive fraction, e.g. --budget-fraction 0.5")
-    return int(budget_fraction * profile.unconstrained_peak_bytes)
-
-
+# --- budgets and their errors ------------------------------------------------------------
 def _mb(nbytes: float) -> str:
     mb = nbytes / MB
     return f"{mb:.1f}" if mb >= 1 or mb == 0 else f"{mb:.2g}"
+
+
+_BUDGET_AMOUNTS = {"budget_mb": ("number of MB", "20"), "budget_fraction": ("fraction", "0.5")}
+
+
+class BudgetValueError(ConfigError):
+    """``budget_mb`` or ``budget_fraction`` is not a positive number.
+
+    ``field`` is the parameter; :meth:`named` gives the same error with the
+    example written as the caller's own setting (``e.g. --budget-mb 20``)."""
+
+    def __init__(self, field: str, value: object, setting: str | None = None) -> None:
+        self.field, self.value, self.setting = field, value, setting
+        what, example = _BUDGET_AMOUNTS[field]
+        shown = f"{setting} {example}" if setting else example
+        super().__init__(f"{field}: got {value!r}; use a positive {what}, e.g. {shown}")
+
+    def named(self, setting: str) -> "BudgetValueError":
+        return BudgetValueError(self.field, self.value, setting)
+
+    def __reduce__(self):
+        return type(self), (self.field, self.value, self.setting)
+
+
+class InfeasibleBudgetError(BudgetError):
+    """No plan fits the budget; the message names the smallest feasible one.
+
+    :meth:`named` gives the same error with the suggestion written as the
+    caller's settings: ``setting`` takes MB, ``fraction_setting`` a fraction of
+    the unconstrained peak (``--budget-mb 5.2, or --budget-fraction 0.43``)."""
+
+    def __init__(
+        self,
+        budget_bytes: float,
+        need_bytes: float,
+        unconstrained_bytes: float,
+        subject: str,
+        setting: str | None = None,
+        fraction_setting: str | None = None,
+    ) -> None:
+        self.budget_bytes = budget_bytes
+        self.need_bytes = need_bytes
+        self.unconstrained_bytes = unconstrained_bytes
+        self.subject = subject  # what was planned, e.g. "resnet18 at batch 32"
+        self.setting = setting
+        self.fraction_setting = fraction_setting
+        super().__init__(self._message())
+
+    @property
+    def need_mb(self) -> float:
+        """The smallest feasible budget in MB, rounded up to 0.1 MB so it works as given."""
+        return math.ceil(self.need_bytes / (MB / 10)) / 10
+
+    @property
+    def need_fraction(self) -> float:
+        """The same as a fraction of the unconstrained peak, rounded up to 0.01."""
+        return math.ceil(self.need_bytes / self.unconstrained_bytes * 100) / 100
+
+    def named(self, setting: str | None = None, fraction_setting: str | None = None) -> "InfeasibleBudgetError":
+        return InfeasibleBudgetError(
+            self.budget_bytes, self.need_bytes, self.unconstrained_bytes, self.subject, setting, fraction_setting
+        )
+
+    def __reduce__(self):
+        args = (self.budget_bytes, self.need_bytes, self.unconstrained_bytes, self.subject)
+        return type(self), args + (self.setting, self.fraction_setting)
+
+    def _message(self) -> str:
+        suggestion = f"{self.need_fraction:.2f}"
+        if self.fraction_setting:
+            suggestion = f"{self.fraction_setting} {suggestion}"
+        if self.setting:
+            suggestion = f"{self.setting} {self.need_mb:.1f}, " + ("or " if self.fraction_setting else "") + suggestion
+        return (
+            f"memory budget {_mb(self.budget_bytes)} MB is infeasible for {self.subject}; "
+            f"the smallest feasible budget is {self.need_mb:.1f} MB "
+            f"({suggestion} of the unconstrained {self.unconstrained_bytes / MB:.1f} MB)"
+        )
+
+
+def resolve_budget(
+    profile: MemoryProfile, *, budget_mb: float | None = None, budget_fraction: float | None = None
+) -> int:
+    """Budget in bytes from MB (10**6 bytes) or a fraction of the unconstrained peak.
+
+    Raises :class:`BudgetValueError` for an amount that is not a positive number."""
+    if (budget_mb is None) == (budget_fraction is None):
+        raise ConfigError("budget: give exactly one of budget_mb (MB) or budget_fraction (of the unconstrained peak)")
+    if budget_mb is not None:
+        if not (isinstance(budget_mb, (int, float)) and math.isfinite(budget_mb) and budget_mb > 0):
+            raise BudgetValueError("budget_mb", budget_mb)
+        return int(budget_mb * MB)
+    if not (isinstance(budget_fraction, (int, float)) and math.isfinite(budget_fraction) and budget_fraction > 0):
+        raise BudgetValueError("budget_fraction", budget_fraction)
+    return int(budget_fraction * profile.unconstrained_peak_bytes)
+
+
+# --- planning ------------------------------------------------------------------------------
+def _infeasible(profile: MemoryProfile, allowed, tables, budget_bytes: float, fb: int) -> InfeasibleBudgetError:
+    need = _solve(profile, allowed, tables, math.inf, True)[1]
+    frozen = f" with blocks below {profile.blocks[fb].name!r} frozen" if 0 < fb < len(profile.blocks) else ""
+    return InfeasibleBudgetError(budget_bytes, need, profile.unconstrained_peak_bytes, profile.describe() + frozen)
+
+
+def _overlap_flags(profile, actions, items, fb, storage, budget_bytes) -> list[bool]:
+    """Paged blocks whose background writes and prefetch still fit the budget."""
+    base = evaluate_plan(profile, actions, frozen_below=fb, storage=storage)
+    flags = [False] * len(actions)
+    for k, a in enumerate(actions):
+        if a != PAGE:
+            continue
+        after = max(base["block_peaks"][k + 1], base["forward_peaks"][k + 1]) if k + 1 < len(actions) else 0
+        if k == len(actions) - 1 or after + _page_bytes(items, k) <= budget_bytes:
+            flags[k] = True
+    return flags
 
 
 def plan_memory(
@@ -406,7 +511,6 @@ def plan_memory(
     compute_watts: float | None = None,
     storage_watts: float | None = None,
     overlap: bool = False,
-    flag: str = "--budget-mb",
 ) -> MemoryPlan:
     """Cheapest plan whose predicted activation peak is at most ``budget_bytes``.
 
@@ -415,8 +519,7 @@ def plan_memory(
     defaults to ``profile.storage``; without one, paging is not considered.
     ``overlap``: let paged blocks write in the background and prefetch where
     the extra bytes fit (worth it only with a core to spare for the I/O).
-    Raises :class:`BudgetError` naming the smallest feasible budget and
-    ``flag``, the option that sets the budget where the plan is made.
+    Raises :class:`InfeasibleBudgetError` naming the smallest feasible budget.
     """
     start = time.perf_counter()
     fb = _frozen(profile, frozen_below)
@@ -428,25 +531,9 @@ def plan_memory(
     allowed, tables = _tables(profile, items, fb, storage, weights)
     solved = _solve(profile, allowed, tables, budget_bytes, False)
     if solved is None:
-        need = _solve(profile, allowed, tables, math.inf, True)[1]
-        need_mb = math.ceil(need / (MB / 10)) / 10
-        need_frac = math.ceil(need / profile.unconstrained_peak_bytes * 100) / 100
-        frozen = f" with blocks below {profile.blocks[fb].name!r} frozen" if 0 < fb < len(profile.blocks) else ""
-        raise BudgetError(
-            f"memory budget {_mb(budget_bytes)} MB is infeasible for {profile.describe()}{frozen}; "
-            f"the smallest feasible budget is {need_mb:.1f} MB ({flag} {need_mb:.1f}"
-            + (f", or --budget-fraction {need_frac:.2f}" if flag == "--budget-mb" else f", {need_frac:.2f}")
-            + f" of the unconstrained {profile.unconstrained_peak_bytes / MB:.1f} MB)"
-        )
+        raise _infeasible(profile, allowed, tables, budget_bytes, fb)
     actions = solved[0]
-    base = evaluate_plan(profile, actions, frozen_below=fb, storage=storage)
-    flags = [False] * len(actions)
-    for k, a in enumerate(actions):
-        if a != PAGE or not overlap:
-            continue
-        after = max(base["block_peaks"][k + 1], base["forward_peaks"][k + 1]) if k + 1 < len(actions) else 0
-        if k == len(actions) - 1 or after + _page_bytes(items, k) <= budget_bytes:
-            flags[k] = True
+    flags = _overlap_flags(profile, actions, items, fb, storage, budget_bytes) if overlap else [False] * len(actions)
     final = evaluate_plan(profile, actions, overlap=flags, frozen_below=fb, storage=storage)
     energy = None
     if cw is not None and (sw is not None or final["io_s"] == 0):

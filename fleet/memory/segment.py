@@ -11,7 +11,7 @@ of ``features`` and ``classifier``.
 
 Whether the blocks really form a chain (each runs once, one after another,
 none inside another) is checked on a real forward pass by
-:func:`fleet.memory.costs.measure_block_costs`.
+:func:`fleet.memory.measure.measure_block_costs`.
 """
 
 from __future__ import annotations

@@ -83,8 +83,9 @@ def storage_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 # --- handles kept in the autograd graph ---------------------------------------
-class _Kept:
-    """A saved tensor left in memory (with autograd's in-place check)."""
+class Kept:
+    """A saved tensor left in memory (with autograd's in-place check); the handle
+    of every saved tensor that is not paged, in the pager and the executor alike."""
 
     __slots__ = ("tensor", "version")
 
@@ -176,11 +177,11 @@ class Pager:
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if key in self.excluded or key == 0:
-            return _Kept(t)
+            return Kept(t)
         if self.meter is not None:
             self.meter.watch_storage(storage)
         if storage.nbytes() < self.min_bytes:
-            return _Kept(t)
+            return Kept(t)
         with self._lock:
             record = self._by_storage.get(key)
             if record is None or record.original() is not storage:
@@ -190,7 +191,7 @@ class Pager:
         return _Paged(self, record, t)
 
     def unpack(self, handle) -> torch.Tensor:
-        if isinstance(handle, _Kept):
+        if isinstance(handle, Kept):
             return handle.get()
         record = handle.record
         t = handle.tensor_ref()

@@ -1,0 +1,140 @@
+"""What paging costs on this device's storage: ``time = latency + bytes / throughput``
+per direction.
+
+* :func:`measure_storage` times writing and reading spill files of a few sizes
+  in the spill directory, the way the pager does them (``source="probe"``).
+* :func:`in_step_storage` fits the same model to the pager's own writes, reads
+  (into fresh buffers) and deletions during real training steps
+  (``source="in-step"``; deleting a file is charged to writing it), which
+  include what a probe of a quiet file misses.
+  :func:`fleet.memory.measure.measure_block_costs` uses it when it is given a
+  storage profile.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+
+from fleet.errors import ConfigError
+from fleet.memory.records import StorageProfile
+from fleet.memory.spill import read_file, write_file
+
+DEFAULT_STORAGE_SIZES = (64 * 1024, 1024 * 1024, 8 * 1024 * 1024)
+
+
+def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares ``t = a + n / thr`` with ``a >= 0``; returns (latency, throughput)."""
+    n = len(points)
+    sx = sum(p[0] for p in points)
+    sy = sum(p[1] for p in points)
+    sxx = sum(p[0] * p[0] for p in points)
+    sxy = sum(p[0] * p[1] for p in points)
+    den = n * sxx - sx * sx
+    slope = (n * sxy - sx * sy) / den if den > 0 else 0.0
+    a = (sy - slope * sx) / n
+    if a < 0 or slope <= 0:
+        a = max(a, 0.0)
+        slope = max(sum(p[0] * (p[1] - a) for p in points) / sxx, 1e-12)
+    return a, 1.0 / slope
+
+
+def in_step_storage(probe: StorageProfile, samples: list[tuple[str, int, float]]) -> StorageProfile:
+    """Storage costs fitted to the pager's own operations during real steps.
+
+    Per direction, the median time of each distinct size is fitted to
+    ``latency + bytes / throughput``. Deleting a file (which frees its
+    page-cache pages) is charged to writing it: it runs on a background
+    thread, but on a device whose cores are all computing it is not free.
+    A direction seen at fewer than two sizes keeps the probe's figures."""
+    by: dict[tuple[str, int], list[float]] = {}
+    for kind, nbytes, seconds in samples:
+        by.setdefault((kind, nbytes), []).append(seconds)
+    med = {k: statistics.median(v) for k, v in by.items()}
+    for (kind, n), t in list(med.items()):
+        if kind == "write":
+            med[("write", n)] = t + med.get(("unlink", n), 0.0)
+
+    def fit(kind: str, fallback: tuple[float, float]) -> tuple[float, float]:
+        pts = [(n, t) for (k, n), t in med.items() if k == kind]
+        return _fit(pts) if len({n for n, _ in pts}) >= 2 else fallback
+
+    w_lat, w_thr = fit("write", (probe.write_latency_s, probe.write_bytes_per_s))
+    r_lat, r_thr = fit("read", (probe.read_latency_s, probe.read_bytes_per_s))
+    sizes = sorted({n for (k, n) in med if k != "unlink"})
+    return StorageProfile(
+        spill_dir=probe.spill_dir,
+        sync=probe.sync,
+        write_latency_s=w_lat,
+        write_bytes_per_s=w_thr,
+        read_latency_s=r_lat,
+        read_bytes_per_s=r_thr,
+        storage_watts=probe.storage_watts,
+        samples=[
+            {"bytes": n, "write_s": med.get(("write", n)), "read_s": med.get(("read", n))} for n in sizes
+        ],
+        source="in-step",
+    )
+
+
+def _probe_dir(spill_dir: str) -> str:
+    """A fresh directory for the probe files inside ``spill_dir`` (created if missing)."""
+    try:
+        os.makedirs(spill_dir, exist_ok=True)
+        return tempfile.mkdtemp(prefix="fleet-storage-", dir=spill_dir)
+    except OSError as exc:
+        raise ConfigError(
+            f"spill_dir: cannot write to {spill_dir!r} ({exc.strerror}); pass a writable directory with --spill-dir"
+        ) from None
+
+
+def _probe(work: str, size: int, repeats: int, sync: bool, gen: torch.Generator) -> dict:
+    """Median write and read time of a spill file of ``size`` bytes."""
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
+    writes, reads = [], []
+    for r in range(repeats):
+        path = os.path.join(work, f"probe{r}.bin")
+        t0 = time.perf_counter()
+        write_file(path, data, sync=sync)
+        t1 = time.perf_counter()
+        read_file(path, size, sync=sync)
+        t2 = time.perf_counter()
+        os.unlink(path)
+        writes.append(t1 - t0)
+        reads.append(t2 - t1)
+    return {"bytes": size, "write_s": statistics.median(writes), "read_s": statistics.median(reads)}
+
+
+def measure_storage(
+    spill_dir: str | os.PathLike,
+    *,
+    sizes: tuple[int, ...] = DEFAULT_STORAGE_SIZES,
+    repeats: int = 5,
+    sync: bool = False,
+    storage_watts: float | None = None,
+) -> StorageProfile:
+    """Time spill-file writes and reads in ``spill_dir`` the way the pager does them."""
+    spill_dir = os.fspath(spill_dir)
+    work = _probe_dir(spill_dir)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        samples = [_probe(work, int(size), repeats, sync, gen) for size in sizes]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    w_lat, w_thr = _fit([(s["bytes"], s["write_s"]) for s in samples])
+    r_lat, r_thr = _fit([(s["bytes"], s["read_s"]) for s in samples])
+    return StorageProfile(
+        spill_dir=spill_dir,
+        sync=sync,
+        write_latency_s=w_lat,
+        write_bytes_per_s=w_thr,
+        read_latency_s=r_lat,
+        read_bytes_per_s=r_thr,
+        storage_watts=storage_watts,
+        samples=samples,
+    )

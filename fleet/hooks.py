@@ -1,8 +1,9 @@
-"""Recording forward passes with module hooks."""
+"""Recording forward passes with module hooks, and finding the tensor a hook was handed."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,3 +24,18 @@ def no_grad_forward(
     finally:
         for h in handles:
             h.remove()
+
+
+def first_tensor(obj: Any) -> torch.Tensor | None:
+    """The first tensor in a module's inputs or outputs (a tensor, or nested lists, tuples and
+    dicts of them), or None: hooks see whatever structure the module takes or returns."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            found = first_tensor(item)
+            if found is not None:
+                return found
+    return None

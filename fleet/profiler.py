@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from fleet.device_profile import DeviceProfile, TensorTiming
-from fleet.hooks import no_grad_forward
+from fleet.hooks import first_tensor, no_grad_forward
 from fleet.models import input_channels
 
 LayerOrder = list[tuple[str, nn.Module]]
@@ -73,17 +73,6 @@ def tensor_order(model: nn.Module, example: torch.Tensor) -> list[tuple[str, str
     return out
 
 
-def _first_tensor(output) -> torch.Tensor | None:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, (tuple, list)):
-        for item in output:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-    return None
-
-
 def _backward_stamps(
     model: nn.Module,
     layers: LayerOrder,
@@ -97,7 +86,7 @@ def _backward_stamps(
 
     def make_hook(index: int):
         def on_forward(_module, _inputs, output):
-            out = _first_tensor(output)
+            out = first_tensor(output)
             if out is not None and out.requires_grad:
 
                 def on_grad(_grad):
@@ -173,7 +162,7 @@ def _split_within_layer(layer: nn.Module, x_in: torch.Tensor, repeats: int) -> l
     if len(params) == 1:
         return [1.0]
     x_in = x_in.detach()
-    out = _first_tensor(layer(x_in))
+    out = first_tensor(layer(x_in))
     grad_out = torch.randn_like(out)
     costs = []
     for p in params:

@@ -12,18 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleet.errors import ConfigError, ProfileMismatchError
-from fleet.memory import (
-    MemoryProfile,
-    apply_plan,
-    first_trainable_block,
-    measure_block_costs,
-    measure_storage,
-    plan_memory,
-    resolve_budget,
-    segment_model,
-)
 from fleet.bench.memory import bench_model
-from fleet.memory.planner import FROZEN, KEEP, PAGE, RECOMPUTE, evaluate_plan
+from fleet.memory.executor import apply_plan, first_trainable_block
+from fleet.memory.measure import measure_block_costs
+from fleet.memory.planner import FROZEN, KEEP, PAGE, RECOMPUTE, evaluate_plan, plan_memory, resolve_budget
+from fleet.memory.records import MemoryProfile
+from fleet.memory.segment import segment_model
+from fleet.memory.storage import measure_storage
 
 BATCH = 4
 

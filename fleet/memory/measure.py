@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleet.errors import ConfigError, ModelError
-from fleet.hooks import no_grad_forward
+from fleet.hooks import first_tensor, no_grad_forward
 from fleet.memory.executor import PlanRunner, apply_plan
 from fleet.memory.meter import is_caller_data, module_storage_keys, storage_key
 from fleet.memory.planner import KEEP, PAGE, RECOMPUTE, MemoryPlan
@@ -68,19 +68,6 @@ class _ModelState:
         for p, flag, grad in self.flags:
             p.requires_grad_(flag)
             p.grad = grad
-
-
-def _first_tensor(obj: Any) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if isinstance(obj, (list, tuple)):
-        for o in obj:
-            t = _first_tensor(o)
-            if t is not None:
-                return t
-    if isinstance(obj, dict):
-        return _first_tensor(list(obj.values()))
-    return None
 
 
 def _module(model: nn.Module, name: str) -> nn.Module:
@@ -151,7 +138,7 @@ class _Recorder:
                 raise _chain_error(self.model_name, f"block {self.names[i]!r} runs inside block {self.names[self.current]!r}")
             self.current = i
             self.calls.append(i)
-            t = _first_tensor(args)
+            t = first_tensor(args)
             if t is not None:
                 self.keep.append(t)
                 self.in_key[i] = storage_key(t)
@@ -162,7 +149,7 @@ class _Recorder:
 
     def _block_post(self, i: int):
         def post(_m, args, out):
-            t = _first_tensor(args)
+            t = first_tensor(args)
             if t is not None and t._version != self.versions.get(i):
                 self.inplace.add(i)
             self.keep.append(out)
@@ -226,7 +213,7 @@ def _input_lifetimes(model: nn.Module, modules: list[nn.Module], x: torch.Tensor
 
     def make_pre(i):
         def pre(_m, args):
-            t = _first_tensor(args)
+            t = first_tensor(args)
             if t is not None:
                 refs[position[0]] = weakref.ref(t.untyped_storage())
 
@@ -295,7 +282,7 @@ class _BlockTimer:
         def post(_m, _args, out):
             if self.recording:
                 self.fwd[i].append(time.perf_counter() - self.start[i])
-            t = _first_tensor(out)
+            t = first_tensor(out)
             if t is not None and t.requires_grad:
                 t.register_hook(lambda _g: stamps.__setitem__(i, time.perf_counter()))
 

@@ -15,7 +15,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     aarch64|arm64) python -m pip install -q "torch==2.9.1" "torchvision==0.24.1" ;;
     *) python -m pip install -q "torch==2.14.1" "torchvision==0.29.1" ;;
   esac
-  python -m pip install -q -e '.[test]'
+  # An editable install always ends in setuptools' "Editable installation" notice (a warning
+  # of its build backend that -q does not hide); it is information only.
+  PYTHONWARNINGS="ignore:Editable installation" python -m pip install -q -e '.[test]'
   echo "$want" > "$stamp"
 fi
 # The default real dataset (Debian's dataset-fashion-mnist); fleet falls back to a clear error without it.

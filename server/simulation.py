@@ -4,6 +4,9 @@ Each device is a virtual SuperNode running the real ClientApp (one CPU each via
 Ray); its clock is simulated from the shared measured profile times its tier.
 The launcher measures the profile and pretrains the starting model once,
 writes the effective config next to the run, then hands over to Flower.
+
+The terminal shows fleet's own lines; Flower's and Ray's INFO chatter goes to
+``<run>/flower.log`` (:mod:`server.flower_log`).
 """
 
 from __future__ import annotations
@@ -18,12 +21,20 @@ from fleet.errors import FleetError
 from fleet.federated.config import APP_ROOT, FleetConfig, load_fleet_config, run_dir
 from fleet.federated.prepare import prepare
 from fleet.federated.tracking import SUMMARY_FILE
+from server.flower_log import FLOWER_LOG, flower_output
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # no internet on devices; read when flwr is imported
 
+CLIENT_APP = "client.client_app:app"
+SERVER_APP = "server.server_app:app"
 
-def run_simulation(cfg: FleetConfig, config_path: Path, *, resume: bool, verbose: bool = False) -> dict:
-    """Run the ServerApp and N ClientApps in Flower's simulation engine; returns summary.json."""
+
+def run_simulation(
+    cfg: FleetConfig, config_path: Path, *, resume: bool, verbose: bool = False, client_app: str = CLIENT_APP
+) -> dict:
+    """Run the ServerApp and N ClientApps in Flower's simulation engine; returns summary.json.
+
+    ``client_app`` names another ClientApp (``module:attribute``), e.g. a test's faulty device."""
     try:
         from flwr.app import Context, RecordDict
         from flwr.common.config import get_fused_config_from_dir
@@ -55,27 +66,42 @@ def run_simulation(cfg: FleetConfig, config_path: Path, *, resume: bool, verbose
     TaskIdentity.run_id = run.run_id
     TaskIdentity.node_id = SUPERLINK_NODE_ID
     fed = cfg.federation
-    backend = {"client_resources": {"num_cpus": fed.client_cpus, "num_gpus": 0.0}}
-    _run_simulation(
-        server_app_attr="server.server_app:app",
-        client_app_attr="client.client_app:app",
-        num_supernodes=fed.num_devices,
-        backend_name="ray",
-        backend_config=backend,
-        app_dir=str(APP_ROOT),
-        run=run,
-        server_app_context=Context(run_id=run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config=fused),
-        is_app=True,
-        verbose_logging=verbose,
-        exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
-    )
+    backend = {
+        "client_resources": {"num_cpus": fed.client_cpus, "num_gpus": 0.0},
+        # Ray's driver logs at INFO into flower.log (flower_output keeps its terminal handler at
+        # WARNING); the actors' own stdout/stderr still reach the terminal, as Flower sets it up.
+        "init_args": {"logging_level": "INFO", "log_to_driver": True},
+    }
+    log_path = run_dir(cfg) / FLOWER_LOG
+    with flower_output(log_path, verbose=verbose):
+        _run_simulation(
+            server_app_attr=SERVER_APP,
+            client_app_attr=client_app,
+            num_supernodes=fed.num_devices,
+            backend_name="ray",
+            backend_config=backend,
+            app_dir=str(APP_ROOT),
+            run=run,
+            server_app_context=Context(run_id=run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config=fused),
+            is_app=True,
+            verbose_logging=verbose,
+            exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
+        )
     summary_path = run_dir(cfg) / SUMMARY_FILE
     if not summary_path.is_file():
-        raise FleetError(f"the simulation of {cfg.name} ended without {summary_path}; see the log above for the failing round")
+        raise FleetError(f"the simulation of {cfg.name} ended without {summary_path}; see the log above and {log_path}")
     return json.loads(summary_path.read_text())
 
 
-def simulate(path: str | None, overrides: dict[str, Any] | None = None, *, resume: bool = False, log=print) -> dict:
+def simulate(
+    path: str | None,
+    overrides: dict[str, Any] | None = None,
+    *,
+    resume: bool = False,
+    verbose: bool = False,
+    log=print,
+    client_app: str = CLIENT_APP,
+) -> dict:
     cfg = load_fleet_config(path, overrides)
     cfg, config_path = prepare(cfg, resume=resume, log=log)
-    return run_simulation(cfg, config_path, resume=resume)
+    return run_simulation(cfg, config_path, resume=resume, verbose=verbose, client_app=client_app)

@@ -13,7 +13,9 @@ from fleet.policies import blend_importance, fitted_window_mask, select_in_windo
 from fleet.federated.device import device_memory, memory_budget_of
 from fleet.federated.split import device_data, fleet_indices
 from fleet.errors import BudgetError, ConfigError
-from fleet.experiment import make_model, obtain_profile
+from fleet.experiment import make_model
+from fleet.models import model_meta
+from tests.conftest import proportional_profile
 from fleet.federated.config import fleet_config_from_dict, load_fleet_config
 
 TINY = "simulations/fleet-tiny.yaml"
@@ -24,7 +26,11 @@ def setup(tmp_path_factory):
     torch.set_num_threads(1)
     cfg = load_fleet_config(TINY, {"output_dir": str(tmp_path_factory.mktemp("runs"))})
     model = make_model(cfg.model, 0)
-    profile = obtain_profile(cfg, model, None, repeats=3, log=lambda s: None)
+    m = cfg.model
+    meta = model_meta(m.name, m.num_classes, m.in_channels, m.small_input)
+    # Size-proportional timings, not measured ones: the selections these tests assert on are then
+    # the same on every machine, however loaded.
+    profile = proportional_profile(model, cfg.train.batch_size, cfg.data.input_size, meta=meta)
     return cfg, profile
 
 

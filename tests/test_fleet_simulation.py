@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,12 +41,32 @@ def read_metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+# `fleet simulate`, with tests/failing_client_app.py as the ClientApp: device 1 raises in round 1.
+FAILING_SIMULATE = (
+    "import json, sys\n"
+    "from fleet.commands.fleet import summary_table\n"
+    "from server.simulation import simulate\n"
+    "summary = simulate(sys.argv[1], json.loads(sys.argv[2]), client_app='tests.failing_client_app:app')\n"
+    "print(summary_table(summary))\n"
+)
+
+
+def run_failing(config: str, overrides: dict, timeout: float = 420) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", FAILING_SIMULATE, config, json.dumps(overrides)]
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
 def test_device_failing_mid_round_does_not_stop_the_fleet(tmp_path):
-    res = run_fleet([
-        "simulate", TINY, "--output-dir", str(tmp_path),
-        "--set", "federation.fail_device=1", "--set", "federation.fail_round=1",
-        "--set", "federation.memory_budgets_mb=[0,1.0]",  # odd devices: about half a full step's activations
-    ])
+    # odd devices: about half a full step's activations
+    res = run_failing(TINY, {"output_dir": str(tmp_path), "federation.memory_budgets_mb": [0, 1.0]})
     assert res.returncode == 0, res.stdout[-3000:]
     run = tmp_path / "fleet-tiny"
     recs = read_metrics(run)
@@ -79,6 +100,12 @@ def test_device_failing_mid_round_does_not_stop_the_fleet(tmp_path):
     assert (run / "accuracy.png").stat().st_size > 1000 and (run / "devices.png").stat().st_size > 1000
     assert (run / "checkpoint.pt").is_file()
     assert "round   2/2" in res.stdout and "speedup" in res.stdout  # progress lines and summary table
+    out = res.stdout
+    assert "configure_train" not in out and "Started a local Ray instance" not in out  # Flower/Ray INFO off the terminal
+    assert "configure_train: Sampled" in (run / "flower.log").read_text()  # ... and in the run's log
+    assert "rejected reply from node" in out and "failed on purpose" in out  # fleet's warnings still shown
+    assert "a ClientApp raised; Flower's tracebacks go to" in out and "Traceback" not in out
+    assert len(re.findall(r"^round +\d+/2 ", out, re.M)) == 2  # one progress line per round
 
 
 def test_bad_config_is_one_line_error(tmp_path):

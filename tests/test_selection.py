@@ -103,6 +103,16 @@ def test_length_mismatch_is_refused():
         select_tensors([1.0, 2.0], [1.0], [1.0, 1.0], 1.0)
 
 
+def test_300_tensors_feasible_and_deterministic():
+    rng = np.random.default_rng(2)
+    imp, dw, dy, budget = random_instance(rng, 300)
+    mask = select_tensors(imp, dw, dy, budget)
+    assert selection_cost(mask, dw, dy) <= budget
+    assert all(i > 0 for m, i in zip(mask, imp) if m) and any(mask)
+    assert select_tensors(imp, dw, dy, budget) == mask
+
+
+@pytest.mark.timing  # wall-clock: not in the default run (pytest -m timing)
 def test_fast_for_300_tensors():
     rng = np.random.default_rng(2)
     imp, dw, dy, budget = random_instance(rng, 300)

@@ -1,8 +1,6 @@
 """Elastic training: frozen tensors really get nothing, selections change, state survives."""
 
-import dataclasses
 import json
-import math
 
 import pytest
 import torch
@@ -11,7 +9,7 @@ from fleet.cli import main
 from fleet.data import batches
 from fleet.errors import BudgetError
 from fleet.trainer import Trainer, TrainerOptions
-from tests.conftest import BATCH, INPUT, small_model
+from tests.conftest import BATCH, INPUT, proportional_profile, small_model
 
 
 def make(method="elastic", profile=None, **kw):
@@ -22,8 +20,8 @@ def first_batch(synthetic):
     return next(batches(synthetic[0], BATCH, shuffle=False, input_size=INPUT))
 
 
-def test_frozen_tensors_get_no_gradient_and_do_not_move(synthetic, small_profile):
-    t = make(profile=small_profile)
+def test_frozen_tensors_get_no_gradient_and_do_not_move(synthetic, size_profile):
+    t = make(profile=size_profile)
     n = len(t.names)
     mask = [False] * n
     kmin = n - 10
@@ -73,8 +71,8 @@ def test_prunetrain_penalty_shrinks_channel_norms(synthetic):
     assert norm(pruned) < 0.97 * norm(plain)
 
 
-def test_reselection_tensors_leave_and_rejoin_with_momentum_kept(synthetic, small_profile):
-    t = make(profile=small_profile, rho=0.6)
+def test_reselection_tensors_leave_and_rejoin_with_momentum_kept(synthetic, size_profile):
+    t = make(profile=size_profile, rho=0.6)
     x, y = first_batch(synthetic)
     t.set_mask([True] * len(t.names))
     t.train_step(x, y)  # every tensor gets a momentum buffer
@@ -90,41 +88,49 @@ def test_reselection_tensors_leave_and_rejoin_with_momentum_kept(synthetic, smal
     assert not torch.equal(t.params[head], weight)
 
 
-def test_selection_fits_budget_and_memory_does_not_grow(synthetic, small_profile):
-    t = make(profile=small_profile, rho=0.5, interval=1, interval_unit="step")
+def test_selection_fits_budget_and_memory_does_not_grow(synthetic, size_profile):
+    t = make(profile=size_profile, rho=0.5, interval=1, interval_unit="step")
     counts = []
     for x, y in batches(synthetic[0], BATCH, shuffle=True, generator=torch.Generator().manual_seed(1), input_size=INPUT):
         t.reselect(t.probe_batch(synthetic[0]))
         t.train_step(x, y)
         counts.append(sum(p.grad is not None for p in t.params))
         assert counts[-1] == sum(t.mask)  # frozen tensors hold no gradient buffers
-        assert small_profile.step_time(t.mask) <= 0.5 * small_profile.full_step_time + 1e-12
+        assert size_profile.step_time(t.mask) <= 0.5 * size_profile.full_step_time + 1e-12
         if len(t.selections) == 12:
             break
     assert len(t.optimizer.state) <= len(t.params)
     assert len({tuple(s.mask) for s in t.selections}) > 1  # the selection really changes
 
 
-def test_rho_below_forward_floor_is_refused(small_profile):
-    with pytest.raises(BudgetError, match=r"train.rho: 0.01 is below this device's floor"):
-        make(profile=small_profile, rho=0.01)
+def test_proportional_profile_fits_the_model_and_selects_the_same_everywhere(synthetic, size_profile):
+    trainer = make(profile=size_profile)
+    shapes = [list(p.shape) for p in trainer.params]
+    size_profile.check_matches(trainer.names, shapes, batch_size=BATCH, input_size=INPUT)  # raises on a mismatch
+    assert size_profile == proportional_profile(small_model(seed=3))  # sizes only: weights and machine do not matter
+    dw = size_profile.t_dw
+    head = [k for k, t in enumerate(size_profile.tensors) if t.name.startswith("fc.")]
+    assert dw[head[0]] == pytest.approx(512 * 10 * 1e-8) and dw[head[1]] == pytest.approx(10 * 1e-8)
+    assert sum(t.t_dy > 0 for t in size_profile.tensors) == len({t.layer for t in size_profile.tensors})
+    # Same model, same probe batch, same profile: the same selection, step for step.
+    masks = []
+    for _ in range(2):
+        t = make(profile=size_profile, rho=0.4)
+        masks.append(t.reselect(first_batch(synthetic)).mask)
+    assert masks[0] == masks[1] and 0 < sum(masks[0]) < len(masks[0])
 
 
-def size_proportional(profile):
-    """``profile`` with each tensor's times proportional to its size (same totals): the selection,
-    and so what is learned, no longer moves with how loaded the machine was while profiling."""
-    sizes = [math.prod(t.shape) for t in profile.tensors]
-    dw = sum(t.t_dw + t.t_opt for t in profile.tensors) / sum(sizes)
-    firsts = sum(n for n, t in zip(sizes, profile.tensors) if t.t_dy > 0)
-    dy = sum(t.t_dy for t in profile.tensors) / firsts if firsts else 0.0
-    tensors = [dataclasses.replace(t, t_dw=n * dw, t_opt=0.0, t_dy=n * dy if t.t_dy > 0 else 0.0)
-               for n, t in zip(sizes, profile.tensors)]
-    return dataclasses.replace(profile, tensors=tensors)
+def test_rho_below_forward_floor_is_refused(size_profile):
+    assert size_profile.min_rho == pytest.approx(0.15)
+    with pytest.raises(BudgetError, match=r"train.rho: 0.1 is below this device's floor 0.150 .* use rho >= 0.15"):
+        make(profile=size_profile, rho=0.1)
+    make(profile=size_profile, rho=0.15 + 1e-9)  # at the floor: accepted
 
 
-def test_elastic_learns_and_writes_record(tmp_path, synthetic, small_profile, capsys):
-    # Once, under heavy load, the measured profile made rho 0.5 select too little to pass 30%.
-    profile_path = size_proportional(small_profile).save(tmp_path / "p.yaml")
+def test_elastic_learns_and_writes_record(tmp_path, synthetic, size_profile, capsys):
+    # A size-proportional profile: a measured one, taken under heavy load, once made rho 0.5
+    # select too little to pass 30%.
+    profile_path = size_profile.save(tmp_path / "p.yaml")
     cfg = tmp_path / "c.yaml"
     cfg.write_text(
         f"name: t\noutput_dir: {tmp_path}\nmodel: {{name: resnet18, in_channels: 1}}\n"

@@ -32,6 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int)
     p.add_argument("--strategy", help="fleet, naive or fedavg")
     p.add_argument("--resume", action="store_true", help="continue from runs/<name>/checkpoint.pt")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="also show Flower's and Ray's log on the terminal (always written to runs/<name>/flower.log)")
     p.set_defaults(func=run_simulate)
 
 
@@ -64,14 +66,14 @@ def summary_table(summary: dict) -> str:
             f"  {pid:>6} {d['tier']:>4g}x {d['rounds_trained']:>6} {d['rho_mean']:>6.2f} {d['speedup_mean']:>7.2f}x "
             f"{100 * d['trained_fraction_mean']:>7.1f}% {d['bytes_uploaded'] / 1e6:>8.1f}"
         )
-    lines.append(f"  metrics, summary and plots: {summary['run_dir']}")
+    lines.append(f"  metrics, summary, plots and Flower's log (flower.log): {summary['run_dir']}")
     return "\n".join(lines)
 
 
 def run_simulate(args: argparse.Namespace) -> int:
     from server.simulation import simulate
 
-    summary = simulate(args.config, _overrides(args), resume=args.resume)
+    summary = simulate(args.config, _overrides(args), resume=args.resume, verbose=args.verbose)
     print(summary_table(summary))
     return 0
 

@@ -83,7 +83,10 @@ class ExperimentConfig:
     methods: list[str] = field(default_factory=lambda: list(METHODS))  # compared by `fleet personalize`
 
 
-LABELS_RULE = (lambda v: v is None or (len(v) >= 2 and len(set(v)) == len(v) and min(v) >= 0), "a list of >= 2 distinct labels >= 0")
+LABELS_RULE = (
+    lambda v: v is None or (len(v) >= 2 and len(set(v)) == len(v) and min(v) >= 0),
+    "a list of >= 2 distinct labels >= 0",
+)
 _OPTIONAL_COUNT = (lambda v: v is None or v >= 1, "an integer >= 1 or null")
 
 # Checks beyond the type: field path -> (predicate, what is allowed).
@@ -240,7 +243,9 @@ def read_yaml_mapping(path: str | Path, shown: str | Path | None = None) -> dict
         problem = getattr(exc, "problem", None) or "syntax error"
         raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path}: expected a mapping of sections (model, data, train), got {type(data).__name__}")
+        raise ConfigError(
+            f"config file {path}: expected a mapping of sections (model, data, train), got {type(data).__name__}"
+        )
     return data
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import gzip
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -31,7 +31,12 @@ DATASET_NAMES: tuple[str, ...] = (
     "synthetic",
 )
 SPLITS: tuple[str, ...] = ("train", "test")
-_TORCHVISION_NAMES = {"mnist": "MNIST", "fashion-mnist-torchvision": "FashionMNIST", "cifar10": "CIFAR10", "cifar100": "CIFAR100"}
+_TORCHVISION_NAMES = {
+    "mnist": "MNIST",
+    "fashion-mnist-torchvision": "FashionMNIST",
+    "cifar10": "CIFAR10",
+    "cifar100": "CIFAR100",
+}
 FASHION_MNIST_ROOT = Path("/usr/share/datasets/fashion-mnist")
 TORCHVISION_ROOT = Path("data")  # torchvision's customary ./data, relative to the working directory
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -58,11 +63,19 @@ class ArrayDataset:
 
     def __post_init__(self) -> None:
         if self.images.dtype != torch.uint8 or self.images.dim() != 4:
-            raise DataError(f"{self.name}: images must be uint8 (N, C, H, W), got {self.images.dtype} {tuple(self.images.shape)}")
+            raise DataError(
+                f"{self.name}: images must be uint8 (N, C, H, W), got {self.images.dtype} {tuple(self.images.shape)}"
+            )
         if self.labels.dtype != torch.int64 or self.labels.shape != (self.images.shape[0],):
-            raise DataError(f"{self.name}: labels must be int64 with one per image, got {self.labels.dtype} {tuple(self.labels.shape)}")
+            raise DataError(
+                f"{self.name}: labels must be int64 with one per image, got {self.labels.dtype} "
+                f"{tuple(self.labels.shape)}"
+            )
         if not len(self.mean) == len(self.std) == self.images.shape[1]:
-            raise DataError(f"{self.name}: mean/std need one value per channel ({self.images.shape[1]}), got {len(self.mean)}/{len(self.std)}")
+            raise DataError(
+                f"{self.name}: mean/std need one value per channel ({self.images.shape[1]}), got "
+                f"{len(self.mean)}/{len(self.std)}"
+            )
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -95,14 +108,19 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     if raw[:2] == b"\x1f\x8b":
         raw = gzip.decompress(raw)
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
-        raise DataError(f"data.root: {str(p)!r} is not an IDX file (bad magic {raw[:4].hex()}); re-install or re-download it")
+        raise DataError(
+            f"data.root: {str(p)!r} is not an IDX file (bad magic {raw[:4].hex()}); re-install or re-download it"
+        )
     ndim = raw[3]
     header = 4 + 4 * ndim
     shape = tuple(int(d) for d in np.frombuffer(raw[4:header], dtype=">u4"))
     dtype = np.dtype(_IDX_DTYPES[raw[2]])
     expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if len(raw) - header != expected:
-        raise DataError(f"data.root: {str(p)!r} is truncated ({len(raw) - header} of {expected} data bytes); re-install or re-download it")
+        raise DataError(
+            f"data.root: {str(p)!r} is truncated ({len(raw) - header} of {expected} data bytes); re-install "
+            "or re-download it"
+        )
     return np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
 
 
@@ -134,7 +152,9 @@ def _load_fashion_idx(root: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
         raise DataError(_fashion_fix(root, _fashion_missing(root) or [f"{prefix}-images-idx3-ubyte.gz"]))
     images, labels = read_idx(images_path), read_idx(labels_path)
     if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
-        raise DataError(f"data.root: {images_path} {images.shape} and {labels_path} {labels.shape} do not pair up; re-install them")
+        raise DataError(
+            f"data.root: {images_path} {images.shape} and {labels_path} {labels.shape} do not pair up; re-install them"
+        )
     return images[:, None], labels
 
 
@@ -200,7 +220,9 @@ def _load_imagefolder(root: Path, split: str) -> tuple[np.ndarray, np.ndarray, i
     classes = _class_dirs(reference)
     extra = sorted(set(_class_dirs(split_dir)) - set(classes))
     if extra:
-        raise DataError(f"data.root: class folder {extra[0]!r} in {split_dir} is absent from {reference}; add it there or remove it")
+        raise DataError(
+            f"data.root: class folder {extra[0]!r} in {split_dir} is absent from {reference}; add it there or remove it"
+        )
     ref_files = [f for c in classes for f in _image_files(reference / c)]
     if not classes or not ref_files:
         raise DataError(f"data.root: no images under {reference}; expected {reference}/<class>/*.png or *.jpg")
@@ -241,7 +263,9 @@ def _load_digits(split: str) -> tuple[np.ndarray, np.ndarray]:
     try:
         from sklearn.datasets import load_digits
     except ImportError as exc:
-        raise DataError("data.dataset: 'digits' needs scikit-learn; `pip install scikit-learn` or pick another dataset") from exc
+        raise DataError(
+            "data.dataset: 'digits' needs scikit-learn; `pip install scikit-learn` or pick another dataset"
+        ) from exc
     bunch = load_digits()
     images = np.rint(bunch.images * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)[:, None]
     order = np.random.default_rng(0).permutation(len(images))
@@ -265,7 +289,13 @@ def make_synthetic(
     The shifts keep a nearest-class-mean classifier around 90%, so training has headroom.
     """
     _check_split(split)
-    sizes = {"num_classes": num_classes, "channels": channels, "size": size, "train_size": train_size, "test_size": test_size}
+    sizes = {
+        "num_classes": num_classes,
+        "channels": channels,
+        "size": size,
+        "train_size": train_size,
+        "test_size": test_size,
+    }
     for field, value in sizes.items():
         if value < 1:
             raise DataError(f"synthetic.{field}: got {value}; use a positive integer")
@@ -299,7 +329,9 @@ def _stats(images: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
 
 
 def _synthetic_stats(num_classes: int, channels: int, size: int, train_size: int, seed: int) -> tuple[tuple, tuple]:
-    train = make_synthetic("train", num_classes=num_classes, channels=channels, size=size, train_size=train_size, seed=seed)
+    train = make_synthetic(
+        "train", num_classes=num_classes, channels=channels, size=size, train_size=train_size, seed=seed
+    )
     return train.mean, train.std
 
 
@@ -354,7 +386,9 @@ def load_dataset(
         mean, std = _STATS["fashion-mnist" if name == "fashion-mnist-torchvision" else name]
     elif name == "imagefolder":
         if root is None:
-            raise DataError("data.root: 'imagefolder' needs a root; set data.root to a folder holding train/<class>/*.png")
+            raise DataError(
+                "data.root: 'imagefolder' needs a root; set data.root to a folder holding train/<class>/*.png"
+            )
         images, labels, num_classes, mean, std = _load_imagefolder(Path(root), split)
     else:  # digits
         images, labels = _load_digits(split)
@@ -389,7 +423,9 @@ def batches(
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise DataError(f"train.batch_size: got {batch_size!r}; use a positive integer")
     if input_size is not None and (isinstance(input_size, bool) or not isinstance(input_size, int) or input_size < 1):
-        raise DataError(f"data.input_size: got {input_size!r}; use a positive integer or leave it unset to keep the stored size")
+        raise DataError(
+            f"data.input_size: got {input_size!r}; use a positive integer or leave it unset to keep the stored size"
+        )
     n = len(ds)
     order = torch.randperm(n, generator=generator) if shuffle else None
     c = ds.channels

@@ -150,14 +150,18 @@ class DeviceProfile:
             profile = cls(tensors=tensors, **d)
         except (TypeError, KeyError) as exc:
             raise ProfileMismatchError(f"{source} is malformed ({exc}); re-create it with `fleet profile`") from None
-        bad = [t.name for t in profile.tensors if not all(math.isfinite(v) and v >= 0 for v in (t.t_dw, t.t_opt, t.t_dy))]
+        bad = [
+            t.name for t in profile.tensors if not all(math.isfinite(v) and v >= 0 for v in (t.t_dw, t.t_opt, t.t_dy))
+        ]
         if bad or not (math.isfinite(profile.t_fw) and profile.t_fw > 0):
             raise ProfileMismatchError(
                 f"{source} holds invalid times (first: {bad[0] if bad else 't_fw'}); re-create it with `fleet profile`"
             )
         mb = profile.memory_budget_mb
         if mb is not None and not (isinstance(mb, (int, float)) and math.isfinite(mb) and mb > 0):
-            raise ProfileMismatchError(f"{source}: memory_budget_mb {mb!r} is not allowed; use a positive number of MB or remove it")
+            raise ProfileMismatchError(
+                f"{source}: memory_budget_mb {mb!r} is not allowed; use a positive number of MB or remove it"
+            )
         return profile
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -173,5 +177,7 @@ class DeviceProfile:
         except yaml.YAMLError as exc:
             line = getattr(getattr(exc, "problem_mark", None), "line", None)
             where = f" at line {line + 1}" if line is not None else ""
-            raise ProfileMismatchError(f"profile file {path} is not valid YAML{where}; re-create it with `fleet profile`") from None
+            raise ProfileMismatchError(
+                f"profile file {path} is not valid YAML{where}; re-create it with `fleet profile`"
+            ) from None
         return cls.from_dict(data, source=f"profile {path}")

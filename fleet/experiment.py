@@ -113,7 +113,10 @@ def obtain_profile(
         repeats=repeats,
         seed=cfg.train.seed,
     )
-    log(f"profiled in {profile.profiling_time_s:.1f}s: full step {1000 * profile.full_step_time:.0f} ms, forward floor rho {profile.min_rho:.2f}")
+    log(
+        f"profiled in {profile.profiling_time_s:.1f}s: full step {1000 * profile.full_step_time:.0f} ms, "
+        f"forward floor rho {profile.min_rho:.2f}"
+    )
     if cache is not None:
         profile.save(cache)
     return profile

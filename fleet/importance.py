@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Sequence
-from typing import ContextManager
 
 import torch
 from torch import nn
@@ -38,7 +37,7 @@ def evaluate_importance(
     loss_fn: Callable = nn.functional.cross_entropy,
     *,
     extra_loss: Callable[[], torch.Tensor] | None = None,
-    step_context: Callable[[], ContextManager] | None = None,
+    step_context: Callable[[], contextlib.AbstractContextManager] | None = None,
 ) -> list[float]:
     """Normalized importance of each tensor in ``params`` on the probe batch ``x, y``.
 

@@ -7,8 +7,9 @@ internet; pretrained weights come only from local files.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torchvision.models as tvm
@@ -122,7 +123,8 @@ def input_channels(model: nn.Module) -> int:
         if isinstance(module, nn.Conv2d):
             return module.in_channels
     raise ModelError(
-        f"model: {type(model).__name__} has no Conv2d, so its input channels are unknown; use one of {', '.join(MODEL_NAMES)}"
+        f"model: {type(model).__name__} has no Conv2d, so its input channels are unknown; use one of "
+        f"{', '.join(MODEL_NAMES)}"
     )
 
 
@@ -164,7 +166,9 @@ def build_model(
 def _read_state(path: str | os.PathLike) -> Any:
     p = Path(path)
     if not p.is_file():
-        raise ModelError(f"model.weights: file {str(p)!r} not found; pass a local .pt file saved by fleet or torch.save")
+        raise ModelError(
+            f"model.weights: file {str(p)!r} not found; pass a local .pt file saved by fleet or torch.save"
+        )
     try:
         return torch.load(p, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for corrupt or unsafe files; its text is long
@@ -248,6 +252,7 @@ def load_checkpoint_meta(path: str | os.PathLike) -> dict:
     obj = _read_state(path)
     if not isinstance(obj, Mapping) or not isinstance(obj.get("meta"), dict):
         raise ModelError(
-            f"model.weights: {str(path)!r} has no fleet meta; it is a bare state_dict, so pass the model config explicitly"
+            f"model.weights: {str(path)!r} has no fleet meta; it is a bare state_dict, so pass the model "
+            "config explicitly"
         )
     return dict(obj["meta"])

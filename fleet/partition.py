@@ -7,7 +7,7 @@ cover every sample exactly once, so no data is silently dropped or duplicated.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -20,7 +20,9 @@ DIRICHLET_MAX_TRIES = 100
 def _as_labels(labels: np.ndarray | Sequence[int]) -> np.ndarray:
     arr = np.asarray(labels)
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise DataError(f"labels: expected a 1-D sequence of integer class labels, got shape {arr.shape} dtype {arr.dtype}")
+        raise DataError(
+            f"labels: expected a 1-D sequence of integer class labels, got shape {arr.shape} dtype {arr.dtype}"
+        )
     if arr.size and arr.min() < 0:
         raise DataError(f"labels: found negative label {int(arr.min())}; labels must be 0..num_classes-1")
     return arr.astype(np.int64, copy=False)
@@ -30,7 +32,9 @@ def _iid(n: int, num_partitions: int, rng: np.random.Generator) -> list[np.ndarr
     return list(np.array_split(rng.permutation(n), num_partitions))
 
 
-def _dirichlet(labels: np.ndarray, num_partitions: int, alpha: float, min_size: int, rng: np.random.Generator) -> list[np.ndarray]:
+def _dirichlet(
+    labels: np.ndarray, num_partitions: int, alpha: float, min_size: int, rng: np.random.Generator
+) -> list[np.ndarray]:
     by_class = [np.flatnonzero(labels == c) for c in np.unique(labels)]
     smallest = 0
     for _ in range(DIRICHLET_MAX_TRIES):
@@ -67,7 +71,8 @@ def _shards(labels: np.ndarray, num_partitions: int, k: int, rng: np.random.Gene
     if short.size:
         c = short[0]
         raise DataError(
-            f"classes_per_partition: class {int(classes[c])} has {int(counts[c])} samples but must feed {int(quota[c])} "
+            f"classes_per_partition: class {int(classes[c])} has {int(counts[c])} samples but must feed "
+            f"{int(quota[c])} "
             f"partitions; lower num_partitions or classes_per_partition"
         )
     remaining = quota.copy()
@@ -110,7 +115,11 @@ def partition_indices(
         raise DataError(f"num_partitions: got {num_partitions!r}; use a positive integer")
     if num_partitions > n:
         raise DataError(f"num_partitions: {num_partitions} partitions exceed the {n} samples; use at most {n}")
-    if isinstance(min_partition_size, bool) or not isinstance(min_partition_size, (int, np.integer)) or min_partition_size < 0:
+    if (
+        isinstance(min_partition_size, bool)
+        or not isinstance(min_partition_size, (int, np.integer))
+        or min_partition_size < 0
+    ):
         raise DataError(f"min_partition_size: got {min_partition_size!r}; use an integer >= 0")
     if num_partitions * min_partition_size > n:
         raise DataError(
@@ -128,10 +137,13 @@ def partition_indices(
         num_classes = len(np.unique(y))
         k = classes_per_partition
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= num_classes:
-            raise DataError(f"classes_per_partition: got {k!r}; use an integer in 1..{num_classes} (classes present in the labels)")
+            raise DataError(
+                f"classes_per_partition: got {k!r}; use an integer in 1..{num_classes} (classes present in the labels)"
+            )
         if num_partitions * k < num_classes:
             raise DataError(
-                f"classes_per_partition: {num_partitions} partitions x {k} classes cannot cover all {num_classes} classes; "
+                f"classes_per_partition: {num_partitions} partitions x {k} classes cannot cover all "
+                f"{num_classes} classes; "
                 f"raise num_partitions or classes_per_partition, or drop classes with data.classes"
             )
         parts = _shards(y, int(num_partitions), int(k), rng)

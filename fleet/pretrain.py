@@ -25,7 +25,11 @@ def checkpoint_path(cfg: ExperimentConfig) -> Path:
     if cfg.pretrain.checkpoint:
         return Path(cfg.pretrain.checkpoint)
     classes = "all" if cfg.pretrain.classes is None else "-".join(map(str, cfg.pretrain.classes))
-    return Path(cfg.output_dir) / "pretrained" / f"{cfg.model.name}-{cfg.data.dataset}-c{classes}-s{cfg.data.input_size}.pt"
+    return (
+        Path(cfg.output_dir)
+        / "pretrained"
+        / f"{cfg.model.name}-{cfg.data.dataset}-c{classes}-s{cfg.data.input_size}.pt"
+    )
 
 
 def pretrain_config(cfg: ExperimentConfig) -> ExperimentConfig:
@@ -67,7 +71,10 @@ def pretrain(cfg: ExperimentConfig, out: Path | None = None, log: Callable[[str]
     train_ds, test_ds = load_data(pcfg.data, pcfg.train.seed)
     model = make_model(pcfg.model, pcfg.train.seed)
     options = trainer_options(pcfg.train, pcfg.data.input_size)
-    log(f"pretraining {pcfg.model.name} on {len(train_ds)} {train_ds.name} samples (classes {pcfg.data.classes or 'all'})")
+    log(
+        f"pretraining {pcfg.model.name} on {len(train_ds)} {train_ds.name} samples (classes "
+        f"{pcfg.data.classes or 'all'})"
+    )
 
     def report(epoch: int, accuracy: float, loss: float, seconds: float) -> None:
         log(

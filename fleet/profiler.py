@@ -166,9 +166,7 @@ def _split_within_layer(layer: nn.Module, x_in: torch.Tensor, repeats: int) -> l
     grad_out = torch.randn_like(out)
     costs = []
     for p in params:
-        costs.append(
-            _median_time(lambda p=p: torch.autograd.grad(out, [p], grad_out, retain_graph=True), repeats)
-        )
+        costs.append(_median_time(lambda p=p: torch.autograd.grad(out, [p], grad_out, retain_graph=True), repeats))
     total = sum(costs) or 1.0
     return [c / total for c in costs]
 

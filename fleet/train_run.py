@@ -73,8 +73,14 @@ def run_training(cfg: ExperimentConfig, log: Callable[[str], None] = print) -> t
         from fleet.memory.budgeted import MemoryBudget
 
         shape = (cfg.train.batch_size, cfg.model.in_channels, cfg.data.input_size, cfg.data.input_size)
-        memory = MemoryBudget.measure(model, shape, cfg.train.memory_budget_mb, cfg.train.spill_dir, model_name=cfg.model.name,
-                                      cache=out / "memory-profile.json")
+        memory = MemoryBudget.measure(
+            model,
+            shape,
+            cfg.train.memory_budget_mb,
+            cfg.train.spill_dir,
+            model_name=cfg.model.name,
+            cache=out / "memory-profile.json",
+        )
         log(
             f"memory budget {cfg.train.memory_budget_mb:g} MB for activations "
             f"(unconstrained peak {memory.profile.unconstrained_peak_bytes / 1e6:.1f} MB); spill dir {memory.spill_dir}"
@@ -101,7 +107,14 @@ def run_training(cfg: ExperimentConfig, log: Callable[[str], None] = print) -> t
             "budget_bytes": memory.budget_bytes,
             "unconstrained_peak_bytes": memory.profile.unconstrained_peak_bytes,
             "measured_peak_bytes": memory.peak_bytes,
-            "plans": {str(fb): {"actions": p.actions, "predicted_peak_bytes": p.predicted_peak_bytes, "added_time_s": p.added_time_s} for fb, p in memory.plans.items()},
+            "plans": {
+                str(fb): {
+                    "actions": p.actions,
+                    "predicted_peak_bytes": p.predicted_peak_bytes,
+                    "added_time_s": p.added_time_s,
+                }
+                for fb, p in memory.plans.items()
+            },
         },
         "config": config_to_dict(cfg),
         "host": profile.host if profile else {},

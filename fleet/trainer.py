@@ -26,8 +26,8 @@ from fleet.errors import BudgetError
 from fleet.importance import evaluate_importance
 from fleet.methods import group_lasso_penalty, static_mask
 from fleet.models import head_parameter_names, input_channels
-from fleet.profiler import parametric_layers, tensor_order
 from fleet.policies import SelectionPolicy, select_in_window
+from fleet.profiler import parametric_layers, tensor_order
 from fleet.selection import select_tensors, selection_cost
 
 if TYPE_CHECKING:
@@ -112,7 +112,9 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(self.options.seed)
         if self.options.method == "elastic":
             if self.profile is None:
-                raise BudgetError("train.method: elastic needs a device profile; pass --profile or let fleet measure one")
+                raise BudgetError(
+                    "train.method: elastic needs a device profile; pass --profile or let fleet measure one"
+                )
             if self.profile.min_rho > self.options.rho:
                 raise BudgetError(
                     f"train.rho: {self.options.rho} is below this device's floor {self.profile.min_rho:.3f} "
@@ -152,7 +154,9 @@ class Trainer:
         if importance is None:
             if probe is None:
                 raise ValueError("reselect needs a probe batch or the importance to select by")
-            importance = evaluate_importance(self.model, self.params, self.optimizer, *probe, step_context=self.step_context)
+            importance = evaluate_importance(
+                self.model, self.params, self.optimizer, *probe, step_context=self.step_context
+            )
         importance = list(importance)
         ranked = policy.blend(importance, self.names) if policy.blend is not None else importance
         budget = policy.budget_s if policy.budget_s is not None else self.profile.backward_budget(self.options.rho)
@@ -195,7 +199,11 @@ class Trainer:
         """A freshly shuffled batch, so importance is not judged on the same images each time."""
         return next(
             batches(
-                data, self.options.batch_size, shuffle=True, generator=self.generator, input_size=self.options.input_size
+                data,
+                self.options.batch_size,
+                shuffle=True,
+                generator=self.generator,
+                input_size=self.options.input_size,
             )
         )
 
@@ -225,7 +233,13 @@ class Trainer:
         losses: list[float] = []
         train_time = probe_time = predicted = 0.0
         for i, (x, y) in enumerate(
-            batches(data, self.options.batch_size, shuffle=True, generator=self.generator, input_size=self.options.input_size)
+            batches(
+                data,
+                self.options.batch_size,
+                shuffle=True,
+                generator=self.generator,
+                input_size=self.options.input_size,
+            )
         ):
             if self._due(epoch, i):
                 start = time.perf_counter()

@@ -88,7 +88,11 @@ def flower_output(log_path: Path, *, verbose: bool) -> Iterator[None]:
         if f"{os.sep}ray{os.sep}" not in filename:
             return show_warning(message, category, filename, lineno, file, line)
         text = warnings.formatwarning(message, category, filename, lineno, "").rstrip()
-        to_file.handle(logging.makeLogRecord({"name": "py.warnings", "levelno": logging.WARNING, "levelname": "WARNING", "msg": text}))
+        to_file.handle(
+            logging.makeLogRecord(
+                {"name": "py.warnings", "levelno": logging.WARNING, "levelname": "WARNING", "msg": text}
+            )
+        )
 
     # Flower in each Ray actor (another process) reads FLWR_LOG_LEVEL on import; its records reach
     # the terminal through Ray's log_to_driver. Keep its errors, not its shutdown warnings

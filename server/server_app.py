@@ -113,23 +113,31 @@ def make_strategy(cfg: FleetConfig, state: ServerState, arrays: dict[str, np.nda
     )
 
 
-def run_round(grid: Grid, cfg: FleetConfig, strategy: ElasticFedAvg, arrays: dict[str, np.ndarray], server_round: int) -> tuple[dict[str, np.ndarray], dict]:
+def run_round(
+    grid: Grid, cfg: FleetConfig, strategy: ElasticFedAvg, arrays: dict[str, np.ndarray], server_round: int
+) -> tuple[dict[str, np.ndarray], dict]:
     """One round: train, aggregate, evaluate, advance the clocks; (new global arrays, metrics record)."""
     state, timeout = strategy.state, cfg.federation.timeout_s
     started = time.perf_counter()
     rejected_before = len(state.replies.rejections)
     record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
     deadline = strategy.round_deadline()
-    replies = grid.send_and_receive(strategy.configure_train(server_round, record, ConfigRecord(), grid), timeout=timeout)
+    replies = grid.send_and_receive(
+        strategy.configure_train(server_round, record, ConfigRecord(), grid), timeout=timeout
+    )
     new_record, _ = strategy.aggregate_train(server_round, replies)
     if new_record is not None:
         arrays, record = {k: a.numpy() for k, a in new_record.items()}, new_record
-    replies = grid.send_and_receive(strategy.configure_evaluate(server_round, record, ConfigRecord(), grid), timeout=timeout)
+    replies = grid.send_and_receive(
+        strategy.configure_evaluate(server_round, record, ConfigRecord(), grid), timeout=timeout
+    )
     accuracy = strategy.aggregate_evaluate(server_round, replies)
     accuracy = None if accuracy is None else dict(accuracy)
     rt = round_time(state.replies.train, cfg.federation.bandwidth_bytes_per_s)
     state.finish_round(server_round, rt, time.perf_counter() - started)
-    return arrays, round_record(state, cfg.federation.strategy, deadline, rt, accuracy, strategy.param_names, rejected_before)
+    return arrays, round_record(
+        state, cfg.federation.strategy, deadline, rt, accuracy, strategy.param_names, rejected_before
+    )
 
 
 def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool) -> dict:
@@ -146,7 +154,11 @@ def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool) -> dict:
         state.full_times = query_full_times(grid, node_ids, fed.timeout_s)
     for server_round in range(state.round + 1, fed.rounds + 1):
         if out_of_time(cfg, state):
-            print(f"simulated time {state.sim_time_s:.1f}s reached federation.time_budget_s; stopping after round {state.round}", flush=True)
+            print(
+                f"simulated time {state.sim_time_s:.1f}s reached federation.time_budget_s; stopping after "
+                f"round {state.round}",
+                flush=True,
+            )
             break
         arrays, record = run_round(grid, cfg, strategy, arrays, server_round)
         tracker.add(record)

@@ -48,8 +48,10 @@ def run_simulation(
     except ImportError as exc:  # the public run_simulation takes no run config, so this leans on 1.42's internals
         import flwr
 
-        raise FleetError(f"fleet simulate needs flwr 1.42.x, found {flwr.__version__} ({exc}); "
-                         "pip install 'flwr[simulation]>=1.42,<1.43'") from None
+        raise FleetError(
+            f"fleet simulate needs flwr 1.42.x, found {flwr.__version__} ({exc}); "
+            "pip install 'flwr[simulation]>=1.42,<1.43'"
+        ) from None
 
     # The same launch `flwr-simulation` performs for `flwr run` (apps loaded by their
     # component names from the app directory, the run config fused with pyproject's),
@@ -82,7 +84,9 @@ def run_simulation(
             backend_config=backend,
             app_dir=str(APP_ROOT),
             run=run,
-            server_app_context=Context(run_id=run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config=fused),
+            server_app_context=Context(
+                run_id=run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config=fused
+            ),
             is_app=True,
             verbose_logging=verbose,
             exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,

@@ -82,7 +82,9 @@ class ElasticFedAvg(FedAvg):
         self.method = method
         self.deadline_s = deadline_s
         self.deadline_factor = deadline_factor
-        self.full_upload_s = full_upload_s  # uploading every tensor and norm statistic (0: the deadline is compute only)
+        self.full_upload_s = (
+            full_upload_s  # uploading every tensor and norm statistic (0: the deadline is compute only)
+        )
         self.param_names = list(param_names)
         self.lr = lr
         self.blend = blend
@@ -92,7 +94,9 @@ class ElasticFedAvg(FedAvg):
         return round_deadline(self.method, self.deadline_s, self.deadline_factor, full_times, self.full_upload_s)
 
     # --- training ---------------------------------------------------------
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         self.state.replies.sent = {name: arr.numpy() for name, arr in arrays.items()}
         config = ConfigRecord(dict(config))
         config[keys.STRATEGY] = self.method
@@ -104,7 +108,9 @@ class ElasticFedAvg(FedAvg):
             config[keys.GLOBAL_IMPORTANCE_VALUES] = [float(v) for v in gi.values()]
         return super().configure_train(server_round, arrays, config, grid)
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         state, current = self.state, self.state.replies.sent
         state.replies.train = []
         updates: list[tuple[dict[str, np.ndarray], float]] = []
@@ -128,8 +134,11 @@ class ElasticFedAvg(FedAvg):
         state.global_importance = global_importance(new, current, self.param_names, self.lr)
         record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in new.items()})
         rows = state.replies.train
-        summary = {"devices": len(updates), keys.LOSS: weighted_mean(rows, keys.LOSS),
-                   keys.BYTES_UPLOADED: int(sum(r.get(keys.BYTES_UPLOADED, 0) for r in rows))}
+        summary = {
+            "devices": len(updates),
+            keys.LOSS: weighted_mean(rows, keys.LOSS),
+            keys.BYTES_UPLOADED: int(sum(r.get(keys.BYTES_UPLOADED, 0) for r in rows)),
+        }
         return record, MetricRecord(summary)
 
     def _reject(self, server_round: int, msg: Message, reason: str) -> None:
@@ -138,7 +147,9 @@ class ElasticFedAvg(FedAvg):
         log.warning("round %d: rejected reply from %s: %s", server_round, rej.who(), reason)
 
     # --- evaluation -------------------------------------------------------
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         config = ConfigRecord(dict(config))
         config[keys.RUN_TAG] = self.state.run_tag
         return super().configure_evaluate(server_round, arrays, config, grid)
@@ -148,7 +159,9 @@ class ElasticFedAvg(FedAvg):
         for msg in replies:
             if msg.has_error() or keys.METRICS not in msg.content.metric_records:
                 reason = error_summary(msg.error.reason) if msg.has_error() else f"no '{keys.METRICS}' MetricRecord"
-                log.warning("round %d: evaluation from node %d failed: %s", server_round, msg.metadata.src_node_id, reason)
+                log.warning(
+                    "round %d: evaluation from node %d failed: %s", server_round, msg.metadata.src_node_id, reason
+                )
                 continue
             metrics = dict(msg.content.metric_records[keys.METRICS])
             if weight_problem(metrics.get(keys.NUM_EXAMPLES)) is not None:

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from fleet.data import load_dataset
-from fleet.models import build_model, input_channels, model_meta
 from fleet.device_profile import DeviceProfile, TensorTiming
+from fleet.models import build_model, input_channels, model_meta
 from fleet.profiler import profile_device, tensor_order
 from fleet.trainer import TrainerOptions, make_optimizer
 
@@ -65,10 +65,16 @@ def proportional_profile(
     for name, layer, p in order:
         first = layer not in seen
         seen.add(layer)
-        tensors.append(TensorTiming(
-            name=name, layer=layer, shape=list(p.shape), t_dw=p.numel() * dw_per_param, t_opt=0.0,
-            t_dy=layer_size[layer] * dy_per_param if first else 0.0,
-        ))
+        tensors.append(
+            TensorTiming(
+                name=name,
+                layer=layer,
+                shape=list(p.shape),
+                t_dw=p.numel() * dw_per_param,
+                t_opt=0.0,
+                t_dy=layer_size[layer] * dy_per_param if first else 0.0,
+            )
+        )
     backward = sum(t.t_dw for t in tensors) + sum(t.t_dy for t in tensors[1:])  # a full step's backward
     return DeviceProfile(
         model=dict(meta if meta is not None else SMALL_META),
@@ -93,5 +99,10 @@ def small_profile():
     """Really measured on this machine: its timings vary from run to run; assert structure only."""
     opts = TrainerOptions(batch_size=BATCH, input_size=INPUT)
     return profile_device(
-        small_model(), dict(SMALL_META), batch_size=BATCH, input_size=INPUT, make_optimizer=lambda ps: make_optimizer(ps, opts), repeats=3
+        small_model(),
+        dict(SMALL_META),
+        batch_size=BATCH,
+        input_size=INPUT,
+        make_optimizer=lambda ps: make_optimizer(ps, opts),
+        repeats=3,
     )

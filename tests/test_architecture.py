@@ -207,8 +207,18 @@ def cycles(imports: list[Import], modules: dict[str, str]) -> list[str]:
         path = cycle_in(component, graph)
         steps = "\n".join(f"    {graph[a][b].describe()}" for a, b in zip(path, path[1:]))
         on_path = set(zip(path, path[1:]))
-        rest = [graph[a][b].describe() for a in component for b in sorted(graph[a]) if b in component and (a, b) not in on_path]
-        others = f"\n    tangled with it (same strongly connected component): {', '.join(m for m in component if m not in path)}" if len(component) > len(path) - 1 else ""
+        rest = [
+            graph[a][b].describe()
+            for a in component
+            for b in sorted(graph[a])
+            if b in component and (a, b) not in on_path
+        ]
+        others = (
+            "\n    tangled with it (same strongly connected component): "
+            f"{', '.join(m for m in component if m not in path)}"
+            if len(component) > len(path) - 1
+            else ""
+        )
         found.append(f"import cycle {' -> '.join(path)}:\n{steps}{others}" + "".join(f"\n      {r}" for r in rest))
     return found
 
@@ -282,9 +292,12 @@ def test_checker_fails_on_synthetic_violations(tmp_path):
     )
     found = check(tmp_path)
     assert sorted(found["wall"]) == [
-        "fleet/core.py:2: from flwr.common import logger  (fleet's core may not import flwr; only fleet/cli.py, fleet/commands/, fleet/bench/ may)",
-        "fleet/core.py:3: import server.strategy  (fleet's core may not import server; only fleet/cli.py, fleet/commands/, fleet/bench/ may)",
-        "fleet/deep/inner.py:2: import client  (fleet's core may not import client; only fleet/cli.py, fleet/commands/, fleet/bench/ may)",
+        "fleet/core.py:2: from flwr.common import logger  (fleet's core may not import flwr; only "
+        "fleet/cli.py, fleet/commands/, fleet/bench/ may)",
+        "fleet/core.py:3: import server.strategy  (fleet's core may not import server; only fleet/cli.py, "
+        "fleet/commands/, fleet/bench/ may)",
+        "fleet/deep/inner.py:2: import client  (fleet's core may not import client; only fleet/cli.py, "
+        "fleet/commands/, fleet/bench/ may)",
     ]
     assert sorted(found["apps"]) == [
         "client/app.py:1: from server import strategy  (client/ may not import server)",

@@ -34,8 +34,26 @@ def test_bench_timing_reports_errors(capsys, tmp_path, small_profile):
 
 def test_profile_command_writes_loadable_profile(tmp_path, capsys):
     out = tmp_path / "dev.yaml"
-    assert main(["profile", "--model", "mobilenet_v3_small", "--in-channels", "1", "--batch-size", "4",
-                 "--input-size", "16", "--repeats", "2", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                "--model",
+                "mobilenet_v3_small",
+                "--in-channels",
+                "1",
+                "--batch-size",
+                "4",
+                "--input-size",
+                "16",
+                "--repeats",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "profiled mobilenet_v3_small" in capsys.readouterr().out
     from fleet.device_profile import DeviceProfile
 
@@ -52,8 +70,24 @@ def test_profile_from_a_fleet_config_records_the_memory_budget(tmp_path, capsys)
     from fleet.errors import ProfileMismatchError
 
     out = tmp_path / "dev.yaml"
-    assert main(["profile", "--config", "simulations/fleet-tiny.yaml", "--batch-size", "4", "--repeats", "2",
-                 "--memory-budget-mb", "30", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                "--config",
+                "simulations/fleet-tiny.yaml",
+                "--batch-size",
+                "4",
+                "--repeats",
+                "2",
+                "--memory-budget-mb",
+                "30",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "profiled resnet18 at batch 4, input 16" in capsys.readouterr().out
     p = DeviceProfile.load(out)
     assert (p.model["name"], p.model["in_channels"], p.batch_size, p.input_size) == ("resnet18", 1, 4, 16)
@@ -68,7 +102,8 @@ def test_personalize_from_pretrained(tmp_path, capsys):
     cfg.write_text(
         f"name: p\noutput_dir: {tmp_path}\n"
         "model: {name: resnet18, num_classes: 5, in_channels: 1}\n"
-        f"data: {{dataset: synthetic, input_size: {INPUT}, classes: [5, 6, 7, 8, 9], train_per_class: 16, test_per_class: 10}}\n"
+        f"data: {{dataset: synthetic, input_size: {INPUT}, classes: [5, 6, 7, 8, 9], "
+        "train_per_class: 16, test_per_class: 10}\n"
         f"train: {{epochs: 1, batch_size: {BATCH}, rho: 0.6, lr: 0.05}}\n"
         "pretrain: {classes: [0, 1, 2, 3, 4], train_per_class: 16, epochs: 1}\n"
     )
@@ -84,4 +119,6 @@ def test_personalize_from_pretrained(tmp_path, capsys):
     assert (tmp_path / "pretrained").is_dir()  # the checkpoint was made and cached
     (checkpoint,) = (tmp_path / "pretrained").glob("*.pt")
     meta = load_checkpoint_meta(checkpoint)
-    assert {k: meta[k] for k in ("name", "num_classes", "in_channels", "small_input")} == model_meta("resnet18", 5, 1, False)
+    assert {k: meta[k] for k in ("name", "num_classes", "in_channels", "small_input")} == model_meta(
+        "resnet18", 5, 1, False
+    )

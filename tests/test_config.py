@@ -85,10 +85,23 @@ def test_console_script_exit_code(tmp_path):
 def test_trainer_options_mirror_the_train_section_and_take_changes(tmp_path):
     from fleet.experiment import trainer_options
 
-    cfg = load_config(write(tmp_path, "train:\n  method: prunetrain\n  rho: 0.4\n  lr: 0.02\n  seed: 3\n  interval: 2\n"))
+    cfg = load_config(
+        write(tmp_path, "train:\n  method: prunetrain\n  rho: 0.4\n  lr: 0.02\n  seed: 3\n  interval: 2\n")
+    )
     opts = trainer_options(cfg.train, 24)
-    assert (opts.method, opts.rho, opts.lr, opts.seed, opts.interval, opts.input_size) == ("prunetrain", 0.4, 0.02, 3, 2, 24)
-    assert (opts.momentum, opts.weight_decay, opts.batch_size) == (cfg.train.momentum, cfg.train.weight_decay, cfg.train.batch_size)
+    assert (opts.method, opts.rho, opts.lr, opts.seed, opts.interval, opts.input_size) == (
+        "prunetrain",
+        0.4,
+        0.02,
+        3,
+        2,
+        24,
+    )
+    assert (opts.momentum, opts.weight_decay, opts.batch_size) == (
+        cfg.train.momentum,
+        cfg.train.weight_decay,
+        cfg.train.batch_size,
+    )
     changed = trainer_options(cfg.train, 24, method="full", seed=9, rho=1.0)
     assert (changed.method, changed.seed, changed.rho, changed.lr) == ("full", 9, 1.0, 0.02)
     assert cfg.train.method == "prunetrain"  # the config itself is untouched

@@ -33,7 +33,9 @@ def _write_idx(path: Path, arr: np.ndarray, gz: bool) -> None:
     path.write_bytes(gzip.compress(data) if gz else data)
 
 
-def _fake_mnist_dir(folder: Path, n_train: int = 30, n_test: int = 12, gz: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def _fake_mnist_dir(
+    folder: Path, n_train: int = 30, n_test: int = 12, gz: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
     """Write the four MNIST-style IDX files; the train pair gzipped (if gz), the test pair raw."""
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -84,7 +86,9 @@ def test_fashion_mnist_loader_reads_gz_and_raw(tmp_path: Path) -> None:
     assert (train.num_classes, train.channels, train.mean, train.std) == (10, 1, (0.2860,), (0.3530,))
 
 
-@pytest.mark.skipif(not (FASHION_MNIST_ROOT / "t10k-labels-idx1-ubyte.gz").exists(), reason="dataset-fashion-mnist not installed")
+@pytest.mark.skipif(
+    not (FASHION_MNIST_ROOT / "t10k-labels-idx1-ubyte.gz").exists(), reason="dataset-fashion-mnist not installed"
+)
 def test_real_debian_fashion_mnist() -> None:
     train = load_dataset("fashion-mnist", "train")
     test = load_dataset("fashion-mnist", "test")
@@ -136,7 +140,9 @@ def test_array_dataset_validates_tensors() -> None:
     with pytest.raises(DataError, match="uint8"):
         ArrayDataset(torch.zeros(2, 1, 4, 4), torch.zeros(2, dtype=torch.int64), 2, (0.5,), (0.5,), "x")
     with pytest.raises(DataError, match="one per image"):
-        ArrayDataset(torch.zeros(2, 1, 4, 4, dtype=torch.uint8), torch.zeros(3, dtype=torch.int64), 2, (0.5,), (0.5,), "x")
+        ArrayDataset(
+            torch.zeros(2, 1, 4, 4, dtype=torch.uint8), torch.zeros(3, dtype=torch.int64), 2, (0.5,), (0.5,), "x"
+        )
 
 
 # ---------------------------------------------------------------- batches
@@ -188,7 +194,9 @@ def test_shuffle_is_seeded_and_covers_every_sample_once() -> None:
         assert torch.equal(x, ref)
 
 
-@pytest.mark.parametrize("kwargs,field", [({"batch_size": 0}, "train.batch_size"), ({"batch_size": 2, "input_size": 0}, "data.input_size")])
+@pytest.mark.parametrize(
+    "kwargs,field", [({"batch_size": 0}, "train.batch_size"), ({"batch_size": 2, "input_size": 0}, "data.input_size")]
+)
 def test_batches_reject_bad_sizes(kwargs: dict, field: str) -> None:
     with pytest.raises(DataError, match=field):
         next(batches(_tiny(), shuffle=False, **kwargs))
@@ -264,7 +272,9 @@ def test_unknown_name_and_bad_split() -> None:
         load_dataset("synthetic", "val")
 
 
-@pytest.mark.parametrize("name", ["fashion-mnist", "mnist", "fashion-mnist-torchvision", "cifar10", "cifar100", "imagefolder"])
+@pytest.mark.parametrize(
+    "name", ["fashion-mnist", "mnist", "fashion-mnist-torchvision", "cifar10", "cifar100", "imagefolder"]
+)
 def test_missing_files_say_how_to_fix(tmp_path: Path, name: str) -> None:
     with pytest.raises(DataError) as info:
         load_dataset(name, "train", root=tmp_path / "empty")
@@ -286,7 +296,12 @@ def test_check_fashion_mnist_names_missing_files_and_install_command(tmp_path: P
         check_fashion_mnist(tmp_path)
     msg = str(info.value)
     assert "\n" not in msg and str(tmp_path) in msg
-    for stem in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+    for stem in (
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
+    ):
         assert f"{stem}.gz" in msg
     assert "`apt-get install dataset-fashion-mnist`" in msg and "scripts/install.sh" in msg and "data.root" in msg
     _fake_mnist_dir(tmp_path)

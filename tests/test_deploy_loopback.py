@@ -56,7 +56,14 @@ def wait_port(port: int, proc: subprocess.Popen, log: Path, timeout: float = 60)
 
 def flwr_json(args: list[str], env: dict, timeout: float = 60) -> dict:
     """A `flwr ... --format json` command's JSON (it may print other lines before it)."""
-    out = subprocess.run([str(BIN / "flwr"), *args, "--format", "json"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(
+        [str(BIN / "flwr"), *args, "--format", "json"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     start = out.stdout.find("{")
     assert start >= 0, out.stdout + out.stderr
     return json.loads(out.stdout[start:])
@@ -74,24 +81,59 @@ def make_tls(d: Path) -> tuple[Path, Path, Path]:
         res = subprocess.run([OPENSSL, *args], cwd=d, capture_output=True, text=True, timeout=60)
         assert res.returncode == 0, res.stdout + res.stderr
 
-    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=fleet-test-ca",
-        "-keyout", "ca.key", "-out", "ca.crt",
-        "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    ssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=fleet-test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    )
     ssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost", "-keyout", "server.key", "-out", "server.csr")
     (d / "server.ext").write_text(
         "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=critical,CA:FALSE\n"
         "keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
         "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n"
     )
-    ssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "1",
-        "-extfile", "server.ext", "-out", "server.pem")
+    ssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-extfile",
+        "server.ext",
+        "-out",
+        "server.pem",
+    )
     return d / "ca.crt", d / "server.pem", d / "server.key"
 
 
 def make_node_key(path: Path) -> Path:
     """An ECDSA P-384 key pair in OpenSSH format (`path` private, `path`.pub public)."""
-    res = subprocess.run([SSH_KEYGEN, "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-C", path.name, "-f", str(path)],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [SSH_KEYGEN, "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-C", path.name, "-f", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     return path
 
@@ -108,7 +150,9 @@ class Deployment:
     unregistered_exit: int | None = None  # exit code of the SuperNode with an unregistered key
 
 
-def deploy(tmp_path: Path, *, secure: bool, node_extra: dict[int, str] | None = None, unregistered: bool = False) -> Deployment:
+def deploy(
+    tmp_path: Path, *, secure: bool, node_extra: dict[int, str] | None = None, unregistered: bool = False
+) -> Deployment:
     """Starts a SuperLink and two SuperNodes (partitions 0 and 1, tiers 1 and 2) on loopback, runs
     2 rounds of fleet-tiny with `flwr run`, waits for the run to finish and returns its metrics.
 
@@ -136,8 +180,15 @@ def deploy(tmp_path: Path, *, secure: bool, node_extra: dict[int, str] | None = 
     connection = f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\naddress = "127.0.0.1:{port}"\n'
     if secure:
         ca, cert, key = make_tls(tmp_path / "certs")
-        link_args += ["--ssl-ca-certfile", str(ca), "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
-                      "--enable-supernode-auth"]
+        link_args += [
+            "--ssl-ca-certfile",
+            str(ca),
+            "--ssl-certfile",
+            str(cert),
+            "--ssl-keyfile",
+            str(key),
+            "--enable-supernode-auth",
+        ]
         node_tls = ["--root-certificates", str(ca)]
         connection += f'root-certificates = "{ca}"\n'  # flwr accepts only an absolute path here
         (tmp_path / "keys").mkdir()
@@ -156,8 +207,13 @@ def deploy(tmp_path: Path, *, secure: bool, node_extra: dict[int, str] | None = 
     # their tiers alone. Each device timing itself, both at once on a busy machine, once made the
     # tier-1 device's step twice the tier-2 device's (rho 0.67 vs 1.0).
     profile = tmp_path / "profile.yaml"
-    prof = subprocess.run([str(BIN / "fleet"), "profile", "--config", str(config_path), "--out", str(profile)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    prof = subprocess.run(
+        [str(BIN / "fleet"), "profile", "--config", str(config_path), "--out", str(profile)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert prof.returncode == 0 and profile.is_file(), prof.stdout + prof.stderr
 
     procs: list[subprocess.Popen] = []
@@ -167,7 +223,9 @@ def deploy(tmp_path: Path, *, secure: bool, node_extra: dict[int, str] | None = 
     def start(name: str, args: list[str]) -> subprocess.Popen:
         logs[name] = tmp_path / f"{name}.log"
         with logs[name].open("w") as fh:
-            p = subprocess.Popen(args, env=env, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+            p = subprocess.Popen(
+                args, env=env, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+            )
         procs.append(p)
         return p
 
@@ -180,10 +238,24 @@ def deploy(tmp_path: Path, *, secure: bool, node_extra: dict[int, str] | None = 
                 assert reg.get("success") is True, reg
                 node_ids.append(int(reg["node-id"]))
             auth = ["--auth-supernode-private-key", str(key_path)]
-        node_cfg = (f"partition-id={i} tier={i % 2 + 1} profile='{profile}' state-dir='{tmp_path / f'device{i}'}' "
-                    f"{node_extra.get(i, '')}")
-        return start(f"supernode{i}", [str(BIN / "flower-supernode"), *node_tls, *auth, "--superlink", f"127.0.0.1:{port}",
-                                       "--port", str(free_port()), "--node-config", node_cfg.strip()])
+        node_cfg = (
+            f"partition-id={i} tier={i % 2 + 1} profile='{profile}' state-dir='{tmp_path / f'device{i}'}' "
+            f"{node_extra.get(i, '')}"
+        )
+        return start(
+            f"supernode{i}",
+            [
+                str(BIN / "flower-supernode"),
+                *node_tls,
+                *auth,
+                "--superlink",
+                f"127.0.0.1:{port}",
+                "--port",
+                str(free_port()),
+                "--node-config",
+                node_cfg.strip(),
+            ],
+        )
 
     try:
         link = start("superlink", link_args)
@@ -209,7 +281,11 @@ def deploy(tmp_path: Path, *, secure: bool, node_extra: dict[int, str] | None = 
                 time.sleep(1)
         res = subprocess.run(
             [str(BIN / "flwr"), "run", str(ROOT), "loopback", "--run-config", f"config='{config_path}'"],
-            env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert res.returncode == 0 and "Successfully started run" in res.stdout, res.stdout + res.stderr
         deadline = time.time() + 900
@@ -224,8 +300,14 @@ def deploy(tmp_path: Path, *, secure: bool, node_extra: dict[int, str] | None = 
         assert status.get("status") == "finished:completed", f"{status}\n{logs['superlink'].read_text()[-3000:]}"
         run = tmp_path / "runs" / "deploy"
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        return Deployment(run=run, records=records, logs=dict(logs), node_ids=node_ids, nodes=nodes,
-                          unregistered_exit=unregistered_exit)
+        return Deployment(
+            run=run,
+            records=records,
+            logs=dict(logs),
+            node_ids=node_ids,
+            nodes=nodes,
+            unregistered_exit=unregistered_exit,
+        )
     finally:
         for p in reversed(procs):
             if p.poll() is None:

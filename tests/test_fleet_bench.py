@@ -4,16 +4,32 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.bench.fleet import bench_table, combine, differences, final_accuracy, mean_ci95, seed_report, time_mean_accuracy, time_to_target, within
-from fleet.federated.state import ServerState
+from fleet.bench.fleet import (
+    bench_table,
+    combine,
+    differences,
+    final_accuracy,
+    mean_ci95,
+    seed_report,
+    time_mean_accuracy,
+    time_to_target,
+    within,
+)
 from fleet.federated.config import fleet_config_from_dict
+from fleet.federated.state import ServerState
 from server.server_app import out_of_time
 
 
 def hist(points: list[tuple[float, float]]) -> list[dict]:
     return [
-        {"round": i + 1, "sim_time_s": t, "global_accuracy": a, "personal_accuracy": a + 0.05,
-         "personal_accuracy_p10": a - 0.1, "bytes_uploaded": 100}
+        {
+            "round": i + 1,
+            "sim_time_s": t,
+            "global_accuracy": a,
+            "personal_accuracy": a + 0.05,
+            "personal_accuracy_p10": a - 0.1,
+            "bytes_uploaded": 100,
+        }
         for i, (t, a) in enumerate(points)
     ]
 
@@ -36,8 +52,12 @@ def test_seed_report_compares_at_fedavgs_horizon():
     fedavg = hist([(20, 0.6), (40, 0.7), (60, 0.8)])
     # an elastic method with 10 s rounds; rounds after the 60 s horizon are not counted
     elastic = hist([(10 * (i + 1), a) for i, a in enumerate([0.5, 0.6, 0.7, 0.78, 0.8, 0.82, 0.99, 0.99])])
-    rep = seed_report({m: summary(m) for m in ("fedavg", "naive", "fleet")},
-                      {"fedavg": fedavg, "naive": elastic, "fleet": elastic}, target_fraction=0.95, final_rounds=2)
+    rep = seed_report(
+        {m: summary(m) for m in ("fedavg", "naive", "fleet")},
+        {"fedavg": fedavg, "naive": elastic, "fleet": elastic},
+        target_fraction=0.95,
+        final_rounds=2,
+    )
     assert rep["horizon_s"] == 60
     assert rep["target_accuracy"] == pytest.approx(0.95 * 0.75)
     f, e = rep["methods"]["fedavg"], rep["methods"]["fleet"]
@@ -63,37 +83,62 @@ def test_time_mean_weighs_each_accuracy_by_how_long_it_held():
 def test_seed_report_time_mean_starts_when_every_method_has_a_model():
     fedavg = hist([(20, 0.6), (40, 0.8)])
     elastic = hist([(10, 0.5), (20, 0.7), (30, 0.7), (40, 0.9)])
-    rep = seed_report({m: summary(m) for m in ("fedavg", "naive", "fleet")},
-                      {"fedavg": fedavg, "naive": elastic, "fleet": elastic}, target_fraction=0.95, final_rounds=1)
+    rep = seed_report(
+        {m: summary(m) for m in ("fedavg", "naive", "fleet")},
+        {"fedavg": fedavg, "naive": elastic, "fleet": elastic},
+        target_fraction=0.95,
+        final_rounds=1,
+    )
     assert rep["methods"]["fedavg"]["time_mean_accuracy"] == pytest.approx(0.6)  # 20..40 s: 0.6 until 40 s
     assert rep["methods"]["fleet"]["time_mean_accuracy"] == pytest.approx(0.7)  # its 10 s round is before the start
 
 
 def test_differences_give_a_95_interval_over_seeds():
     mean, half = mean_ci95([1.0, 2.0, 3.0])
-    assert mean == 2.0 and half == pytest.approx(4.303 * 1.0 / 3 ** 0.5, rel=1e-4)
+    assert mean == 2.0 and half == pytest.approx(4.303 * 1.0 / 3**0.5, rel=1e-4)
     assert mean_ci95([0.5]) == (0.5, None)
 
     def rep(fedavg: float, naive: float, fleet: float) -> dict:
-        return {"methods": {m: {"final_accuracy": a, "late_accuracy": a, "time_mean_accuracy": None}
-                            for m, a in (("fedavg", fedavg), ("naive", naive), ("fleet", fleet))}}
+        return {
+            "methods": {
+                m: {"final_accuracy": a, "late_accuracy": a, "time_mean_accuracy": None}
+                for m, a in (("fedavg", fedavg), ("naive", naive), ("fleet", fleet))
+            }
+        }
 
     d = differences({0: rep(0.70, 0.72, 0.75), 1: rep(0.70, 0.74, 0.73)})
     assert set(d) == {"naive-fedavg", "fleet-fedavg", "fleet-naive"}
     fn = d["fleet-naive"]["final_accuracy"]
     assert fn["per_seed"] == pytest.approx([0.03, -0.01]) and fn["mean"] == pytest.approx(0.01)
-    assert fn["ci95"] == pytest.approx(12.706 * 0.02828427 / 2 ** 0.5, rel=1e-4)  # contains 0: a tie
+    assert fn["ci95"] == pytest.approx(12.706 * 0.02828427 / 2**0.5, rel=1e-4)  # contains 0: a tie
     assert d["fleet-fedavg"]["late_accuracy"]["mean"] == pytest.approx(0.04)
     assert "time_mean_accuracy" not in d["fleet-naive"]  # a figure some seed lacks is left out
-    table = bench_table({"seeds": [0, 1], "final_accuracy_is": "f", "late_accuracy_is": "l", "target_fraction_of_fedavg_final": 0.95,
-                         "methods": {}, "differences": d})
+    table = bench_table(
+        {
+            "seeds": [0, 1],
+            "final_accuracy_is": "f",
+            "late_accuracy_is": "l",
+            "target_fraction_of_fedavg_final": 0.95,
+            "methods": {},
+            "differences": d,
+        }
+    )
     assert "fleet-naive: final +1.00 ± 25.41, late +1.00 ± 25.41, time mean n/a" in table
 
 
 def test_combine_averages_seeds_and_needs_every_seed_for_time_to_target():
     def rep(fin: float, ttt: float | None) -> dict:
-        entry = {"time_to_target_s": ttt, "final_accuracy": fin, "last_round_accuracy": fin, "personalized_accuracy_mean": fin,
-                 "personalized_accuracy_p10": fin, "bytes_uploaded": 10, "rounds": 5, "sim_time_s": 50.0, "speedup_vs_fedavg": 2.0}
+        entry = {
+            "time_to_target_s": ttt,
+            "final_accuracy": fin,
+            "last_round_accuracy": fin,
+            "personalized_accuracy_mean": fin,
+            "personalized_accuracy_p10": fin,
+            "bytes_uploaded": 10,
+            "rounds": 5,
+            "sim_time_s": 50.0,
+            "speedup_vs_fedavg": 2.0,
+        }
         return {"methods": {m: dict(entry) for m in ("fedavg", "naive", "fleet")}}
 
     out = combine({0: rep(0.7, 10.0), 1: rep(0.8, None)})
@@ -141,7 +186,9 @@ def test_bench_plot_draws_every_seed(tmp_path):
     for m, h in histories.items():
         (tmp_path / m).mkdir()
         (tmp_path / m / "summary.json").write_text(json.dumps({"history": h}))
-    rep = seed_report({m: summary(str(tmp_path / m)) for m in histories}, histories, target_fraction=0.95, final_rounds=1)
+    rep = seed_report(
+        {m: summary(str(tmp_path / m)) for m in histories}, histories, target_fraction=0.95, final_rounds=1
+    )
     for m in rep["methods"]:
         rep["methods"][m]["run_dir"] = str(tmp_path / m)
     path = plot_bench({"per_seed": {"0": rep, "1": rep}}, tmp_path / "bench.png")
@@ -158,12 +205,14 @@ def test_reuse_takes_only_a_finished_run_made_with_the_same_config(tmp_path):
 
     import yaml
 
+    from fleet.bench.fleet import bench_fleet, reused_summary
     from fleet.config import config_to_dict
     from fleet.errors import ConfigError
-    from fleet.bench.fleet import bench_fleet, reused_summary
     from fleet.federated.config import run_dir
 
-    want = fleet_config_from_dict({"name": "b-naive", "output_dir": str(tmp_path), "federation": {"strategy": "naive", "rounds": 4}})
+    want = fleet_config_from_dict(
+        {"name": "b-naive", "output_dir": str(tmp_path), "federation": {"strategy": "naive", "rounds": 4}}
+    )
     out = run_dir(want)
     with pytest.raises(ConfigError, match="--reuse naive: .* holds no finished run"):
         reused_summary("naive", want)
@@ -186,13 +235,14 @@ def test_reuse_accepts_a_raised_round_cap_once_the_time_budget_is_reached(tmp_pa
 
     import yaml
 
+    from fleet.bench.fleet import reused_summary
     from fleet.config import config_to_dict
     from fleet.errors import ConfigError
-    from fleet.bench.fleet import reused_summary
     from fleet.federated.config import run_dir
 
-    want = fleet_config_from_dict({"name": "b-fleet", "output_dir": str(tmp_path),
-                                   "federation": {"rounds": 41, "time_budget_s": 100.0}})
+    want = fleet_config_from_dict(
+        {"name": "b-fleet", "output_dir": str(tmp_path), "federation": {"rounds": 41, "time_budget_s": 100.0}}
+    )
     out = run_dir(want)
     out.mkdir(parents=True)
     made = config_to_dict(want)
@@ -210,7 +260,9 @@ def test_elastic_round_cap_follows_the_deadline_factor():
 
     fed = fleet_config_from_dict({"federation": {"rounds": 10, "tiers": [1, 2, 3, 4]}}).federation
     assert elastic_round_cap(fed) == 41  # rounds of at least 1/4 of FedAvg's
-    tight = fleet_config_from_dict({"federation": {"rounds": 10, "tiers": [1, 2, 3, 4], "deadline_factor": 0.5}}).federation
+    tight = fleet_config_from_dict(
+        {"federation": {"rounds": 10, "tiers": [1, 2, 3, 4], "deadline_factor": 0.5}}
+    ).federation
     assert elastic_round_cap(tight) == 81  # half the deadline: rounds of 1/8 of FedAvg's
     loose = fleet_config_from_dict({"federation": {"rounds": 10, "tiers": [1, 2], "deadline_factor": 1.5}}).federation
     assert elastic_round_cap(loose) == 21

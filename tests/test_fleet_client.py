@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from fleet.federated.round import RoundPlan, device_rho, drop_stale_momentum, local_round
-from fleet.policies import blend_importance, fitted_window_mask, select_in_window, window_mask, window_position
-from fleet.federated.device import device_memory, memory_budget_of
-from fleet.federated.split import device_data, fleet_indices
 from fleet.errors import BudgetError, ConfigError
 from fleet.experiment import make_model
-from fleet.models import model_meta
-from tests.conftest import proportional_profile
 from fleet.federated.config import fleet_config_from_dict, load_fleet_config
+from fleet.federated.device import device_memory, memory_budget_of
+from fleet.federated.round import RoundPlan, device_rho, drop_stale_momentum, local_round
+from fleet.federated.split import device_data, fleet_indices
+from fleet.models import model_meta
+from fleet.policies import blend_importance, fitted_window_mask, select_in_window, window_mask, window_position
+from tests.conftest import proportional_profile
 
 TINY = "simulations/fleet-tiny.yaml"
 
@@ -93,8 +93,20 @@ def test_window_cover_then_most_important_elsewhere():
     assert select_in_window(ranked, window, dw, dy, 4.1, "cover") == [True, True, True, False, True]
     # a window that does not fit: as many of its tensors as fit, even against one more important big one ...
     big, wide = [1.0, 1.0, 3.0, 1.0, 1.0], [False, True, True, True, False]
-    assert select_in_window([0.0, 0.1, 0.9, 0.1, 0.0], wide, big, dy, 3.05, "cover") == [False, True, False, True, False]
-    assert select_in_window([0.0, 0.1, 0.9, 0.1, 0.0], wide, big, dy, 3.05, "only") == [False, False, True, False, False]
+    assert select_in_window([0.0, 0.1, 0.9, 0.1, 0.0], wide, big, dy, 3.05, "cover") == [
+        False,
+        True,
+        False,
+        True,
+        False,
+    ]
+    assert select_in_window([0.0, 0.1, 0.9, 0.1, 0.0], wide, big, dy, 3.05, "only") == [
+        False,
+        False,
+        True,
+        False,
+        False,
+    ]
     # ... with importance breaking ties between equally many
     assert select_in_window([0.0, 0.1, 0.5, 0.3, 0.0], wide, dw, dy, 2.05, "cover") == [False, False, True, True, False]
     # nothing outside the window of no use is picked
@@ -122,7 +134,9 @@ def test_blend_mixes_normalized_signals():
 
 def test_local_round_uploads_only_trained_tensors(setup):
     cfg, profile = setup
-    cfg = dataclasses.replace(cfg, federation=dataclasses.replace(cfg.federation, deadline_includes_upload=False, local_steps=10))
+    cfg = dataclasses.replace(
+        cfg, federation=dataclasses.replace(cfg.federation, deadline_includes_upload=False, local_steps=10)
+    )
     slow = profile.scaled(2.0)
     model = make_model(cfg.model, 0)
     data = device_data(cfg, 1)
@@ -140,7 +154,9 @@ def test_local_round_uploads_only_trained_tensors(setup):
     assert m["full-time-s"] == pytest.approx(cfg.federation.local_steps * slow.full_step_time)
     assert set(res.state) >= {"optimizer", "personal", "importance"}
     # FedAvg trains and uploads every tensor
-    full = local_round(cfg, make_model(cfg.model, 0), slow, data.train, None, dataclasses.replace(plan, strategy="fedavg"), 1)
+    full = local_round(
+        cfg, make_model(cfg.model, 0), slow, data.train, None, dataclasses.replace(plan, strategy="fedavg"), 1
+    )
     assert full.metrics["selected"] == full.metrics["num-tensors"] and full.metrics["rho"] == 1.0
 
 
@@ -148,7 +164,9 @@ def test_window_cover_spends_the_budget_the_window_leaves(setup):
     """A slow device whose window sits at the input side trains that window and, with ``cover``,
     adds the most important tensors elsewhere with the rest of its budget; ``only`` idles it."""
     cfg, profile = setup
-    cfg = dataclasses.replace(cfg, federation=dataclasses.replace(cfg.federation, deadline_includes_upload=False, local_steps=10))
+    cfg = dataclasses.replace(
+        cfg, federation=dataclasses.replace(cfg.federation, deadline_includes_upload=False, local_steps=10)
+    )
     slow = profile.scaled(2.0)
     deadline = 0.7 * cfg.federation.local_steps * slow.full_step_time
     data = device_data(cfg, 1).train
@@ -169,7 +187,9 @@ def test_probe_round_meets_the_deadline(setup):
     """Regression: a device that re-probes importance used to add the probe (two full steps) on top
     of its budget, so slow devices overran the round deadline on every probe round."""
     cfg, profile = setup
-    cfg = dataclasses.replace(cfg, federation=dataclasses.replace(cfg.federation, deadline_includes_upload=False, local_steps=10))
+    cfg = dataclasses.replace(
+        cfg, federation=dataclasses.replace(cfg.federation, deadline_includes_upload=False, local_steps=10)
+    )
     slow = profile.scaled(2.0)
     deadline = 0.8 * cfg.federation.local_steps * slow.full_step_time
     plan = RoundPlan(server_round=1, strategy="naive", deadline_s=deadline)
@@ -214,7 +234,9 @@ def test_round_under_a_memory_budget(setup, tmp_path):
     """A device with half the activation memory of a full step: every step (and the probe) runs the
     plan, the measured peak stays within the budget, and the plan's added time is on the clock."""
     cfg, profile = setup
-    cfg = dataclasses.replace(cfg, federation=dataclasses.replace(cfg.federation, deadline_includes_upload=False, local_steps=4))
+    cfg = dataclasses.replace(
+        cfg, federation=dataclasses.replace(cfg.federation, deadline_includes_upload=False, local_steps=4)
+    )
     model = make_model(cfg.model, 0)
     memory = device_memory(cfg, model, 1000.0, tmp_path, {})
     assert (tmp_path / "memory-profile.json").is_file()
@@ -240,7 +262,9 @@ def test_round_under_a_memory_budget(setup, tmp_path):
 
 
 def test_partitions_are_disjoint_and_hold_out_pretraining_data():
-    cfg = fleet_config_from_dict({"data": {"dataset": "synthetic"}, "federation": {"num_devices": 4, "pretrained_samples": 100}})
+    cfg = fleet_config_from_dict(
+        {"data": {"dataset": "synthetic"}, "federation": {"num_devices": 4, "pretrained_samples": 100}}
+    )
     labels = torch.arange(2000).remainder(10).numpy()
     pre, parts = fleet_indices(cfg, labels)
     everything = [set(pre.tolist())] + [set(p.tolist()) for p in parts]
@@ -249,8 +273,12 @@ def test_partitions_are_disjoint_and_hold_out_pretraining_data():
 
 
 def test_pretraining_from_other_classes_holds_out_only_those():
-    cfg = fleet_config_from_dict({"data": {"dataset": "synthetic"},
-                                  "federation": {"num_devices": 4, "pretrained_samples": 100, "pretrain_classes": [0, 1, 2]}})
+    cfg = fleet_config_from_dict(
+        {
+            "data": {"dataset": "synthetic"},
+            "federation": {"num_devices": 4, "pretrained_samples": 100, "pretrain_classes": [0, 1, 2]},
+        }
+    )
     labels = torch.arange(2000).remainder(10).numpy()
     pre, parts = fleet_indices(cfg, labels)
     assert len(pre) == 100 and set(labels[pre].tolist()) == {0, 1, 2}

@@ -27,7 +27,15 @@ def fleet_cmd(*args: str) -> list[str]:
 
 def run_fleet(args: list[str], timeout: float = 420) -> subprocess.CompletedProcess:
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
-    proc = subprocess.Popen(fleet_cmd(*args), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        fleet_cmd(*args),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     finally:
@@ -54,7 +62,9 @@ FAILING_SIMULATE = (
 def run_failing(config: str, overrides: dict, timeout: float = 420) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-c", FAILING_SIMULATE, config, json.dumps(overrides)]
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     finally:
@@ -92,7 +102,9 @@ def test_device_failing_mid_round_does_not_stop_the_fleet(tmp_path):
     fast = [d for d in r2["devices"] if d["tier"] == 1.0]
     assert all(d["rho"] == 1.0 and d["selected"] == d["num_tensors"] for d in fast)
     bw = 12.5e6
-    assert r2["round_time_s"] == pytest.approx(max(d["predicted_time_s"] + d["bytes_uploaded"] / bw for d in r2["devices"]))
+    assert r2["round_time_s"] == pytest.approx(
+        max(d["predicted_time_s"] + d["bytes_uploaded"] / bw for d in r2["devices"])
+    )
     assert r2["sim_time_s"] == pytest.approx(r1["sim_time_s"] + r2["round_time_s"])
     summary = json.loads((run / "summary.json").read_text())
     assert summary["rounds"] == 2 and summary["rejections"] == 1
@@ -101,7 +113,9 @@ def test_device_failing_mid_round_does_not_stop_the_fleet(tmp_path):
     assert (run / "checkpoint.pt").is_file()
     assert "round   2/2" in res.stdout and "speedup" in res.stdout  # progress lines and summary table
     out = res.stdout
-    assert "configure_train" not in out and "Started a local Ray instance" not in out  # Flower/Ray INFO off the terminal
+    assert (
+        "configure_train" not in out and "Started a local Ray instance" not in out
+    )  # Flower/Ray INFO off the terminal
     assert "configure_train: Sampled" in (run / "flower.log").read_text()  # ... and in the run's log
     assert "rejected reply from node" in out and "failed on purpose" in out  # fleet's warnings still shown
     assert "a ClientApp raised; Flower's tracebacks go to" in out and "Traceback" not in out
@@ -121,7 +135,9 @@ def test_profile_of_another_batch_size_stops_the_launch_in_one_line(tmp_path):
     profile = tmp_path / "p8.yaml"
     made = run_fleet(["profile", "--config", TINY, "--batch-size", "8", "--out", str(profile)], timeout=120)
     assert made.returncode == 0, made.stdout
-    res = run_fleet(["simulate", TINY, "--output-dir", str(tmp_path / "runs"), "--set", f"train.profile={profile}"], timeout=120)
+    res = run_fleet(
+        ["simulate", TINY, "--output-dir", str(tmp_path / "runs"), "--set", f"train.profile={profile}"], timeout=120
+    )
     assert res.returncode == 2
     last = res.stdout.strip().splitlines()[-1]
     assert last.startswith(f"error: profile {profile} (train.profile) was measured at batch size 8, training uses 16")
@@ -136,7 +152,9 @@ def test_flwr_without_the_simulation_internals_is_named_in_one_line(tmp_path, mo
     from server.simulation import run_simulation
 
     monkeypatch.setitem(sys.modules, "flwr.simulation.run_simulation", None)  # what a release without it looks like
-    with pytest.raises(FleetError, match=r"fleet simulate needs flwr 1\.42\.x, found .*pip install 'flwr\[simulation\]>=1\.42,<1\.43'"):
+    with pytest.raises(
+        FleetError, match=r"fleet simulate needs flwr 1\.42\.x, found .*pip install 'flwr\[simulation\]>=1\.42,<1\.43'"
+    ):
         run_simulation(fleet_config_from_dict({"output_dir": str(tmp_path)}), tmp_path / "cfg.yaml", resume=False)
     assert not any(tmp_path.iterdir())
 
@@ -146,7 +164,14 @@ def test_resume_after_killed_server_loses_nothing(tmp_path):
     args = ["simulate", TINY, "--output-dir", str(tmp_path), "--rounds", "4"]
     run = tmp_path / "fleet-tiny"
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
-    proc = subprocess.Popen(fleet_cmd(*args), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        fleet_cmd(*args),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 400
         while time.time() < deadline:

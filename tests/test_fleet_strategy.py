@@ -14,16 +14,36 @@ from fleet.federated.state import ServerState
 from server.strategy import ElasticFedAvg, check_reply
 
 
-def reply(node: int, arrays: dict[str, np.ndarray] | None, samples: int = 10, partition: int | None = None, error: str | None = None) -> Message:
+def reply(
+    node: int,
+    arrays: dict[str, np.ndarray] | None,
+    samples: int = 10,
+    partition: int | None = None,
+    error: str | None = None,
+) -> Message:
     """A train reply as the SuperLink hands it to the ServerApp."""
     meta = Metadata(
-        run_id=1, message_id=f"m{node}", src_node_id=node, dst_node_id=1, reply_to_message_id="i",
-        group_id="1", created_at=time.time(), ttl=60.0, message_type=MessageType.TRAIN,
+        run_id=1,
+        message_id=f"m{node}",
+        src_node_id=node,
+        dst_node_id=1,
+        reply_to_message_id="i",
+        group_id="1",
+        created_at=time.time(),
+        ttl=60.0,
+        message_type=MessageType.TRAIN,
     )
     if error is not None:
         return Message(error=Error(code=0, reason=error), metadata=meta)
-    metrics = {"num-examples": samples, "loss": 0.5, "partition-id": node if partition is None else partition, "bytes-uploaded": 4}
-    content = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in (arrays or {}).items()}), "metrics": MetricRecord(metrics)})
+    metrics = {
+        "num-examples": samples,
+        "loss": 0.5,
+        "partition-id": node if partition is None else partition,
+        "bytes-uploaded": 4,
+    }
+    content = RecordDict(
+        {"arrays": ArrayRecord({k: Array(v) for k, v in (arrays or {}).items()}), "metrics": MetricRecord(metrics)}
+    )
     return Message(content=content, metadata=meta)
 
 
@@ -135,9 +155,11 @@ def test_a_device_failure_is_logged_in_one_line():
     """A simulated ClientApp's error reaches the server wrapped in Ray's and Flower's tracebacks,
     with terminal colours; the rejection names the root cause alone."""
     relayed = (
-        "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::ClientAppActor.run()\x1b[39m (pid=1)\n"
-        "  File \"/x/torch/serialization.py\", line 1312, in _save\n    zip_file.write_record(name, storage, num_bytes)\n"
-        "OSError: [Errno 28] No space left on device\n\nDuring handling of the above exception, another exception occurred:\n\n"
+        "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:"
+        "<'\x1b[36mray::ClientAppActor.run()\x1b[39m (pid=1)\n"
+        '  File "/x/torch/serialization.py", line 1312, in _save\n    zip_file.write_record(name, storage, num_bytes)\n'
+        "OSError: [Errno 28] No space left on device\n\nDuring handling of the above exception, another "
+        "exception occurred:\n\n"
         "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 61144000 vs 61143896\n"
         "flwr.clientapp.client_app.ClientAppException: \nException ClientAppException occurred.'>"
     )

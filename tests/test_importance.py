@@ -2,9 +2,9 @@
 
 import torch
 
+from fleet.data import batches
 from fleet.importance import evaluate_importance, importance_from_update, normalize
 from fleet.trainer import TrainerOptions, make_optimizer
-from fleet.data import batches
 from tests.conftest import INPUT, small_model
 
 

@@ -9,8 +9,8 @@ import os
 import pytest
 import yaml
 
-from fleet.errors import BudgetError, ConfigError
 from fleet.commands.memory import _budget_flags, register_bench, register_plan
+from fleet.errors import BudgetError, ConfigError
 from fleet.memory.planner import BudgetValueError, InfeasibleBudgetError, MemoryPlan
 
 
@@ -32,8 +32,24 @@ def test_plan_memory_json_and_files(tmp_path, capsys):
     out = tmp_path / "plan.yaml"
     spill = tmp_path / "spill"
     code = run(
-        ["plan-memory", "--model", "resnet18", "--batch-size", "2", "--input-size", "32", "--budget-fraction", "0.4",
-         "--spill-dir", str(spill), "--repeats", "1", "--out", str(out), "--json"]
+        [
+            "plan-memory",
+            "--model",
+            "resnet18",
+            "--batch-size",
+            "2",
+            "--input-size",
+            "32",
+            "--budget-fraction",
+            "0.4",
+            "--spill-dir",
+            str(spill),
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+            "--json",
+        ]
     )
     assert code == 0
     result = json.loads(capsys.readouterr().out)
@@ -48,8 +64,21 @@ def test_plan_memory_json_and_files(tmp_path, capsys):
 
 def test_plan_memory_table_and_frozen_by_name(tmp_path, capsys):
     code = run(
-        ["plan-memory", "--model", "resnet18", "--batch-size", "2", "--budget-mb", "1", "--frozen-below", "layer3.0",
-         "--spill-dir", str(tmp_path), "--repeats", "1"]
+        [
+            "plan-memory",
+            "--model",
+            "resnet18",
+            "--batch-size",
+            "2",
+            "--budget-mb",
+            "1",
+            "--frozen-below",
+            "layer3.0",
+            "--spill-dir",
+            str(tmp_path),
+            "--repeats",
+            "1",
+        ]
     )
     assert code == 0
     text = capsys.readouterr().out
@@ -62,39 +91,109 @@ def test_plan_memory_errors(tmp_path):
         match=r"^memory budget 0\.01 MB is infeasible for resnet18 at batch 2; the smallest feasible budget is "
         r"([0-9.]+) MB \(--budget-mb \1, or --budget-fraction [0-9.]+ of the unconstrained [0-9.]+ MB\)$",
     ):
-        run(["plan-memory", "--model", "resnet18", "--batch-size", "2", "--budget-mb", "0.01",
-             "--spill-dir", str(tmp_path), "--repeats", "1"])
-    with pytest.raises(ConfigError, match=r"^budget_mb: got -1\.0; use a positive number of MB, e\.g\. --budget-mb 20$"):
-        run(["plan-memory", "--model", "resnet18", "--batch-size", "2", "--budget-mb", "-1",
-             "--spill-dir", str(tmp_path), "--repeats", "1"])
+        run(
+            [
+                "plan-memory",
+                "--model",
+                "resnet18",
+                "--batch-size",
+                "2",
+                "--budget-mb",
+                "0.01",
+                "--spill-dir",
+                str(tmp_path),
+                "--repeats",
+                "1",
+            ]
+        )
+    with pytest.raises(
+        ConfigError, match=r"^budget_mb: got -1\.0; use a positive number of MB, e\.g\. --budget-mb 20$"
+    ):
+        run(
+            [
+                "plan-memory",
+                "--model",
+                "resnet18",
+                "--batch-size",
+                "2",
+                "--budget-mb",
+                "-1",
+                "--spill-dir",
+                str(tmp_path),
+                "--repeats",
+                "1",
+            ]
+        )
     with pytest.raises(ConfigError, match="--frozen-below: 'layer9' is not a block"):
-        run(["plan-memory", "--model", "resnet18", "--batch-size", "2", "--budget-mb", "1", "--frozen-below", "layer9",
-             "--spill-dir", str(tmp_path), "--repeats", "1"])
+        run(
+            [
+                "plan-memory",
+                "--model",
+                "resnet18",
+                "--batch-size",
+                "2",
+                "--budget-mb",
+                "1",
+                "--frozen-below",
+                "layer9",
+                "--spill-dir",
+                str(tmp_path),
+                "--repeats",
+                "1",
+            ]
+        )
     with pytest.raises(SystemExit):  # argparse: exactly one budget flag
         run(["plan-memory", "--model", "resnet18", "--budget-mb", "1", "--budget-fraction", "0.5"])
 
 
 def test_budget_errors_name_the_commands_flags():
     infeasible = InfeasibleBudgetError(10_000, 2_345_678, 5_000_000, "resnet18 at batch 2")
-    with pytest.raises(BudgetError, match=r"is 2\.4 MB \(--budget-mb 2\.4, or --budget-fraction 0\.47 of the unconstrained 5\.0 MB\)$"):
+    with pytest.raises(
+        BudgetError, match=r"is 2\.4 MB \(--budget-mb 2\.4, or --budget-fraction 0\.47 of the unconstrained 5\.0 MB\)$"
+    ):
         with _budget_flags("--budget-mb", "--budget-fraction"):
             raise infeasible
     with pytest.raises(BudgetError, match=r"is 2\.4 MB \(--budget-fraction 0\.47 of the unconstrained 5\.0 MB\)$"):
         with _budget_flags(None, "--budget-fraction"):  # bench memory has no --budget-mb
             raise infeasible
-    with pytest.raises(ConfigError, match=r"^budget_fraction: got 0; use a positive fraction, e\.g\. --budget-fraction 0\.5$"):
+    with pytest.raises(
+        ConfigError, match=r"^budget_fraction: got 0; use a positive fraction, e\.g\. --budget-fraction 0\.5$"
+    ):
         with _budget_flags(None, "--budget-fraction"):
             raise BudgetValueError("budget_fraction", 0)
 
 
 def test_bench_memory_json(tmp_path, capsys):
     code = run(
-        ["bench", "memory", "--model", "resnet18", "--budget-fraction", "0.5", "--batch-size", "2", "--repeats", "1",
-         "--profile-repeats", "1", "--rho", "0.5", "--spill-dir", str(tmp_path), "--json"]
+        [
+            "bench",
+            "memory",
+            "--model",
+            "resnet18",
+            "--budget-fraction",
+            "0.5",
+            "--batch-size",
+            "2",
+            "--repeats",
+            "1",
+            "--profile-repeats",
+            "1",
+            "--rho",
+            "0.5",
+            "--spill-dir",
+            str(tmp_path),
+            "--json",
+        ]
     )
     assert code == 0
     result = json.loads(capsys.readouterr().out)
-    for key in ("unconstrained_peak_bytes", "budget_bytes", "measured_peak_bytes", "time_overhead", "process_hwm_bytes"):
+    for key in (
+        "unconstrained_peak_bytes",
+        "budget_bytes",
+        "measured_peak_bytes",
+        "time_overhead",
+        "process_hwm_bytes",
+    ):
         assert key in result
     assert result["measured_peak_bytes"] <= result["budget_bytes"] and result["within_budget"]
     elastic = result["elastic"]

@@ -150,12 +150,19 @@ def test_infeasible_budget_named_by_the_caller():
         plan_memory(profile, min_feasible_budget(profile) - 1)
     neutral = str(err.value)
     both = str(err.value.named("--budget-mb", "--budget-fraction"))
-    m = re.search(r"smallest feasible budget is ([0-9.]+) MB \(--budget-mb ([0-9.]+), or --budget-fraction ([0-9.]+)", both)
+    m = re.search(
+        r"smallest feasible budget is ([0-9.]+) MB \(--budget-mb ([0-9.]+), or --budget-fraction ([0-9.]+)", both
+    )
     assert m and m.group(1) == m.group(2)
     assert both.split("; ")[0] == neutral.split("; ")[0]
-    assert f"(memory-budget-mb {m.group(1)}, {m.group(3)} of the unconstrained" in str(err.value.named("memory-budget-mb"))
+    assert f"(memory-budget-mb {m.group(1)}, {m.group(3)} of the unconstrained" in str(
+        err.value.named("memory-budget-mb")
+    )
     only_fraction = str(err.value.named(None, "--budget-fraction"))
-    assert f"(--budget-fraction {m.group(3)} of the unconstrained" in only_fraction and "MB (--budget-mb" not in only_fraction
+    assert (
+        f"(--budget-fraction {m.group(3)} of the unconstrained" in only_fraction
+        and "MB (--budget-mb" not in only_fraction
+    )
     again = pickle.loads(pickle.dumps(err.value.named("memory-budget-mb")))  # crosses process boundaries
     assert str(again) == str(err.value.named("memory-budget-mb"))
 

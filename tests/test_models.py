@@ -99,7 +99,9 @@ def test_unknown_name_lists_choices() -> None:
     assert "\n" not in msg
 
 
-@pytest.mark.parametrize("kwargs,field", [({"num_classes": 0}, "model.num_classes"), ({"in_channels": 0}, "model.in_channels")])
+@pytest.mark.parametrize(
+    "kwargs,field", [({"num_classes": 0}, "model.num_classes"), ({"in_channels": 0}, "model.in_channels")]
+)
 def test_bad_sizes_name_the_field(kwargs: dict, field: str) -> None:
     args = {"num_classes": 10, **kwargs}
     with pytest.raises(ModelError, match=field):
@@ -138,7 +140,9 @@ def test_mismatched_weights_name_the_tensor(tmp_path) -> None:
     with pytest.raises(ModelError) as info:
         build_model("resnet18", 10, in_channels=1, weights=path)
     msg = str(info.value)
-    assert msg.startswith(f"weights file '{path}' does not fit resnet18(num_classes=10, in_channels=1, small_input=False)")
+    assert msg.startswith(
+        f"weights file '{path}' does not fit resnet18(num_classes=10, in_channels=1, small_input=False)"
+    )
     assert "shape of fc.weight is (5, 512) in the file, (10, 512) in the model" in msg
     assert "0 missing, 0 unexpected keys" in msg and "reset_head=True" in msg
     assert "\n" not in msg
@@ -216,5 +220,7 @@ def test_input_channels_without_conv_says_so() -> None:
 def test_model_meta_rebuilds_the_model() -> None:
     meta = model_meta("resnet18", 6, 1, True)
     assert meta == {"name": "resnet18", "num_classes": 6, "in_channels": 1, "small_input": True}
-    model = build_model(meta["name"], meta["num_classes"], in_channels=meta["in_channels"], small_input=meta["small_input"])
+    model = build_model(
+        meta["name"], meta["num_classes"], in_channels=meta["in_channels"], small_input=meta["small_input"]
+    )
     assert input_channels(model) == 1

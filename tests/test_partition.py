@@ -94,8 +94,16 @@ def test_min_partition_size_checked_for_every_scheme() -> None:
         ((5, "dirichlet"), {"alpha": 0.0}, "alpha: got 0.0"),
         ((5, "dirichlet"), {"alpha": float("nan")}, "alpha: got nan"),
         ((5, "shards"), {"classes_per_partition": 11}, r"classes_per_partition: got 11; use an integer in 1\.\.10"),
-        ((2, "shards"), {"classes_per_partition": 2}, "classes_per_partition: 2 partitions x 2 classes cannot cover all 10"),
-        ((5, "pathological"), {}, "scheme: unknown partition scheme 'pathological'; choose one of iid, dirichlet, shards"),
+        (
+            (2, "shards"),
+            {"classes_per_partition": 2},
+            "classes_per_partition: 2 partitions x 2 classes cannot cover all 10",
+        ),
+        (
+            (5, "pathological"),
+            {},
+            "scheme: unknown partition scheme 'pathological'; choose one of iid, dirichlet, shards",
+        ),
         ((5, "iid"), {"min_partition_size": -1}, "min_partition_size: got -1"),
     ],
 )

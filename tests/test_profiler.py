@@ -52,7 +52,9 @@ def test_save_load_round_trip(tmp_path, small_profile):
 
 def test_profile_of_another_model_is_refused(small_profile):
     other = build_model("mobilenet_v3_small", 10, in_channels=1)
-    with pytest.raises(ProfileMismatchError, match=r"does not match the model: \d+ tensors in the model, 62 in the profile"):
+    with pytest.raises(
+        ProfileMismatchError, match=r"does not match the model: \d+ tensors in the model, 62 in the profile"
+    ):
         check_profile(small_profile, other, BATCH, INPUT, "p")
 
 

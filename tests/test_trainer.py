@@ -32,6 +32,7 @@ def test_frozen_tensors_get_no_gradient_and_do_not_move(synthetic, size_profile)
     reached = set()
     for name, module in t.model.named_modules():
         if any(True for _ in module.parameters(recurse=False)):
+
             def on_forward(m, inputs, out, name=name):
                 if out.requires_grad:
                     out.register_hook(lambda grad, name=name: reached.add(name))
@@ -67,7 +68,10 @@ def test_prunetrain_penalty_shrinks_channel_norms(synthetic):
             t.train_step(x, y)
             if t.step_count == 10:
                 break
-    norm = lambda t: float(t.model.layer4[1].conv2.weight.detach().flatten(1).norm(dim=1).sum())
+
+    def norm(t: Trainer) -> float:
+        return float(t.model.layer4[1].conv2.weight.detach().flatten(1).norm(dim=1).sum())
+
     assert norm(pruned) < 0.97 * norm(plain)
 
 
@@ -91,7 +95,9 @@ def test_reselection_tensors_leave_and_rejoin_with_momentum_kept(synthetic, size
 def test_selection_fits_budget_and_memory_does_not_grow(synthetic, size_profile):
     t = make(profile=size_profile, rho=0.5, interval=1, interval_unit="step")
     counts = []
-    for x, y in batches(synthetic[0], BATCH, shuffle=True, generator=torch.Generator().manual_seed(1), input_size=INPUT):
+    for x, y in batches(
+        synthetic[0], BATCH, shuffle=True, generator=torch.Generator().manual_seed(1), input_size=INPUT
+    ):
         t.reselect(t.probe_batch(synthetic[0]))
         t.train_step(x, y)
         counts.append(sum(p.grad is not None for p in t.params))

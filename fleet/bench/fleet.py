@@ -39,8 +39,18 @@ from fleet.federated.prepare import EFFECTIVE_CONFIG, prepare
 from fleet.federated.tracking import SUMMARY_FILE
 
 METHODS = ("fedavg", "naive", "fleet")
-FIGURES = ("time_to_target_s", "final_accuracy", "late_accuracy", "time_mean_accuracy", "last_round_accuracy", "personalized_accuracy_mean",
-           "personalized_accuracy_p10", "bytes_uploaded", "rounds", "sim_time_s")
+FIGURES = (
+    "time_to_target_s",
+    "final_accuracy",
+    "late_accuracy",
+    "time_mean_accuracy",
+    "last_round_accuracy",
+    "personalized_accuracy_mean",
+    "personalized_accuracy_p10",
+    "bytes_uploaded",
+    "rounds",
+    "sim_time_s",
+)
 
 
 def time_to_target(history: list[dict], target: float) -> float | None:
@@ -69,8 +79,11 @@ def late_accuracy(history: list[dict], horizon_s: float | None) -> float | None:
     """Mean global accuracy of the rounds ending in the last ``LATE_FRACTION`` of the horizon."""
     if horizon_s is None:
         return None
-    accs = [r["global_accuracy"] for r in history
-            if r["global_accuracy"] is not None and r["sim_time_s"] >= (1 - LATE_FRACTION) * horizon_s]
+    accs = [
+        r["global_accuracy"]
+        for r in history
+        if r["global_accuracy"] is not None and r["sim_time_s"] >= (1 - LATE_FRACTION) * horizon_s
+    ]
     return float(statistics.fmean(accs)) if accs else None
 
 
@@ -89,16 +102,25 @@ def time_mean_accuracy(history: list[dict], start_s: float, end_s: float) -> flo
     return area / (end_s - start_s)
 
 
-def method_entry(summary: dict, history: list[dict], target: float, final_rounds: int, horizon_s: float | None = None,
-                 common_start_s: float | None = None) -> dict:
+def method_entry(
+    summary: dict,
+    history: list[dict],
+    target: float,
+    final_rounds: int,
+    horizon_s: float | None = None,
+    common_start_s: float | None = None,
+) -> dict:
     """The bench figures of one method's run, over the rounds in ``history``."""
     last = history[-1] if history else {}
     return {
         "time_to_target_s": time_to_target(history, target),
         "final_accuracy": final_accuracy(history, final_rounds),
         "late_accuracy": late_accuracy(history, horizon_s),
-        "time_mean_accuracy": (time_mean_accuracy(history, common_start_s, horizon_s)
-                               if horizon_s is not None and common_start_s is not None else None),
+        "time_mean_accuracy": (
+            time_mean_accuracy(history, common_start_s, horizon_s)
+            if horizon_s is not None and common_start_s is not None
+            else None
+        ),
         "last_round_accuracy": last.get("global_accuracy"),
         "personalized_accuracy_mean": last.get("personal_accuracy", summary["personalized_accuracy_mean"]),
         "personalized_accuracy_p10": last.get("personal_accuracy_p10", summary["personalized_accuracy_p10"]),
@@ -109,7 +131,9 @@ def method_entry(summary: dict, history: list[dict], target: float, final_rounds
     }
 
 
-def seed_report(summaries: dict[str, dict], histories: dict[str, list[dict]], *, target_fraction: float, final_rounds: int) -> dict:
+def seed_report(
+    summaries: dict[str, dict], histories: dict[str, list[dict]], *, target_fraction: float, final_rounds: int
+) -> dict:
     """One seed's comparison: FedAvg's run sets the horizon and the target."""
     horizon = histories["fedavg"][-1]["sim_time_s"] if histories["fedavg"] else None
     cut = {m: within(h, horizon) for m, h in histories.items()}
@@ -149,8 +173,38 @@ def combine(seeds: dict[int, dict]) -> dict[str, dict]:
 
 
 # Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom; beyond 30, the normal's.
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+_T975 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 
 
 def mean_ci95(values: list[float]) -> tuple[float, float | None]:
@@ -176,8 +230,11 @@ def differences(seeds: dict[int, dict]) -> dict[str, dict]:
         for b in METHODS[:i]:
             pair: dict[str, dict] = {}
             for fig in DIFFERENCE_FIGURES:
-                diffs = [rep["methods"][a][fig] - rep["methods"][b][fig] for rep in seeds.values()
-                         if rep["methods"][a].get(fig) is not None and rep["methods"][b].get(fig) is not None]
+                diffs = [
+                    rep["methods"][a][fig] - rep["methods"][b][fig]
+                    for rep in seeds.values()
+                    if rep["methods"][a].get(fig) is not None and rep["methods"][b].get(fig) is not None
+                ]
                 if len(diffs) != len(seeds) or not diffs:
                     continue
                 mean, half = mean_ci95(diffs)
@@ -187,12 +244,26 @@ def differences(seeds: dict[int, dict]) -> dict[str, dict]:
 
 
 def _simulate(config_path: Path, quiet: bool, resume: bool = False) -> None:
-    cmd = [sys.executable, "-c", "import sys; from fleet.cli import main; sys.exit(main())", "simulate", str(config_path)]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from fleet.cli import main; sys.exit(main())",
+        "simulate",
+        str(config_path),
+    ]
     cmd += ["--resume"] if resume else []
-    res = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else None, stderr=subprocess.STDOUT if quiet else None, text=True, env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"})
+    res = subprocess.run(
+        cmd,
+        stdout=subprocess.PIPE if quiet else None,
+        stderr=subprocess.STDOUT if quiet else None,
+        text=True,
+        env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"},
+    )
     if res.returncode != 0:
         tail = (res.stdout or "")[-1500:] if quiet else ""
-        raise FleetError(f"the {config_path.name} simulation failed (exit {res.returncode}){': ' + tail if tail else ''}")
+        raise FleetError(
+            f"the {config_path.name} simulation failed (exit {res.returncode}){': ' + tail if tail else ''}"
+        )
 
 
 PATH_FIELDS = ("output_dir", "model.weights", "train.profile", "train.spill_dir")
@@ -223,11 +294,15 @@ def reused_summary(method: str, want: FleetConfig) -> dict:
         if key == "output_dir" or (timed_out and key == "federation.rounds"):
             continue
         if made.get(key) != value:
-            raise ConfigError(f"--reuse {method}: {out} was run with {key}={made.get(key)!r}, this bench needs {value!r}; "
-                              f"run it again (drop --reuse {method})")
+            raise ConfigError(
+                f"--reuse {method}: {out} was run with {key}={made.get(key)!r}, this bench needs {value!r}; "
+                f"run it again (drop --reuse {method})"
+            )
     if summary["rounds"] < fed.rounds and not timed_out:
-        raise ConfigError(f"--reuse {method}: {out} stopped after {summary['rounds']} rounds; finish it with "
-                          f"`fleet simulate {out / EFFECTIVE_CONFIG} --resume` or drop --reuse {method}")
+        raise ConfigError(
+            f"--reuse {method}: {out} stopped after {summary['rounds']} rounds; finish it with "
+            f"`fleet simulate {out / EFFECTIVE_CONFIG} --resume` or drop --reuse {method}"
+        )
     return summary
 
 
@@ -238,17 +313,24 @@ def elastic_round_cap(fed: FederationConfig) -> int:
     return int(fed.rounds * max(fed.tiers) / min(1.0, fed.deadline_factor)) + 1
 
 
-def _run_seed(path: str, overrides: dict[str, Any], seed: int, tag: str, log, quiet: bool,
-              reuse: tuple[str, ...] = ()) -> tuple[dict, dict]:
+def _run_seed(
+    path: str, overrides: dict[str, Any], seed: int, tag: str, log, quiet: bool, reuse: tuple[str, ...] = ()
+) -> tuple[dict, dict]:
     """Run the three methods for one seed; FedAvg first, since its clock sets the others' horizon.
     Methods in ``reuse`` are read from their finished runs instead (see :func:`reused_summary`)."""
     base = load_fleet_config(path, overrides)
-    shared, _ = prepare(load_fleet_config(path, {**overrides, "name": f"{base.name}{tag}-shared"}), resume=False, log=log)
+    shared, _ = prepare(
+        load_fleet_config(path, {**overrides, "name": f"{base.name}{tag}-shared"}), resume=False, log=log
+    )
     summaries: dict[str, dict] = {}
     horizon = None
     for method in METHODS:
-        extra: dict[str, Any] = {"name": f"{base.name}{tag}-{method}", "federation.strategy": method,
-                                 "train.profile": shared.train.profile, "model.weights": shared.model.weights}
+        extra: dict[str, Any] = {
+            "name": f"{base.name}{tag}-{method}",
+            "federation.strategy": method,
+            "train.profile": shared.train.profile,
+            "model.weights": shared.model.weights,
+        }
         if method != "fedavg":
             extra["federation.time_budget_s"] = horizon
             extra["federation.rounds"] = elastic_round_cap(base.federation)
@@ -259,15 +341,26 @@ def _run_seed(path: str, overrides: dict[str, Any], seed: int, tag: str, log, qu
                 horizon = summaries[method]["sim_time_s"]
             continue
         cfg, config_path = prepare(load_fleet_config(path, {**overrides, **extra}), resume=False, log=log)
-        log(f"--- seed {seed}, {method}: " + (f"{cfg.federation.rounds} rounds" if horizon is None else f"{horizon:.1f}s simulated")
-            + f" on {cfg.federation.num_devices} devices ---")
+        log(
+            f"--- seed {seed}, {method}: "
+            + (f"{cfg.federation.rounds} rounds" if horizon is None else f"{horizon:.1f}s simulated")
+            + f" on {cfg.federation.num_devices} devices ---"
+        )
         _simulate(config_path, quiet)
         summaries[method] = json.loads((run_dir(cfg) / "summary.json").read_text())
-        while horizon is not None and summaries[method]["sim_time_s"] < horizon and summaries[method]["rounds"] >= cfg.federation.rounds:
+        while (
+            horizon is not None
+            and summaries[method]["sim_time_s"] < horizon
+            and summaries[method]["rounds"] >= cfg.federation.rounds
+        ):
             # Rounds shorter than the cap assumed (an explicit deadline_s, say): carry on to the horizon.
-            cfg, config_path = prepare(load_fleet_config(config_path, {"federation.rounds": 2 * cfg.federation.rounds}), resume=True, log=log)
-            log(f"--- seed {seed}, {method}: {summaries[method]['rounds']} rounds ended short of the horizon; "
-                f"resuming with federation.rounds={cfg.federation.rounds} ---")
+            cfg, config_path = prepare(
+                load_fleet_config(config_path, {"federation.rounds": 2 * cfg.federation.rounds}), resume=True, log=log
+            )
+            log(
+                f"--- seed {seed}, {method}: {summaries[method]['rounds']} rounds ended short of the horizon; "
+                f"resuming with federation.rounds={cfg.federation.rounds} ---"
+            )
             _simulate(config_path, quiet, resume=True)
             summaries[method] = json.loads((run_dir(cfg) / "summary.json").read_text())
         if method == "fedavg":
@@ -307,7 +400,8 @@ def bench_fleet(
         "comparison": "equal simulated time: FedAvg's rounds set the horizon",
         "final_accuracy_is": f"mean global accuracy of the last {final_rounds} rounds within the horizon",
         "late_accuracy_is": f"mean global accuracy of the rounds ending in the last {LATE_FRACTION:.0%} of the horizon",
-        "time_mean_accuracy_is": "mean of the global accuracy-against-time curve, from when every method has a model to the horizon",
+        "time_mean_accuracy_is": "mean of the global accuracy-against-time curve, from when every method has "
+        "a model to the horizon",
         "target_fraction_of_fedavg_final": target_fraction,
         "seeds": list(per_seed),
         "reused_runs": list(reuse),
@@ -334,7 +428,7 @@ def plot_bench(report: dict, path: Path) -> Path:
     cols = min(len(seeds), 4)
     rows = -(-len(seeds) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False)
-    for ax in axes.flat[len(seeds):]:
+    for ax in axes.flat[len(seeds) :]:
         ax.set_visible(False)
     for ax, (seed, rep) in zip(axes.flat, seeds.items()):
         for method, entry in rep["methods"].items():
@@ -342,12 +436,20 @@ def plot_bench(report: dict, path: Path) -> Path:
             xs = [r["sim_time_s"] for r in history]
             ys = [100 * r["global_accuracy"] for r in history]
             sp = entry.get("speedup_vs_fedavg")
-            label = f"{method}: final {100 * (entry['final_accuracy'] or 0):.1f}%" + (f", {sp:.2f}x to target" if sp else "")
+            label = f"{method}: final {100 * (entry['final_accuracy'] or 0):.1f}%" + (
+                f", {sp:.2f}x to target" if sp else ""
+            )
             ax.plot(xs, ys, marker=".", label=label)
         ax.axhline(100 * rep["target_accuracy"], color="grey", ls=":", lw=1, label="target")
         if rep["horizon_s"]:
             ax.axvline(rep["horizon_s"], color="grey", ls="--", lw=1, label="horizon (FedAvg's time)")
-            ax.axvspan((1 - LATE_FRACTION) * rep["horizon_s"], rep["horizon_s"], color="grey", alpha=0.08, label="late accuracy window")
+            ax.axvspan(
+                (1 - LATE_FRACTION) * rep["horizon_s"],
+                rep["horizon_s"],
+                color="grey",
+                alpha=0.08,
+                label="late accuracy window",
+            )
         ax.set_title(f"seed {seed}")
         ax.set_xlabel("simulated time (s)")
         ax.set_ylabel("global accuracy (%)")
@@ -367,17 +469,23 @@ def bench_table(report: dict) -> str:
         return f"{v:9.1f}" if v is not None else "      n/a"
 
     seeds = report["seeds"]
-    lines = [f"equal simulated time; {len(seeds)} seed(s) {seeds}; final = {report['final_accuracy_is']}",
-             f"late = {report['late_accuracy_is']}",
-             f"target = {report['target_fraction_of_fedavg_final']:.0%} of FedAvg's final accuracy",
-             f"time mean = {report.get('time_mean_accuracy_is', 'n/a')}",
-             f"{'method':>8} {'rounds':>6} {'to target s':>11} {'final':>8} {'late':>8} {'time mean':>9} {'last':>8} {'pers mean':>9} {'pers p10':>9} {'MB up':>8} {'speedup':>8}"]
+    lines = [
+        f"equal simulated time; {len(seeds)} seed(s) {seeds}; final = {report['final_accuracy_is']}",
+        f"late = {report['late_accuracy_is']}",
+        f"target = {report['target_fraction_of_fedavg_final']:.0%} of FedAvg's final accuracy",
+        f"time mean = {report.get('time_mean_accuracy_is', 'n/a')}",
+        f"{'method':>8} {'rounds':>6} {'to target s':>11} {'final':>8} {'late':>8} {'time mean':>9} "
+        f"{'last':>8} {'pers mean':>9} {'pers p10':>9} {'MB up':>8} {'speedup':>8}",
+    ]
     for m, r in report["methods"].items():
         sp = r.get("speedup_vs_fedavg")
-        lines.append(f"{m:>8} {r['rounds'] or 0:6.1f} {sec(r['time_to_target_s']):>11} {pct(r['final_accuracy'])} {pct(r.get('late_accuracy'))} "
-                     f"{pct(r.get('time_mean_accuracy')):>9} {pct(r['last_round_accuracy'])} "
-                     f"{pct(r['personalized_accuracy_mean']):>9} {pct(r['personalized_accuracy_p10']):>9} "
-                     f"{(r['bytes_uploaded'] or 0) / 1e6:8.1f} {('%.2fx' % sp) if sp else '   -':>8}")
+        lines.append(
+            f"{m:>8} {r['rounds'] or 0:6.1f} {sec(r['time_to_target_s']):>11} {pct(r['final_accuracy'])} "
+            f"{pct(r.get('late_accuracy'))} "
+            f"{pct(r.get('time_mean_accuracy')):>9} {pct(r['last_round_accuracy'])} "
+            f"{pct(r['personalized_accuracy_mean']):>9} {pct(r['personalized_accuracy_p10']):>9} "
+            f"{(r['bytes_uploaded'] or 0) / 1e6:8.1f} {f'{sp:.2f}x' if sp else '   -':>8}"
+        )
 
     def gap(d: dict | None) -> str:
         if d is None:
@@ -386,6 +494,8 @@ def bench_table(report: dict) -> str:
 
     lines.append(f"differences in points, mean ± 95% interval over the {len(seeds)} seed(s):")
     for pair, figs in report.get("differences", {}).items():
-        lines.append(f"{pair:>13}: final {gap(figs.get('final_accuracy'))}, late {gap(figs.get('late_accuracy'))}, "
-                     f"time mean {gap(figs.get('time_mean_accuracy'))}")
+        lines.append(
+            f"{pair:>13}: final {gap(figs.get('final_accuracy'))}, late {gap(figs.get('late_accuracy'))}, "
+            f"time mean {gap(figs.get('time_mean_accuracy'))}"
+        )
     return "\n".join(lines)

@@ -36,7 +36,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -51,9 +51,7 @@ from fleet.memory.storage import measure_storage
 from fleet.models import build_model
 
 
-def bench_model(
-    name: str, num_classes: int = 10, *, in_channels: int = 3, small_input: bool = False
-) -> nn.Module:
+def bench_model(name: str, num_classes: int = 10, *, in_channels: int = 3, small_input: bool = False) -> nn.Module:
     """The zoo model (:func:`fleet.models.build_model`, untrained) that ``fleet bench memory``
     and ``fleet plan-memory`` profile."""
     return build_model(name, num_classes, in_channels=in_channels, small_input=small_input)
@@ -281,8 +279,17 @@ def run_memory_bench(
         }
         if rho is not None:
             out["elastic"] = _elastic(
-                model, profile, budget, x, y, spill,
-                rho=rho, repeats=repeats, objective=objective, sync=sync, overlap=overlap,
+                model,
+                profile,
+                budget,
+                x,
+                y,
+                spill,
+                rho=rho,
+                repeats=repeats,
+                objective=objective,
+                sync=sync,
+                overlap=overlap,
             )
             out["time_overhead_full"] = out["time_overhead"]
             out["time_overhead_elastic"] = out["elastic"]["time_overhead"]

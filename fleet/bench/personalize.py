@@ -15,8 +15,8 @@ from fleet.atomic import write_json
 from fleet.config import ExperimentConfig, config_to_dict
 from fleet.experiment import load_data, make_model, obtain_profile, trainer_options
 from fleet.pretrain import ensure_pretrained
-from fleet.trainer import EpochStats, Trainer
 from fleet.train_run import experiment_dir, format_epoch, trainer_record
+from fleet.trainer import EpochStats, Trainer
 
 
 def personalize(
@@ -78,7 +78,9 @@ def write_csv(path: Path, results: dict) -> None:
         w.writerow(["method", "epoch", "accuracy", "loss", "train_time_s", "predicted_time_s", "selected"])
         for m, r in results.items():
             for e in r["epochs"]:
-                w.writerow([m, e["epoch"], e["accuracy"], e["loss"], e["train_time_s"], e["predicted_time_s"], e["selected"]])
+                w.writerow(
+                    [m, e["epoch"], e["accuracy"], e["loss"], e["train_time_s"], e["predicted_time_s"], e["selected"]]
+                )
 
 
 def plot_personalize(path: Path, record: dict) -> None:

@@ -10,9 +10,7 @@ from fleet.importance import evaluate_importance
 from fleet.selection import select_tensors
 
 
-def speedup_bench(
-    profile: DeviceProfile, rho: float, *, repeats: int = 15, seed: int = 0
-) -> dict:
+def speedup_bench(profile: DeviceProfile, rho: float, *, repeats: int = 15, seed: int = 0) -> dict:
     """Measured elastic/full step-time ratio at ``rho`` against the predicted one."""
     model = model_from_profile(profile)
     bench = StepBench(model, profile.batch_size, profile.input_size, int(profile.model["num_classes"]), seed)

@@ -62,18 +62,30 @@ class StepBench:
 def model_from_profile(profile: DeviceProfile) -> nn.Module:
     m = profile.model
     torch.manual_seed(0)
-    return build_model(m["name"], int(m["num_classes"]), in_channels=int(m["in_channels"]), small_input=bool(m["small_input"]))
+    return build_model(
+        m["name"], int(m["num_classes"]), in_channels=int(m["in_channels"]), small_input=bool(m["small_input"])
+    )
 
 
 def measure_profile(
-    model_name: str, batch_size: int, input_size: int, *, num_classes: int = 10, in_channels: int = 3,
-    small_input: bool = False, repeats: int = 7,
+    model_name: str,
+    batch_size: int,
+    input_size: int,
+    *,
+    num_classes: int = 10,
+    in_channels: int = 3,
+    small_input: bool = False,
+    repeats: int = 7,
 ) -> DeviceProfile:
     torch.manual_seed(0)
     model = build_model(model_name, num_classes, in_channels=in_channels, small_input=small_input)
     meta = model_meta(model_name, num_classes, in_channels, small_input)
     opts = TrainerOptions()
     return profile_device(
-        model, meta, batch_size=batch_size, input_size=input_size,
-        make_optimizer=lambda ps: make_optimizer(ps, opts), repeats=repeats,
+        model,
+        meta,
+        batch_size=batch_size,
+        input_size=input_size,
+        make_optimizer=lambda ps: make_optimizer(ps, opts),
+        repeats=repeats,
     )

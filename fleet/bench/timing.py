@@ -25,9 +25,7 @@ def timing_bench(profile: DeviceProfile, *, selections: int = 10, repeats: int =
     """Predicted against measured step time for full training and random selections."""
     model = model_from_profile(profile)
     bench = StepBench(model, profile.batch_size, profile.input_size, int(profile.model["num_classes"]), seed)
-    profile.check_matches(
-        bench.names, [list(p.shape) for p in bench.params], source="the profile"
-    )
+    profile.check_matches(bench.names, [list(p.shape) for p in bench.params], source="the profile")
     masks = [[True] * len(bench.names)] + random_masks(len(bench.names), selections, seed)
     measured = bench.interleaved(masks, repeats)
     rows = []

@@ -46,10 +46,20 @@ def _profile(args: argparse.Namespace):
         raise ConfigError("--model: needed when no --profile is given (e.g. --model resnet18)")
     from fleet.config import config_from_dict
 
-    config_from_dict({"model": {"name": args.model}, "data": {"input_size": args.input_size}, "train": {"batch_size": args.batch_size}})
+    config_from_dict(
+        {
+            "model": {"name": args.model},
+            "data": {"input_size": args.input_size},
+            "train": {"batch_size": args.batch_size},
+        }
+    )
     return measure_profile(
-        args.model, args.batch_size, args.input_size, num_classes=args.num_classes,
-        in_channels=args.in_channels, small_input=args.small_input,
+        args.model,
+        args.batch_size,
+        args.input_size,
+        num_classes=args.num_classes,
+        in_channels=args.in_channels,
+        small_input=args.small_input,
     )
 
 

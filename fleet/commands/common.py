@@ -31,7 +31,13 @@ CONFIG_FLAGS = {
 
 def add_config_args(parser: argparse.ArgumentParser, *, default_config: str | None = None) -> None:
     parser.add_argument("--config", "-c", default=default_config, help="experiment YAML (see simulations/)")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override any config field, e.g. train.lr=0.05")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override any config field, e.g. train.lr=0.05",
+    )
     g = parser.add_argument_group("config overrides")
     g.add_argument("--name")
     g.add_argument("--output-dir")
@@ -49,7 +55,9 @@ def add_config_args(parser: argparse.ArgumentParser, *, default_config: str | No
     g.add_argument("--profile", help="device profile YAML from `fleet profile`")
     g.add_argument("--threads", type=int)
     g.add_argument("--seed", type=int)
-    g.add_argument("--memory-budget-mb", type=float, help="activation memory budget; steps follow a keep/recompute/page plan")
+    g.add_argument(
+        "--memory-budget-mb", type=float, help="activation memory budget; steps follow a keep/recompute/page plan"
+    )
     g.add_argument("--spill-dir", help="where paged-out activations are written")
 
 

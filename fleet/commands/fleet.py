@@ -16,7 +16,12 @@ def _overrides(args: argparse.Namespace) -> dict:
     from fleet.config import parse_override
 
     overrides = dict(parse_override(s) for s in args.set)
-    for flag, path in (("name", "name"), ("rounds", "federation.rounds"), ("strategy", "federation.strategy"), ("output_dir", "output_dir")):
+    for flag, path in (
+        ("name", "name"),
+        ("rounds", "federation.rounds"),
+        ("strategy", "federation.strategy"),
+        ("output_dir", "output_dir"),
+    ):
         value = getattr(args, flag, None)
         if value is not None:
             overrides[path] = value
@@ -26,14 +31,20 @@ def _overrides(args: argparse.Namespace) -> dict:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="run the fleet on this machine with Flower's simulation engine")
     p.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"fleet YAML (default: {DEFAULT_CONFIG})")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a field, e.g. federation.rounds=5")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE", help="override a field, e.g. federation.rounds=5"
+    )
     p.add_argument("--name")
     p.add_argument("--output-dir")
     p.add_argument("--rounds", type=int)
     p.add_argument("--strategy", help="fleet, naive or fedavg")
     p.add_argument("--resume", action="store_true", help="continue from runs/<name>/checkpoint.pt")
-    p.add_argument("--verbose", "-v", action="store_true",
-                   help="also show Flower's and Ray's log on the terminal (always written to runs/<name>/flower.log)")
+    p.add_argument(
+        "--verbose",
+        "-v",
+        action="store_true",
+        help="also show Flower's and Ray's log on the terminal (always written to runs/<name>/flower.log)",
+    )
     p.set_defaults(func=run_simulate)
 
 
@@ -46,18 +57,25 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", type=float, default=0.95, help="target = this fraction of FedAvg's final accuracy")
     p.add_argument("--seeds", type=int, nargs="+", help="run every method once per seed (default: train.seed)")
     p.add_argument("--final-rounds", type=int, default=3, help="final accuracy = mean of this many last rounds")
-    p.add_argument("--reuse", nargs="+", default=[], metavar="METHOD",
-                   help="take these methods' figures from their finished runs (made with the same config) instead of "
-                        "running them again, e.g. after changing only fleet: --reuse fedavg naive")
+    p.add_argument(
+        "--reuse",
+        nargs="+",
+        default=[],
+        metavar="METHOD",
+        help="take these methods' figures from their finished runs (made with the same config) instead of "
+        "running them again, e.g. after changing only fleet: --reuse fedavg naive",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_bench)
 
 
 def summary_table(summary: dict) -> str:
     lines = [
-        f"{summary['name']} ({summary['strategy']}): {summary['rounds']} rounds, simulated {summary['sim_time_s']:.1f}s",
+        f"{summary['name']} ({summary['strategy']}): {summary['rounds']} rounds, simulated "
+        f"{summary['sim_time_s']:.1f}s",
         f"  global accuracy {100 * (summary['final_accuracy'] or 0):.2f}%   personalized mean "
-        f"{100 * (summary['personalized_accuracy_mean'] or 0):.2f}%  p10 {100 * (summary['personalized_accuracy_p10'] or 0):.2f}%"
+        f"{100 * (summary['personalized_accuracy_mean'] or 0):.2f}%  p10 "
+        f"{100 * (summary['personalized_accuracy_p10'] or 0):.2f}%"
         f"   uploaded {summary['bytes_uploaded'] / 1e6:.1f} MB   rejected replies {summary['rejections']}",
         f"  {'device':>6} {'tier':>5} {'rounds':>6} {'rho':>6} {'speedup':>8} {'trained':>8} {'MB up':>8}",
     ]
@@ -81,8 +99,15 @@ def run_simulate(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     from fleet.bench.fleet import bench_fleet
 
-    result = bench_fleet(args.config, _overrides(args), target_fraction=args.target, quiet=args.json,
-                         seeds=args.seeds, final_rounds=args.final_rounds, reuse=tuple(args.reuse))
+    result = bench_fleet(
+        args.config,
+        _overrides(args),
+        target_fraction=args.target,
+        quiet=args.json,
+        seeds=args.seeds,
+        final_rounds=args.final_rounds,
+        reuse=tuple(args.reuse),
+    )
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -17,7 +17,7 @@ import json
 import os
 import tempfile
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from fleet.errors import ConfigError
 

@@ -33,11 +33,23 @@ def run(args: argparse.Namespace) -> int:
     if args.methods:
         args.set.append(f"methods=[{args.methods}]")
     cfg = config_from_args(args)
-    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
+    log = (
+        (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
+    )
     record, path = personalize(cfg, log=log)
     if args.json:
         figures = {
-            m: {k: r.get(k) for k in ("final_accuracy", "train_time_s", "predicted_time_s", "time_vs_full", "accuracy_vs_full_points", "rho")}
+            m: {
+                k: r.get(k)
+                for k in (
+                    "final_accuracy",
+                    "train_time_s",
+                    "predicted_time_s",
+                    "time_vs_full",
+                    "accuracy_vs_full_points",
+                    "rho",
+                )
+            }
             for m, r in record["methods"].items()
         }
         head = {k: record[k] for k in ("start_accuracy", "profiling_time_s", "full_epoch_time_s")}

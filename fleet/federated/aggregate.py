@@ -27,7 +27,12 @@ class Rejection:
     reason: str
 
     def as_dict(self) -> dict:
-        return {"round": self.server_round, "node_id": self.node_id, "partition_id": self.partition_id, "reason": self.reason}
+        return {
+            "round": self.server_round,
+            "node_id": self.node_id,
+            "partition_id": self.partition_id,
+            "reason": self.reason,
+        }
 
     def who(self) -> str:
         return f"node {self.node_id}" + (f" (device {self.partition_id})" if self.partition_id is not None else "")
@@ -53,7 +58,11 @@ def weight_problem(weight: object) -> str | None:
 
 
 def tensor_problem(
-    name: str, shape: Iterable[int], dtype: str, decode: Callable[[], np.ndarray], global_arrays: Mapping[str, np.ndarray]
+    name: str,
+    shape: Iterable[int],
+    dtype: str,
+    decode: Callable[[], np.ndarray],
+    global_arrays: Mapping[str, np.ndarray],
 ) -> str | None:
     """Why one uploaded tensor cannot be averaged into ``global_arrays``, or None.
 

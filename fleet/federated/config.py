@@ -38,16 +38,24 @@ class FederationConfig:
     local_steps: int = 10  # training batches per device per round
     deadline_s: float | None = None  # round deadline; null: the fastest device's full-training time
     deadline_factor: float = 1.0  # scales the automatic deadline
-    deadline_includes_upload: bool = True  # the deadline bounds compute + upload; each tensor's upload is charged to the device's budget
+    deadline_includes_upload: bool = (
+        True  # the deadline bounds compute + upload; each tensor's upload is charged to the device's budget
+    )
     importance_interval: int = 2  # re-probe local importance every this many rounds (DP runs every round)
-    window: bool = False  # FedEL sliding block window with rollback (fleet strategy only); off: it never helped on the bench (docs/fleet.md)
+    # FedEL sliding block window with rollback (fleet strategy only); off by default: it never lifted the
+    # benchmark's accuracy (docs/fleet.md)
+    window: bool = False
     window_blocks: int = 2  # blocks inside the window
     window_schedule: str = "rollback"  # rollback: slide to the input, jump back to the output; pingpong: walk back
-    window_mode: str = "cover"  # cover: as many window tensors as fit, then the most important anywhere; only: the DP stays inside
+    window_mode: str = (
+        "cover"  # cover: as many window tensors as fit, then the most important anywhere; only: the DP stays inside
+    )
     window_fit: bool = True  # widen a device's window block by block while training all of it fits its budget
     num_blocks: int = 6  # the model's tensors are cut into this many contiguous blocks
     blend_beta: float | None = 0.6  # I = beta*I_local + (1-beta)*I_global; null disables blending
-    memory_budgets_mb: list[float] = field(default_factory=list)  # device i: [i % len] MB of activation memory, 0 = unlimited
+    memory_budgets_mb: list[float] = field(
+        default_factory=list
+    )  # device i: [i % len] MB of activation memory, 0 = unlimited
     bandwidth_bytes_per_s: float = 12.5e6  # uplink of a simulated device (100 Mbit/s Wi-Fi)
     min_rho_margin: float = 0.02  # rho is clamped to the device floor plus this
     timeout_s: float = 600.0  # a device that has not replied by then is left out of the round
@@ -55,7 +63,9 @@ class FederationConfig:
     client_threads: int = 1  # torch threads inside a ClientApp
     pretrained_samples: int = 0  # bench: samples held out from the devices to pretrain the start model
     pretrain_epochs: int = 2
-    pretrain_classes: list[int] | None = None  # bench: pretrain only on these labels (a start from other classes); null: all
+    pretrain_classes: list[int] | None = (
+        None  # bench: pretrain only on these labels (a start from other classes); null: all
+    )
 
 
 @dataclass
@@ -67,9 +77,15 @@ class FleetConfig(ExperimentConfig):
 RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "federation.strategy": (lambda v: v in STRATEGIES, "one of " + ", ".join(STRATEGIES)),
     "federation.rounds": (lambda v: v >= 1, "an integer >= 1"),
-    "federation.time_budget_s": (lambda v: v is None or v > 0, "a number of simulated seconds > 0 or null (rounds only)"),
+    "federation.time_budget_s": (
+        lambda v: v is None or v > 0,
+        "a number of simulated seconds > 0 or null (rounds only)",
+    ),
     "federation.num_devices": (lambda v: v >= 1, "an integer >= 1"),
-    "federation.tiers": (lambda v: len(v) >= 1 and all(t >= 1 for t in v), "a non-empty list of slow-down factors >= 1"),
+    "federation.tiers": (
+        lambda v: len(v) >= 1 and all(t >= 1 for t in v),
+        "a non-empty list of slow-down factors >= 1",
+    ),
     "federation.partition": (lambda v: v in PARTITIONS, "one of " + ", ".join(PARTITIONS)),
     "federation.alpha": (lambda v: v > 0, "a number > 0"),
     "federation.test_fraction": (lambda v: 0 < v < 1, "a number in (0, 1)"),
@@ -83,7 +99,10 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "federation.window_blocks": (lambda v: v >= 1, "an integer >= 1"),
     "federation.num_blocks": (lambda v: v >= 1, "an integer >= 1"),
     "federation.blend_beta": (lambda v: v is None or 0 <= v <= 1, "a number in [0, 1] or null"),
-    "federation.memory_budgets_mb": (lambda v: all(b >= 0 for b in v), "a list of MB per device in turn (0 = unlimited), e.g. [0, 40]"),
+    "federation.memory_budgets_mb": (
+        lambda v: all(b >= 0 for b in v),
+        "a list of MB per device in turn (0 = unlimited), e.g. [0, 40]",
+    ),
     "federation.bandwidth_bytes_per_s": (lambda v: v > 0, "a number > 0"),
     "federation.min_rho_margin": (lambda v: 0 <= v < 0.5, "a number in [0, 0.5)"),
     "federation.timeout_s": (lambda v: v > 0, "a number > 0"),
@@ -108,8 +127,11 @@ def _check_rules(cfg: FleetConfig) -> None:
             "use a window no larger than the number of blocks"
         )
     if fed.pretrain_classes is not None and max(fed.pretrain_classes) >= cfg.model.num_classes:
-        raise ConfigError(f"federation.pretrain_classes: label {max(fed.pretrain_classes)} is not below model.num_classes={cfg.model.num_classes}; "
-                          "use labels of the model's classes")
+        raise ConfigError(
+            f"federation.pretrain_classes: label {max(fed.pretrain_classes)} is not below "
+            f"model.num_classes={cfg.model.num_classes}; "
+            "use labels of the model's classes"
+        )
 
 
 def fleet_config_from_dict(data: dict | None, overrides: dict[str, Any] | None = None) -> FleetConfig:

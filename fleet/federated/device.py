@@ -11,13 +11,13 @@ from typing import Any
 
 from torch import nn
 
+from fleet.atomic import load_torch, save_torch
 from fleet.device_profile import DeviceProfile
 from fleet.errors import ConfigError
 from fleet.experiment import check_profile, make_model, obtain_profile
-from fleet.memory.budgeted import MemoryBudget
-from fleet.atomic import load_torch, save_torch
 from fleet.federated import keys
 from fleet.federated.config import FleetConfig, resolve_path, run_dir
+from fleet.memory.budgeted import MemoryBudget
 
 
 def tier_of(cfg: FleetConfig, partition_id: int, node_config: dict[str, Any]) -> float:
@@ -25,7 +25,9 @@ def tier_of(cfg: FleetConfig, partition_id: int, node_config: dict[str, Any]) ->
     if keys.NODE_TIER in node_config:
         tier = float(node_config[keys.NODE_TIER])
         if not tier > 0:
-            raise ConfigError(f"node config tier: {tier!r} is not allowed; use a slow-down factor > 0 (1 = as profiled)")
+            raise ConfigError(
+                f"node config tier: {tier!r} is not allowed; use a slow-down factor > 0 (1 = as profiled)"
+            )
         return tier
     tiers = cfg.federation.tiers
     return float(tiers[partition_id % len(tiers)])
@@ -33,7 +35,7 @@ def tier_of(cfg: FleetConfig, partition_id: int, node_config: dict[str, Any]) ->
 
 def partition_of(cfg: FleetConfig, node_config: dict[str, Any]) -> int:
     if keys.NODE_PARTITION_ID not in node_config:
-        raise ConfigError("node config: partition-id missing; start the SuperNode with --node-config \"partition-id=0\"")
+        raise ConfigError('node config: partition-id missing; start the SuperNode with --node-config "partition-id=0"')
     pid = int(node_config[keys.NODE_PARTITION_ID])
     if not 0 <= pid < cfg.federation.num_devices:
         raise ConfigError(
@@ -43,7 +45,9 @@ def partition_of(cfg: FleetConfig, node_config: dict[str, Any]) -> int:
     return pid
 
 
-def device_profile(cfg: FleetConfig, model: nn.Module | None, node_config: dict[str, Any], state_dir: Path) -> DeviceProfile:
+def device_profile(
+    cfg: FleetConfig, model: nn.Module | None, node_config: dict[str, Any], state_dir: Path
+) -> DeviceProfile:
     """This device's measured profile (node config ``profile`` or the config's), times its tier.
 
     A device with neither measures itself once and keeps the result in its state directory.
@@ -61,7 +65,9 @@ def device_profile(cfg: FleetConfig, model: nn.Module | None, node_config: dict[
     return base
 
 
-def memory_budget_of(cfg: FleetConfig, partition_id: int, node_config: dict[str, Any], profile: DeviceProfile) -> float | None:
+def memory_budget_of(
+    cfg: FleetConfig, partition_id: int, node_config: dict[str, Any], profile: DeviceProfile
+) -> float | None:
     """The device's activation memory budget in MB (None: unlimited), from the first that sets one:
     node config ``memory-budget-mb``, the device profile's ``memory_budget_mb``,
     ``federation.memory_budgets_mb`` (device i takes entry i % len; 0 = unlimited), ``train.memory_budget_mb``."""
@@ -71,7 +77,10 @@ def memory_budget_of(cfg: FleetConfig, partition_id: int, node_config: dict[str,
         except (TypeError, ValueError):
             mb = float("nan")
         if not mb > 0:
-            raise ConfigError(f"node config memory-budget-mb: {node_config[keys.NODE_MEMORY_BUDGET_MB]!r} is not allowed; use a positive number of MB")
+            raise ConfigError(
+                f"node config memory-budget-mb: {node_config[keys.NODE_MEMORY_BUDGET_MB]!r} is not allowed; "
+                "use a positive number of MB"
+            )
         return mb
     if profile.memory_budget_mb is not None:
         return float(profile.memory_budget_mb)
@@ -82,12 +91,21 @@ def memory_budget_of(cfg: FleetConfig, partition_id: int, node_config: dict[str,
     return cfg.train.memory_budget_mb
 
 
-def device_memory(cfg: FleetConfig, model: nn.Module, budget_mb: float, state_dir: Path, node_config: dict[str, Any]) -> MemoryBudget:
+def device_memory(
+    cfg: FleetConfig, model: nn.Module, budget_mb: float, state_dir: Path, node_config: dict[str, Any]
+) -> MemoryBudget:
     """Plans for this device's budget; its memory profile is measured once and kept in its state directory."""
     shape = (cfg.train.batch_size, cfg.model.in_channels, cfg.data.input_size, cfg.data.input_size)
     spill = node_config.get(keys.NODE_SPILL_DIR) or cfg.train.spill_dir or str(state_dir / "spill")
-    return MemoryBudget.measure(model, shape, budget_mb, str(spill), model_name=cfg.model.name,
-                                cache=state_dir / "memory-profile.json", flag="memory-budget-mb")
+    return MemoryBudget.measure(
+        model,
+        shape,
+        budget_mb,
+        str(spill),
+        model_name=cfg.model.name,
+        cache=state_dir / "memory-profile.json",
+        flag="memory-budget-mb",
+    )
 
 
 def state_dir_of(cfg: FleetConfig, partition_id: int, node_config: dict[str, Any]) -> Path:

@@ -52,5 +52,3 @@ def prepare(cfg: FleetConfig, *, resume: bool, log: Callable[[str], None] = prin
     path = out / EFFECTIVE_CONFIG
     path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     return cfg, path
-
-

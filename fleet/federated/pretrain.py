@@ -11,11 +11,11 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from fleet.federated.split import fleet_indices
 from fleet.experiment import load_data, make_model, trainer_options
+from fleet.federated.config import FleetConfig
+from fleet.federated.split import fleet_indices
 from fleet.models import model_meta, save_checkpoint
 from fleet.pretrain import train_epochs
-from fleet.federated.config import FleetConfig
 
 
 def pretrain_fleet_model(cfg: FleetConfig, out: Path, log: Callable[[str], None] = print) -> Path:
@@ -29,7 +29,10 @@ def pretrain_fleet_model(cfg: FleetConfig, out: Path, log: Callable[[str], None]
     classes = "" if fed.pretrain_classes is None else f" of classes {fed.pretrain_classes}"
 
     def report(epoch: int, acc: float, loss: float, seconds: float) -> None:
-        log(f"pretrain epoch {epoch + 1}/{fed.pretrain_epochs} on {len(data)} held-out samples{classes}: test accuracy {100 * acc:.1f}%  loss {loss:.3f}  {seconds:.0f}s")
+        log(
+            f"pretrain epoch {epoch + 1}/{fed.pretrain_epochs} on {len(data)} held-out samples{classes}: test "
+            f"accuracy {100 * acc:.1f}%  loss {loss:.3f}  {seconds:.0f}s"
+        )
 
     acc = train_epochs(model, options, data, test, fed.pretrain_epochs, report)
     m = cfg.model

@@ -79,7 +79,9 @@ def float_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: b for n, b in model.named_buffers() if b.is_floating_point()}
 
 
-def drop_stale_momentum(optimizer: torch.optim.Optimizer, names: list[str], params: list[torch.Tensor], trained: list[str] | None) -> None:
+def drop_stale_momentum(
+    optimizer: torch.optim.Optimizer, names: list[str], params: list[torch.Tensor], trained: list[str] | None
+) -> None:
     """Forget the optimizer state of tensors this device did not train in its previous round.
 
     Momentum is kept between rounds, but a tensor that sat out (outside the sliding window, or not
@@ -122,8 +124,13 @@ def round_budget(cfg: FleetConfig, trainer: Trainer, plan: RoundPlan) -> RoundBu
 
 
 def round_trainer(
-    cfg: FleetConfig, model: nn.Module, profile: DeviceProfile, memory: MemoryBudget | None,
-    plan: RoundPlan, partition_id: int, prev_state: dict,
+    cfg: FleetConfig,
+    model: nn.Module,
+    profile: DeviceProfile,
+    memory: MemoryBudget | None,
+    plan: RoundPlan,
+    partition_id: int,
+    prev_state: dict,
 ) -> Trainer:
     """The round's trainer, with the device's momentum from earlier rounds (stale entries dropped)."""
     seed = cfg.train.seed + 1000 * plan.server_round + partition_id
@@ -138,16 +145,30 @@ def round_trainer(
     return trainer
 
 
-def round_policy(cfg: FleetConfig, trainer: Trainer, plan: RoundPlan, budget: RoundBudget, probe_cost: float) -> SelectionPolicy:
+def round_policy(
+    cfg: FleetConfig, trainer: Trainer, plan: RoundPlan, budget: RoundBudget, probe_cost: float
+) -> SelectionPolicy:
     """The device's selection policy: its deadline as a budget, each tensor's upload as a cost,
     and for the ``fleet`` strategy FedEL's blending and window."""
     fed = cfg.federation
     fleet = plan.strategy == "fleet"
-    blend = Blend(plan.global_importance, fed.blend_beta) if fleet and fed.blend_beta is not None and plan.global_importance else None
+    blend = (
+        Blend(plan.global_importance, fed.blend_beta)
+        if fleet and fed.blend_beta is not None and plan.global_importance
+        else None
+    )
     window = None
     if fleet and fed.window:
         head = frozenset(head_parameter_names(trainer.model))
-        window = Window(plan.server_round, head, fed.num_blocks, fed.window_blocks, fed.window_schedule, fed.window_mode, fed.window_fit)
+        window = Window(
+            plan.server_round,
+            head,
+            fed.num_blocks,
+            fed.window_blocks,
+            fed.window_schedule,
+            fed.window_mode,
+            fed.window_fit,
+        )
     return SelectionPolicy(
         budget_s=step_budget(cfg, trainer.profile, budget.deadline_s - probe_cost - budget.buffers_s),
         extra_costs=[u / fed.local_steps for u in budget.upload_s],  # a tensor's upload, spread over the steps
@@ -157,7 +178,9 @@ def round_policy(cfg: FleetConfig, trainer: Trainer, plan: RoundPlan, budget: Ro
     )
 
 
-def select_for_round(cfg: FleetConfig, trainer: Trainer, train: ArrayDataset, plan: RoundPlan, prev_state: dict) -> tuple[float, list[float], int]:
+def select_for_round(
+    cfg: FleetConfig, trainer: Trainer, train: ArrayDataset, plan: RoundPlan, prev_state: dict
+) -> tuple[float, list[float], int]:
     """Select this round's tensors through :meth:`Trainer.reselect`; returns (probe cost in
     simulated seconds, the local importance, the round it was probed in)."""
     budget = round_budget(cfg, trainer, plan)
@@ -169,7 +192,9 @@ def select_for_round(cfg: FleetConfig, trainer: Trainer, train: ArrayDataset, pl
     probe_cost = 0.0
     if len(importance) != len(trainer.names) or plan.server_round - imp_round >= cfg.federation.importance_interval:
         x, y = trainer.probe_batch(train)
-        importance = evaluate_importance(trainer.model, trainer.params, trainer.optimizer, x, y, step_context=trainer.step_context)
+        importance = evaluate_importance(
+            trainer.model, trainer.params, trainer.optimizer, x, y, step_context=trainer.step_context
+        )
         imp_round = plan.server_round
         probe_cost = PROBE_STEPS * (trainer.profile.full_step_time + trainer.memory_added_s())
     trainer.reselect(importance=importance, policy=round_policy(cfg, trainer, plan, budget, probe_cost))
@@ -181,7 +206,13 @@ def train_steps(trainer: Trainer, train: ArrayDataset, steps: int) -> list[float
     endless = (
         xy
         for _ in itertools.count()
-        for xy in batches(train, trainer.options.batch_size, shuffle=True, generator=trainer.generator, input_size=trainer.options.input_size)
+        for xy in batches(
+            train,
+            trainer.options.batch_size,
+            shuffle=True,
+            generator=trainer.generator,
+            input_size=trainer.options.input_size,
+        )
     )
     return [trainer.train_step(x, y) for x, y in itertools.islice(endless, steps)]
 
@@ -217,11 +248,13 @@ def local_round(
         arrays.update({n: b.detach().clone() for n, b in float_buffers(model).items()})
     metrics = round_metrics(cfg, trainer, len(train), arrays, losses, predicted, measured)
     if memory is not None:
-        metrics.update({
-            keys.MEMORY_BUDGET_BYTES: memory.budget_bytes,
-            keys.MEMORY_PEAK_BYTES: memory.peak_bytes,
-            keys.MEMORY_ADDED_S: added_s,
-        })
+        metrics.update(
+            {
+                keys.MEMORY_BUDGET_BYTES: memory.budget_bytes,
+                keys.MEMORY_PEAK_BYTES: memory.peak_bytes,
+                keys.MEMORY_ADDED_S: added_s,
+            }
+        )
     metrics[keys.PARTITION_ID] = partition_id
     state = {
         "round": plan.server_round,
@@ -235,8 +268,13 @@ def local_round(
 
 
 def round_metrics(
-    cfg: FleetConfig, trainer: Trainer, num_examples: int, arrays: dict[str, torch.Tensor],
-    losses: list[float], predicted: float, measured: float,
+    cfg: FleetConfig,
+    trainer: Trainer,
+    num_examples: int,
+    arrays: dict[str, torch.Tensor],
+    losses: list[float],
+    predicted: float,
+    measured: float,
 ) -> dict[str, float | int]:
     """The reply's metrics (see :mod:`fleet.federated.keys`)."""
     profile, mask, params = trainer.profile, trainer.mask, trainer.params

@@ -61,7 +61,9 @@ class ServerState:
 
 def save_checkpoint(out: Path, arrays: dict[str, np.ndarray], state: ServerState) -> Path:
     path = out / CHECKPOINT_FILE
-    save_torch(path, {"model": {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}, "meta": state.persistent()})
+    save_torch(
+        path, {"model": {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}, "meta": state.persistent()}
+    )
     return path
 
 

@@ -102,7 +102,9 @@ def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[s
     run_tag = str(config.get(keys.RUN_TAG, ""))
     state_path = device.state_dir / STATE_FILE
     data = device_data(cfg, device.partition_id)
-    result = local_round(cfg, model, profile, data.train, load_state(state_path, run_tag), plan, device.partition_id, memory)
+    result = local_round(
+        cfg, model, profile, data.train, load_state(state_path, run_tag), plan, device.partition_id, memory
+    )
     save_state(state_path, {**result.state, "run_tag": run_tag})
     return result
 

@@ -138,7 +138,18 @@ class Tracker:
                 for pid, rows in sorted(per_device.items())
             },
             "history": [
-                {k: r[k] for k in ("round", "sim_time_s", "global_accuracy", "personal_accuracy", "personal_accuracy_p10", "bytes_uploaded")} for r in recs
+                {
+                    k: r[k]
+                    for k in (
+                        "round",
+                        "sim_time_s",
+                        "global_accuracy",
+                        "personal_accuracy",
+                        "personal_accuracy_p10",
+                        "bytes_uploaded",
+                    )
+                }
+                for r in recs
             ],
         }
         write_json(self.out / SUMMARY_FILE, summary)
@@ -193,7 +204,9 @@ def plot_run(out: Path, records: list[dict], title: str) -> list[Path]:
                 per_device.setdefault(int(d["partition_id"]), []).append(d)
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for pid, rows in sorted(per_device.items()):
-        xs = [r["round"] for r in records if any(int(d["partition_id"]) == pid and "speedup" in d for d in r["devices"])]
+        xs = [
+            r["round"] for r in records if any(int(d["partition_id"]) == pid and "speedup" in d for d in r["devices"])
+        ]
         axes[0].plot(xs, [r["speedup"] for r in rows], marker=".", label=f"dev {pid} ({rows[-1]['tier']:g}x)")
         axes[1].plot(xs, [r["trained_fraction"] for r in rows], marker=".", label=f"dev {pid}")
     axes[0].set_title("speedup vs full training")

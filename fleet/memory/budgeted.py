@@ -39,8 +39,15 @@ class MemoryBudget:
 
     @classmethod
     def measure(
-        cls, model: nn.Module, input_shape: tuple[int, ...], budget_mb: float, spill_dir: str | None = None,
-        *, model_name: str | None = None, cache: Path | None = None, flag: str = "--memory-budget-mb",
+        cls,
+        model: nn.Module,
+        input_shape: tuple[int, ...],
+        budget_mb: float,
+        spill_dir: str | None = None,
+        *,
+        model_name: str | None = None,
+        cache: Path | None = None,
+        flag: str = "--memory-budget-mb",
     ) -> MemoryBudget:
         """Profile activation memory of one step and the storage behind ``spill_dir``.
 
@@ -94,6 +101,10 @@ def _cached(path: Path | None, model_name: str, input_shape: list[int]) -> Memor
         profile = MemoryProfile.from_dict(json.loads(Path(path).read_text()))
     except (OSError, ValueError, FleetError):
         return None  # unreadable or from another version: measure again
-    if profile.model != model_name or list(profile.input_shape) != input_shape or profile.threads != torch.get_num_threads():
+    if (
+        profile.model != model_name
+        or list(profile.input_shape) != input_shape
+        or profile.threads != torch.get_num_threads()
+    ):
         return None
     return profile

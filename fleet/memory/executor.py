@@ -165,7 +165,7 @@ class PlanRunner:
         if PAGE in plan.actions and self.spill_dir is None:
             raise ConfigError("spill_dir: the memory plan pages activations; pass a spill directory (--spill-dir)")
 
-    def __enter__(self) -> "PlanRunner":
+    def __enter__(self) -> PlanRunner:
         self.meter = StorageMeter()
         self._excluded = {t.untyped_storage().data_ptr() for t in self._state_tensors}
         try:

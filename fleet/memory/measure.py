@@ -135,7 +135,9 @@ class _Recorder:
     def _block_pre(self, i: int):
         def pre(_m, args):
             if self.current is not None:
-                raise _chain_error(self.model_name, f"block {self.names[i]!r} runs inside block {self.names[self.current]!r}")
+                raise _chain_error(
+                    self.model_name, f"block {self.names[i]!r} runs inside block {self.names[self.current]!r}"
+                )
             self.current = i
             self.calls.append(i)
             t = first_tensor(args)

@@ -83,8 +83,8 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Iterable
 
 from fleet.errors import BudgetError, ConfigError, ProfileMismatchError
 from fleet.memory.records import MemoryProfile, StorageProfile
@@ -125,7 +125,7 @@ class MemoryPlan:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "MemoryPlan":
+    def from_dict(cls, d: dict) -> MemoryPlan:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -193,11 +193,7 @@ def _fwd_bytes(item: _Item, k: int, acts: dict) -> int:
 
 def _lingers(item: _Item, k: int, acts: dict) -> bool:
     """A paged item the calling code still references during block k's forward."""
-    return (
-        not item.small
-        and item.alive_until >= k
-        and any(acts.get(j) == PAGE for j in item.savers if j <= k)
-    )
+    return not item.small and item.alive_until >= k and any(acts.get(j) == PAGE for j in item.savers if j <= k)
 
 
 def _io_s(item: _Item, acts: dict, storage: StorageProfile | None) -> float:
@@ -224,9 +220,14 @@ def _check_actions(profile: MemoryProfile, actions: list[str], frozen_below: int
         raise ConfigError(f"actions: got {len(actions)} for {len(profile.blocks)} blocks; give one per block")
     for k, a in enumerate(actions):
         if (k < frozen_below) != (a == FROZEN) or a not in ACTIONS:
-            raise ConfigError(f"actions[{k}]: {a!r} for block {profile.blocks[k].name!r}; blocks below frozen_below are 'frozen', others keep/recompute/page")
+            raise ConfigError(
+                f"actions[{k}]: {a!r} for block {profile.blocks[k].name!r}; blocks below frozen_below are "
+                "'frozen', others keep/recompute/page"
+            )
         if a == RECOMPUTE and not profile.blocks[k].can_recompute:
-            raise ConfigError(f"actions[{k}]: block {profile.blocks[k].name!r} cannot be recomputed ({profile.blocks[k].note})")
+            raise ConfigError(
+                f"actions[{k}]: block {profile.blocks[k].name!r} cannot be recomputed ({profile.blocks[k].note})"
+            )
 
 
 def evaluate_plan(
@@ -301,9 +302,7 @@ def _tables(profile, items, frozen_below, storage, weights):
                 rec = _recompute_s(profile.blocks[k]) if a == RECOMPUTE else 0.0
                 io = sum(_io_s(i, acts, storage) for i in by_hi[k])
                 later = tuple(
-                    (i.alive_until, i.bytes)
-                    for i in by_hi[k]
-                    if not _holders(i, acts) and _lingers(i, k + 1, acts)
+                    (i.alive_until, i.bytes) for i in by_hi[k] if not _holders(i, acts) and _lingers(i, k + 1, acts)
                 )
                 tab[(p, a)] = (at_b, at_f, held, w_rec * rec + w_io * io, later)
         tables.append(tab)
@@ -401,7 +400,7 @@ class BudgetValueError(ConfigError):
         shown = f"{setting} {example}" if setting else example
         super().__init__(f"{field}: got {value!r}; use a positive {what}, e.g. {shown}")
 
-    def named(self, setting: str) -> "BudgetValueError":
+    def named(self, setting: str) -> BudgetValueError:
         return BudgetValueError(self.field, self.value, setting)
 
     def __reduce__(self):
@@ -442,7 +441,7 @@ class InfeasibleBudgetError(BudgetError):
         """The same as a fraction of the unconstrained peak, rounded up to 0.01."""
         return math.ceil(self.need_bytes / self.unconstrained_bytes * 100) / 100
 
-    def named(self, setting: str | None = None, fraction_setting: str | None = None) -> "InfeasibleBudgetError":
+    def named(self, setting: str | None = None, fraction_setting: str | None = None) -> InfeasibleBudgetError:
         return InfeasibleBudgetError(
             self.budget_bytes, self.need_bytes, self.unconstrained_bytes, self.subject, setting, fraction_setting
         )

@@ -69,7 +69,7 @@ class StorageProfile:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "StorageProfile":
+    def from_dict(cls, d: dict) -> StorageProfile:
         return _from_dict(cls, d, "storage profile")
 
 
@@ -116,7 +116,7 @@ class MemoryProfile:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "MemoryProfile":
+    def from_dict(cls, d: dict) -> MemoryProfile:
         d = dict(d)
         version = d.get("format_version", FORMAT_VERSION)
         if version != FORMAT_VERSION:
@@ -134,7 +134,9 @@ def _from_dict(cls, d: dict, what: str):
     names = {f.name for f in fields(cls)}
     unknown = sorted(set(d) - names)
     if unknown:
-        raise ProfileMismatchError(f"{what}: unknown field {unknown[0]!r}; re-measure the profile with this fleet version")
+        raise ProfileMismatchError(
+            f"{what}: unknown field {unknown[0]!r}; re-measure the profile with this fleet version"
+        )
     try:
         return cls(**d)
     except TypeError as exc:

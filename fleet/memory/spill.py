@@ -105,7 +105,19 @@ class Kept:
 class _Record:
     """One spill file: the bytes of one storage."""
 
-    __slots__ = ("path", "nbytes", "original", "buffer", "write", "written", "read", "handles", "pending", "deleted", "__weakref__")
+    __slots__ = (
+        "path",
+        "nbytes",
+        "original",
+        "buffer",
+        "write",
+        "written",
+        "read",
+        "handles",
+        "pending",
+        "deleted",
+        "__weakref__",
+    )
 
     def __init__(self, path: str, nbytes: int, original: torch.UntypedStorage) -> None:
         self.path = path
@@ -125,7 +137,7 @@ class _Paged:
 
     __slots__ = ("pager", "record", "dtype", "size", "stride", "offset", "tensor_ref", "version", "__weakref__")
 
-    def __init__(self, pager: "Pager", record: _Record, t: torch.Tensor) -> None:
+    def __init__(self, pager: Pager, record: _Record, t: torch.Tensor) -> None:
         self.pager = pager
         self.record = record
         self.dtype = t.dtype

@@ -75,9 +75,7 @@ def in_step_storage(probe: StorageProfile, samples: list[tuple[str, int, float]]
         read_latency_s=r_lat,
         read_bytes_per_s=r_thr,
         storage_watts=probe.storage_watts,
-        samples=[
-            {"bytes": n, "write_s": med.get(("write", n)), "read_s": med.get(("read", n))} for n in sizes
-        ],
+        samples=[{"bytes": n, "write_s": med.get(("write", n)), "read_s": med.get(("read", n))} for n in sizes],
         source="in-step",
     )
 

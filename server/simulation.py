@@ -29,23 +29,18 @@ CLIENT_APP = "client.client_app:app"
 SERVER_APP = "server.server_app:app"
 
 
-def run_simulation(
-    cfg: FleetConfig, config_path: Path, *, resume: bool, verbose: bool = False, client_app: str = CLIENT_APP
-) -> dict:
-    """Run the ServerApp and N ClientApps in Flower's simulation engine; returns summary.json.
-
-    ``client_app`` names another ClientApp (``module:attribute``), e.g. a test's faulty device."""
+def _require_flwr_internals() -> None:
+    """A one-line error when this flwr lacks the 1.42 internals the launch uses (the public
+    run_simulation takes no run config, so this leans on them)."""
     try:
-        from flwr.app import Context, RecordDict
-        from flwr.common.config import get_fused_config_from_dir
-        from flwr.common.constant import RUN_ID_NUM_BYTES, SUPERLINK_NODE_ID, TASK_ID_NUM_BYTES
-        from flwr.server.superlink.linkstate.utils import generate_rand_int_from_bytes
-        from flwr.simulation.run_simulation import _run_simulation
-        from flwr.supercore.constant import NOOP_FEDERATION_ID
-        from flwr.supercore.run import Run
-        from flwr.supercore.task_identity import TaskIdentity
-        from flwr.supercore.telemetry import EventType
-    except ImportError as exc:  # the public run_simulation takes no run config, so this leans on 1.42's internals
+        from flwr.common.config import get_fused_config_from_dir  # noqa: F401
+        from flwr.server.superlink.linkstate.utils import generate_rand_int_from_bytes  # noqa: F401
+        from flwr.simulation.run_simulation import _run_simulation  # noqa: F401
+        from flwr.supercore.constant import NOOP_FEDERATION_ID  # noqa: F401
+        from flwr.supercore.run import Run  # noqa: F401
+        from flwr.supercore.task_identity import TaskIdentity  # noqa: F401
+        from flwr.supercore.telemetry import EventType  # noqa: F401
+    except ImportError as exc:
         import flwr
 
         raise FleetError(
@@ -53,9 +48,18 @@ def run_simulation(
             "pip install 'flwr[simulation]>=1.42,<1.43'"
         ) from None
 
-    # The same launch `flwr-simulation` performs for `flwr run` (apps loaded by their
-    # component names from the app directory, the run config fused with pyproject's),
-    # without a detached local SuperLink left running on a shared machine.
+
+def _flower_run(config_path: Path, resume: bool) -> tuple[Any, dict]:
+    """The Run and fused run config `flwr-simulation` builds for `flwr run` (apps loaded by their
+    component names from the app directory, the run config fused with pyproject's), without a
+    detached local SuperLink left running on a shared machine."""
+    from flwr.common.config import get_fused_config_from_dir
+    from flwr.common.constant import RUN_ID_NUM_BYTES, SUPERLINK_NODE_ID, TASK_ID_NUM_BYTES
+    from flwr.server.superlink.linkstate.utils import generate_rand_int_from_bytes
+    from flwr.supercore.constant import NOOP_FEDERATION_ID
+    from flwr.supercore.run import Run
+    from flwr.supercore.task_identity import TaskIdentity
+
     overrides: dict[str, Any] = {"config": str(config_path), "resume": resume}
     fused = get_fused_config_from_dir(APP_ROOT, overrides)
     run = dataclasses.replace(
@@ -67,6 +71,21 @@ def run_simulation(
     TaskIdentity.task_id = 1
     TaskIdentity.run_id = run.run_id
     TaskIdentity.node_id = SUPERLINK_NODE_ID
+    return run, fused
+
+
+def run_simulation(
+    cfg: FleetConfig, config_path: Path, *, resume: bool, verbose: bool = False, client_app: str = CLIENT_APP
+) -> dict:
+    """Run the ServerApp and N ClientApps in Flower's simulation engine; returns summary.json.
+
+    ``client_app`` names another ClientApp (``module:attribute``), e.g. a test's faulty device."""
+    _require_flwr_internals()
+    from flwr.app import Context, RecordDict
+    from flwr.simulation.run_simulation import _run_simulation
+    from flwr.supercore.telemetry import EventType
+
+    run, fused = _flower_run(config_path, resume)
     fed = cfg.federation
     backend = {
         "client_resources": {"num_cpus": fed.client_cpus, "num_gpus": 0.0},
@@ -75,6 +94,7 @@ def run_simulation(
         "init_args": {"logging_level": "INFO", "log_to_driver": True},
     }
     log_path = run_dir(cfg) / FLOWER_LOG
+    context = Context(run_id=run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config=fused)
     with flower_output(log_path, verbose=verbose):
         _run_simulation(
             server_app_attr=SERVER_APP,
@@ -84,9 +104,7 @@ def run_simulation(
             backend_config=backend,
             app_dir=str(APP_ROOT),
             run=run,
-            server_app_context=Context(
-                run_id=run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config=fused
-            ),
+            server_app_context=context,
             is_app=True,
             verbose_logging=verbose,
             exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,

@@ -150,62 +150,128 @@ class Deployment:
     unregistered_exit: int | None = None  # exit code of the SuperNode with an unregistered key
 
 
-def deploy(
-    tmp_path: Path, *, secure: bool, node_extra: dict[int, str] | None = None, unregistered: bool = False
-) -> Deployment:
-    """Starts a SuperLink and two SuperNodes (partitions 0 and 1, tiers 1 and 2) on loopback, runs
-    2 rounds of fleet-tiny with `flwr run`, waits for the run to finish and returns its metrics.
+class Loopback:
+    """One SuperLink and its SuperNodes on loopback, in ``tmp_path``, with their own FLWR_HOME.
 
     secure: TLS from a throwaway CA on the SuperLink (SuperNodes and `flwr` trust the CA) and
     `--enable-supernode-auth`; each SuperNode has its own key pair, registered with
-    `flwr supernode register` before it starts.
-    node_extra: more node config for SuperNode i.
-    unregistered (secure only): a third SuperNode (partition 2) with a key pair nobody registered
-    is started before the run is submitted; its exit code lands in `unregistered_exit` (None: still
-    running after 90 s).
-    Every process is stopped on return.
+    `flwr supernode register` before it starts (unless it is meant to be refused).
     """
-    node_extra = node_extra or {}
-    home = tmp_path / "flwr-home"
-    home.mkdir()
-    port = free_port()
-    # The SuperLink and SuperNodes start flower-superexec by name: the venv's bin must be on PATH
-    # even when pytest runs as .venv/bin/python without an activated venv.
-    path = os.pathsep.join([str(BIN), os.environ.get("PATH", "")])
-    env = {**os.environ, "FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0", "PATH": path}
-    # No --database: the SuperLink keeps its state in memory. With a SQLite file, a write held up
-    # past SQLite's 5 s busy timeout on a loaded machine answers a SuperNode's pull-messages with
-    # 500 "database is locked", and flower-supernode exits on it (it retries only 502/503/504).
-    link_args = [str(BIN / "flower-superlink"), "--port", str(port), "--disable-runtime-dependency-installation"]
-    connection = f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\naddress = "127.0.0.1:{port}"\n'
-    if secure:
-        ca, cert, key = make_tls(tmp_path / "certs")
-        link_args += [
-            "--ssl-ca-certfile",
-            str(ca),
-            "--ssl-certfile",
-            str(cert),
-            "--ssl-keyfile",
-            str(key),
-            "--enable-supernode-auth",
-        ]
-        node_tls = ["--root-certificates", str(ca)]
-        connection += f'root-certificates = "{ca}"\n'  # flwr accepts only an absolute path here
-        (tmp_path / "keys").mkdir()
-    else:
-        link_args.append("--insecure")
-        node_tls = ["--insecure"]
-        connection += "insecure = true\n"
-    (home / "config.toml").write_text(connection)
+
+    def __init__(self, tmp_path: Path, secure: bool) -> None:
+        self.tmp, self.secure = tmp_path, secure
+        self.home = tmp_path / "flwr-home"
+        self.home.mkdir()
+        self.port = free_port()
+        # The SuperLink and SuperNodes start flower-superexec by name: the venv's bin must be on PATH
+        # even when pytest runs as .venv/bin/python without an activated venv.
+        path = os.pathsep.join([str(BIN), os.environ.get("PATH", "")])
+        self.env = {**os.environ, "FLWR_HOME": str(self.home), "FLWR_TELEMETRY_ENABLED": "0", "PATH": path}
+        self.procs: list[subprocess.Popen] = []
+        self.logs: dict[str, Path] = {}
+        self.node_ids: list[int] = []
+        self.node_tls = self._connection()
+
+    def _connection(self) -> list[str]:
+        """Writes `flwr`'s connection config; returns the SuperNodes' TLS flags."""
+        connection = f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\naddress = "127.0.0.1:{self.port}"\n'
+        if self.secure:
+            self.ca, self.cert, self.key = make_tls(self.tmp / "certs")
+            connection += f'root-certificates = "{self.ca}"\n'  # flwr accepts only an absolute path here
+            (self.tmp / "keys").mkdir()
+        else:
+            connection += "insecure = true\n"
+        (self.home / "config.toml").write_text(connection)
+        return ["--root-certificates", str(self.ca)] if self.secure else ["--insecure"]
+
+    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+        self.logs[name] = self.tmp / f"{name}.log"
+        with self.logs[name].open("w") as fh:
+            p = subprocess.Popen(
+                args, env=self.env, cwd=self.tmp, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.procs.append(p)
+        return p
+
+    def start_link(self) -> None:
+        # No --database: the SuperLink keeps its state in memory. With a SQLite file, a write held up
+        # past SQLite's 5 s busy timeout on a loaded machine answers a SuperNode's pull-messages with
+        # 500 "database is locked", and flower-supernode exits on it (it retries only 502/503/504).
+        args = [str(BIN / "flower-superlink"), "--port", str(self.port), "--disable-runtime-dependency-installation"]
+        if self.secure:
+            tls = ["--ssl-ca-certfile", str(self.ca), "--ssl-certfile", str(self.cert), "--ssl-keyfile", str(self.key)]
+            args += [*tls, "--enable-supernode-auth"]
+        else:
+            args.append("--insecure")
+        wait_port(self.port, self.start("superlink", args), self.logs["superlink"])
+
+    def start_node(self, i: int, node_config: str, register: bool) -> subprocess.Popen:
+        auth: list[str] = []
+        if self.secure:
+            key_path = make_node_key(self.tmp / "keys" / f"device{i}")
+            if register:
+                reg = flwr_json(["supernode", "register", f"{key_path}.pub", "loopback"], self.env)
+                assert reg.get("success") is True, reg
+                self.node_ids.append(int(reg["node-id"]))
+            auth = ["--auth-supernode-private-key", str(key_path)]
+        link = ["--superlink", f"127.0.0.1:{self.port}", "--port", str(free_port())]
+        args = [str(BIN / "flower-supernode"), *self.node_tls, *auth, *link, "--node-config", node_config]
+        return self.start(f"supernode{i}", args)
+
+    def online_nodes(self, want: int, timeout: float = 60) -> list[dict]:
+        """`flwr supernode ls` once ``want`` SuperNodes are online (or after ``timeout``)."""
+        deadline, nodes = time.time() + timeout, []
+        while time.time() < deadline:
+            nodes = flwr_json(["supernode", "ls", "loopback"], self.env)["nodes"]
+            if sum(n["status"] == "online" for n in nodes) >= want:
+                break
+            time.sleep(1)
+        return nodes
+
+    def run_to_end(self, config_path: Path, timeout: float = 900) -> None:
+        """`flwr run` the app with ``config_path`` and wait until the run finished, completed."""
+        res = subprocess.run(
+            [str(BIN / "flwr"), "run", str(ROOT), "loopback", "--run-config", f"config='{config_path}'"],
+            env=self.env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert res.returncode == 0 and "Successfully started run" in res.stdout, res.stdout + res.stderr
+        deadline, status = time.time() + timeout, {}
+        while time.time() < deadline:
+            runs = run_status(self.env)["runs"]
+            assert len(runs) == 1
+            status = runs[0]
+            if status["status"].startswith("finished"):
+                break
+            time.sleep(5)
+        assert status.get("status") == "finished:completed", f"{status}\n{self.logs['superlink'].read_text()[-3000:]}"
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in reversed(self.procs):
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
+def tiny_deploy_config(tmp_path: Path, env: dict) -> tuple[Path, Path]:
+    """fleet-tiny for two devices, and one profile measured for both, as on identical boards: their
+    budgets then differ by their tiers alone. (Each device timing itself, both at once on a busy
+    machine, once made the tier-1 device's step twice the tier-2 device's: rho 0.67 vs 1.0.)"""
     cfg = yaml.safe_load((ROOT / "simulations/fleet-tiny.yaml").read_text())
     cfg["name"] = "deploy"
     cfg["output_dir"] = str(tmp_path / "runs")
     cfg["federation"]["num_devices"] = 2
     config_path = tmp_path / "deploy.yaml"
     config_path.write_text(yaml.safe_dump(cfg))
-    # One measured profile for both devices, as on identical boards: their budgets then differ by
-    # their tiers alone. Each device timing itself, both at once on a busy machine, once made the
-    # tier-1 device's step twice the tier-2 device's (rho 0.67 vs 1.0).
     profile = tmp_path / "profile.yaml"
     prof = subprocess.run(
         [str(BIN / "fleet"), "profile", "--config", str(config_path), "--out", str(profile)],
@@ -215,110 +281,48 @@ def deploy(
         timeout=300,
     )
     assert prof.returncode == 0 and profile.is_file(), prof.stdout + prof.stderr
+    return config_path, profile
 
-    procs: list[subprocess.Popen] = []
-    logs: dict[str, Path] = {}
-    node_ids: list[int] = []
 
-    def start(name: str, args: list[str]) -> subprocess.Popen:
-        logs[name] = tmp_path / f"{name}.log"
-        with logs[name].open("w") as fh:
-            p = subprocess.Popen(
-                args, env=env, cwd=tmp_path, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        procs.append(p)
-        return p
+def deploy(
+    tmp_path: Path, *, secure: bool, node_extra: dict[int, str] | None = None, unregistered: bool = False
+) -> Deployment:
+    """Starts a SuperLink and two SuperNodes (partitions 0 and 1, tiers 1 and 2) on loopback, runs
+    2 rounds of fleet-tiny with `flwr run`, waits for the run to finish and returns its metrics.
 
-    def start_node(i: int, register: bool) -> subprocess.Popen:
-        auth: list[str] = []
-        if secure:
-            key_path = make_node_key(tmp_path / "keys" / f"device{i}")
-            if register:
-                reg = flwr_json(["supernode", "register", f"{key_path}.pub", "loopback"], env)
-                assert reg.get("success") is True, reg
-                node_ids.append(int(reg["node-id"]))
-            auth = ["--auth-supernode-private-key", str(key_path)]
-        node_cfg = (
-            f"partition-id={i} tier={i % 2 + 1} profile='{profile}' state-dir='{tmp_path / f'device{i}'}' "
-            f"{node_extra.get(i, '')}"
-        )
-        return start(
-            f"supernode{i}",
-            [
-                str(BIN / "flower-supernode"),
-                *node_tls,
-                *auth,
-                "--superlink",
-                f"127.0.0.1:{port}",
-                "--port",
-                str(free_port()),
-                "--node-config",
-                node_cfg.strip(),
-            ],
-        )
+    secure: see :class:`Loopback`. node_extra: more node config for SuperNode i.
+    unregistered (secure only): a third SuperNode (partition 2) with a key pair nobody registered
+    is started before the run is submitted; its exit code lands in `unregistered_exit` (None: still
+    running after 90 s). Every process is stopped on return.
+    """
+    node_extra = node_extra or {}
+    link = Loopback(tmp_path, secure)
+    config_path, profile = tiny_deploy_config(tmp_path, link.env)
+
+    def node_config(i: int) -> str:
+        own = f"partition-id={i} tier={i % 2 + 1} profile='{profile}' state-dir='{tmp_path / f'device{i}'}'"
+        return f"{own} {node_extra.get(i, '')}".strip()
 
     try:
-        link = start("superlink", link_args)
-        wait_port(port, link, logs["superlink"])
+        link.start_link()
         for i in range(2):
-            node = start_node(i, register=True)
-            wait_port(int(node.args[node.args.index("--port") + 1]), node, logs[f"supernode{i}"])
+            node = link.start_node(i, node_config(i), register=True)
+            wait_port(int(node.args[node.args.index("--port") + 1]), node, link.logs[f"supernode{i}"])
         unregistered_exit = None
         if unregistered:
             assert secure, "every SuperNode is welcome without --enable-supernode-auth"
-            rogue = start_node(2, register=False)
+            rogue = link.start_node(2, node_config(2), register=False)
             try:
                 unregistered_exit = rogue.wait(timeout=90)
             except subprocess.TimeoutExpired:
                 pass  # still running: the test's assertions say what that means
-        nodes = []
-        if secure:
-            deadline = time.time() + 60  # both registered SuperNodes online before the run starts
-            while time.time() < deadline:
-                nodes = flwr_json(["supernode", "ls", "loopback"], env)["nodes"]
-                if sum(n["status"] == "online" for n in nodes) >= 2:
-                    break
-                time.sleep(1)
-        res = subprocess.run(
-            [str(BIN / "flwr"), "run", str(ROOT), "loopback", "--run-config", f"config='{config_path}'"],
-            env=env,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert res.returncode == 0 and "Successfully started run" in res.stdout, res.stdout + res.stderr
-        deadline = time.time() + 900
-        status = {}
-        while time.time() < deadline:
-            runs = run_status(env)["runs"]
-            assert len(runs) == 1
-            status = runs[0]
-            if status["status"].startswith("finished"):
-                break
-            time.sleep(5)
-        assert status.get("status") == "finished:completed", f"{status}\n{logs['superlink'].read_text()[-3000:]}"
+        nodes = link.online_nodes(2) if secure else []  # both registered SuperNodes online before the run
+        link.run_to_end(config_path)
         run = tmp_path / "runs" / "deploy"
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        return Deployment(
-            run=run,
-            records=records,
-            logs=dict(logs),
-            node_ids=node_ids,
-            nodes=nodes,
-            unregistered_exit=unregistered_exit,
-        )
+        return Deployment(run, records, dict(link.logs), link.node_ids, nodes, unregistered_exit)
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in reversed(procs):
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        shutil.rmtree(home, ignore_errors=True)
+        link.stop()
 
 
 def check_two_device_run(tmp_path: Path, dep: Deployment) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -195,17 +195,14 @@ class Trainer:
         (nothing without a budget)."""
         return self.memory.runner(self.model) if self.memory is not None else contextlib.nullcontext()
 
+    def shuffled_batches(self, data: ArrayDataset) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One pass over ``data`` in this trainer's batch size and input size, shuffled by its generator."""
+        opts = self.options
+        return batches(data, opts.batch_size, shuffle=True, generator=self.generator, input_size=opts.input_size)
+
     def probe_batch(self, data: ArrayDataset) -> tuple[torch.Tensor, torch.Tensor]:
         """A freshly shuffled batch, so importance is not judged on the same images each time."""
-        return next(
-            batches(
-                data,
-                self.options.batch_size,
-                shuffle=True,
-                generator=self.generator,
-                input_size=self.options.input_size,
-            )
-        )
+        return next(self.shuffled_batches(data))
 
     def _due(self, epoch: int, step_in_epoch: int) -> bool:
         if self.options.method != "elastic":
@@ -232,15 +229,7 @@ class Trainer:
         self.model.train()
         losses: list[float] = []
         train_time = probe_time = predicted = 0.0
-        for i, (x, y) in enumerate(
-            batches(
-                data,
-                self.options.batch_size,
-                shuffle=True,
-                generator=self.generator,
-                input_size=self.options.input_size,
-            )
-        ):
+        for i, (x, y) in enumerate(self.shuffled_batches(data)):
             if self._due(epoch, i):
                 start = time.perf_counter()
                 self.reselect(self.probe_batch(data), epoch=epoch)

@@ -25,17 +25,11 @@ def fleet_cmd(*args: str) -> list[str]:
     return [sys.executable, "-c", "import sys; from fleet.cli import main; sys.exit(main())", *args]
 
 
-def run_fleet(args: list[str], timeout: float = 420) -> subprocess.CompletedProcess:
+def run_bounded(cmd: list[str], timeout: float = 420) -> subprocess.CompletedProcess:
+    """``cmd`` in its own process group, output merged, killed with its children if it outlives ``timeout``."""
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
-    proc = subprocess.Popen(
-        fleet_cmd(*args),
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, **pipes)
     try:
         out, _ = proc.communicate(timeout=timeout)
     finally:
@@ -43,6 +37,10 @@ def run_fleet(args: list[str], timeout: float = 420) -> subprocess.CompletedProc
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+def run_fleet(args: list[str], timeout: float = 420) -> subprocess.CompletedProcess:
+    return run_bounded(fleet_cmd(*args), timeout)
 
 
 def read_metrics(run: Path) -> list[dict]:
@@ -60,18 +58,7 @@ FAILING_SIMULATE = (
 
 
 def run_failing(config: str, overrides: dict, timeout: float = 420) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-c", FAILING_SIMULATE, config, json.dumps(overrides)]
-    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+    return run_bounded([sys.executable, "-c", FAILING_SIMULATE, config, json.dumps(overrides)], timeout)
 
 
 def test_device_failing_mid_round_does_not_stop_the_fleet(tmp_path):

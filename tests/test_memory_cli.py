@@ -32,24 +32,8 @@ def test_plan_memory_json_and_files(tmp_path, capsys):
     out = tmp_path / "plan.yaml"
     spill = tmp_path / "spill"
     code = run(
-        [
-            "plan-memory",
-            "--model",
-            "resnet18",
-            "--batch-size",
-            "2",
-            "--input-size",
-            "32",
-            "--budget-fraction",
-            "0.4",
-            "--spill-dir",
-            str(spill),
-            "--repeats",
-            "1",
-            "--out",
-            str(out),
-            "--json",
-        ]
+        "plan-memory --model resnet18 --batch-size 2 --input-size 32 --budget-fraction 0.4 "
+        f"--spill-dir {spill} --repeats 1 --out {out} --json".split()
     )
     assert code == 0
     result = json.loads(capsys.readouterr().out)
@@ -64,21 +48,8 @@ def test_plan_memory_json_and_files(tmp_path, capsys):
 
 def test_plan_memory_table_and_frozen_by_name(tmp_path, capsys):
     code = run(
-        [
-            "plan-memory",
-            "--model",
-            "resnet18",
-            "--batch-size",
-            "2",
-            "--budget-mb",
-            "1",
-            "--frozen-below",
-            "layer3.0",
-            "--spill-dir",
-            str(tmp_path),
-            "--repeats",
-            "1",
-        ]
+        "plan-memory --model resnet18 --batch-size 2 --budget-mb 1 --frozen-below layer3.0 "
+        f"--spill-dir {tmp_path} --repeats 1".split()
     )
     assert code == 0
     text = capsys.readouterr().out
@@ -91,56 +62,15 @@ def test_plan_memory_errors(tmp_path):
         match=r"^memory budget 0\.01 MB is infeasible for resnet18 at batch 2; the smallest feasible budget is "
         r"([0-9.]+) MB \(--budget-mb \1, or --budget-fraction [0-9.]+ of the unconstrained [0-9.]+ MB\)$",
     ):
-        run(
-            [
-                "plan-memory",
-                "--model",
-                "resnet18",
-                "--batch-size",
-                "2",
-                "--budget-mb",
-                "0.01",
-                "--spill-dir",
-                str(tmp_path),
-                "--repeats",
-                "1",
-            ]
-        )
+        run(f"plan-memory --model resnet18 --batch-size 2 --budget-mb 0.01 --spill-dir {tmp_path} --repeats 1".split())
     with pytest.raises(
         ConfigError, match=r"^budget_mb: got -1\.0; use a positive number of MB, e\.g\. --budget-mb 20$"
     ):
-        run(
-            [
-                "plan-memory",
-                "--model",
-                "resnet18",
-                "--batch-size",
-                "2",
-                "--budget-mb",
-                "-1",
-                "--spill-dir",
-                str(tmp_path),
-                "--repeats",
-                "1",
-            ]
-        )
+        run(f"plan-memory --model resnet18 --batch-size 2 --budget-mb -1 --spill-dir {tmp_path} --repeats 1".split())
     with pytest.raises(ConfigError, match="--frozen-below: 'layer9' is not a block"):
         run(
-            [
-                "plan-memory",
-                "--model",
-                "resnet18",
-                "--batch-size",
-                "2",
-                "--budget-mb",
-                "1",
-                "--frozen-below",
-                "layer9",
-                "--spill-dir",
-                str(tmp_path),
-                "--repeats",
-                "1",
-            ]
+            "plan-memory --model resnet18 --batch-size 2 --budget-mb 1 --frozen-below layer9 "
+            f"--spill-dir {tmp_path} --repeats 1".split()
         )
     with pytest.raises(SystemExit):  # argparse: exactly one budget flag
         run(["plan-memory", "--model", "resnet18", "--budget-mb", "1", "--budget-fraction", "0.5"])
@@ -165,25 +95,8 @@ def test_budget_errors_name_the_commands_flags():
 
 def test_bench_memory_json(tmp_path, capsys):
     code = run(
-        [
-            "bench",
-            "memory",
-            "--model",
-            "resnet18",
-            "--budget-fraction",
-            "0.5",
-            "--batch-size",
-            "2",
-            "--repeats",
-            "1",
-            "--profile-repeats",
-            "1",
-            "--rho",
-            "0.5",
-            "--spill-dir",
-            str(tmp_path),
-            "--json",
-        ]
+        "bench memory --model resnet18 --budget-fraction 0.5 --batch-size 2 --repeats 1 "
+        f"--profile-repeats 1 --rho 0.5 --spill-dir {tmp_path} --json".split()
     )
     assert code == 0
     result = json.loads(capsys.readouterr().out)

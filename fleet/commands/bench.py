@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from fleet.commands.common import model_kwargs
+
 
 def _model_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--profile", help="device profile YAML (else one is measured now)")
@@ -53,14 +55,7 @@ def _profile(args: argparse.Namespace):
             "train": {"batch_size": args.batch_size},
         }
     )
-    return measure_profile(
-        args.model,
-        args.batch_size,
-        args.input_size,
-        num_classes=args.num_classes,
-        in_channels=args.in_channels,
-        small_input=args.small_input,
-    )
+    return measure_profile(args.model, args.batch_size, args.input_size, **model_kwargs(args))
 
 
 def _emit(result: dict, as_json: bool, lines: list[str]) -> None:

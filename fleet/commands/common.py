@@ -68,3 +68,8 @@ def config_from_args(args: argparse.Namespace) -> ExperimentConfig:
         if value is not None:
             overrides[path] = value
     return load_config(args.config, overrides)
+
+
+def model_kwargs(args: argparse.Namespace) -> dict:
+    """The model flags the benchmark commands share, as keyword arguments of their entry functions."""
+    return {"num_classes": args.num_classes, "in_channels": args.in_channels, "small_input": args.small_input}

@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
+from fleet.commands.common import model_kwargs
 from fleet.errors import ConfigError
 
 
@@ -178,13 +179,11 @@ def run_bench(args: argparse.Namespace) -> int:
             profile_repeats=args.profile_repeats,
             rho=args.rho,
             spill_dir=args.spill_dir,
-            num_classes=args.num_classes,
-            in_channels=args.in_channels,
-            small_input=args.small_input,
             objective=args.objective,
             sync=args.sync,
             overlap=args.overlap,
             seed=args.seed,
+            **model_kwargs(args),
         )
     if args.json:
         print(json.dumps(out))

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fleet.data import ArrayDataset, batches
+from fleet.data import ArrayDataset
 from fleet.device_profile import DeviceProfile
 from fleet.experiment import trainer_options
 from fleet.federated import keys
@@ -203,17 +203,7 @@ def select_for_round(
 
 def train_steps(trainer: Trainer, train: ArrayDataset, steps: int) -> list[float]:
     """``steps`` local steps, re-shuffling on every pass over the device's data."""
-    endless = (
-        xy
-        for _ in itertools.count()
-        for xy in batches(
-            train,
-            trainer.options.batch_size,
-            shuffle=True,
-            generator=trainer.generator,
-            input_size=trainer.options.input_size,
-        )
-    )
+    endless = (xy for _ in itertools.count() for xy in trainer.shuffled_batches(train))
     return [trainer.train_step(x, y) for x, y in itertools.islice(endless, steps)]
 
 

@@ -154,9 +154,7 @@ class Trainer:
         if importance is None:
             if probe is None:
                 raise ValueError("reselect needs a probe batch or the importance to select by")
-            importance = evaluate_importance(
-                self.model, self.params, self.optimizer, *probe, step_context=self.step_context
-            )
+            importance = self.probe_importance(probe)
         importance = list(importance)
         ranked = policy.blend(importance, self.names) if policy.blend is not None else importance
         budget = policy.budget_s if policy.budget_s is not None else self.profile.backward_budget(self.options.rho)
@@ -181,6 +179,11 @@ class Trainer:
         selection = Selection(self.step_count, epoch, mask, importance, self.profile.step_time(mask))
         self.selections.append(selection)
         return selection
+
+    def probe_importance(self, probe: tuple[torch.Tensor, torch.Tensor]) -> list[float]:
+        """Each tensor's importance on the ``probe`` batch, under the memory plan for full training;
+        the model, the optimizer and the selection are left as they were."""
+        return evaluate_importance(self.model, self.params, self.optimizer, *probe, step_context=self.step_context)
 
     def memory_added_s(self) -> float:
         """Seconds the memory plan for the current selection adds to one step on this device (its

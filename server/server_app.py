@@ -119,7 +119,6 @@ def run_round(
     """One round: train, aggregate, evaluate, advance the clocks; (new global arrays, metrics record)."""
     state, timeout = strategy.state, cfg.federation.timeout_s
     started = time.perf_counter()
-    rejected_before = len(state.replies.rejections)
     record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
     deadline = strategy.round_deadline()
     replies = grid.send_and_receive(
@@ -135,9 +134,7 @@ def run_round(
     accuracy = None if accuracy is None else dict(accuracy)
     rt = round_time(state.replies.train, cfg.federation.bandwidth_bytes_per_s)
     state.finish_round(server_round, rt, time.perf_counter() - started)
-    return arrays, round_record(
-        state, cfg.federation.strategy, deadline, rt, accuracy, strategy.param_names, rejected_before
-    )
+    return arrays, round_record(state, cfg.federation.strategy, deadline, rt, accuracy, strategy.param_names)
 
 
 def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool) -> dict:

@@ -28,7 +28,7 @@ from fleet.federated.aggregate import (
     weight_problem,
     weighted_mean,
 )
-from fleet.federated.state import ServerState
+from fleet.federated.state import RoundReplies, ServerState
 
 log = logging.getLogger("fleet.server")
 
@@ -90,14 +90,15 @@ class ElasticFedAvg(FedAvg):
         self.blend = blend
 
     def round_deadline(self) -> float:
-        full_times = {int(k): v for k, v in self.state.full_times.items()}
-        return round_deadline(self.method, self.deadline_s, self.deadline_factor, full_times, self.full_upload_s)
+        return round_deadline(
+            self.method, self.deadline_s, self.deadline_factor, self.state.full_times, self.full_upload_s
+        )
 
     # --- training ---------------------------------------------------------
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        self.state.replies.sent = {name: arr.numpy() for name, arr in arrays.items()}
+        self.state.replies = RoundReplies(sent={name: arr.numpy() for name, arr in arrays.items()})
         config = ConfigRecord(dict(config))
         config[keys.STRATEGY] = self.method
         config[keys.DEADLINE_S] = float(self.round_deadline())

@@ -115,7 +115,7 @@ def global_importance(
 
 
 def round_deadline(
-    method: str, deadline_s: float | None, deadline_factor: float, full_times: Mapping[int, float], full_upload_s: float
+    method: str, deadline_s: float | None, deadline_factor: float, full_times: Mapping[str, float], full_upload_s: float
 ) -> float:
     """0 (train fully) for FedAvg; else the configured deadline or the fastest device's round time
     when it trains fully: its full-training time plus, when the deadline covers uploads, the

@@ -48,7 +48,7 @@ def partition_of(cfg: FleetConfig, node_config: dict[str, Any]) -> int:
 def device_profile(
     cfg: FleetConfig, model: nn.Module | None, node_config: dict[str, Any], state_dir: Path
 ) -> DeviceProfile:
-    """This device's measured profile (node config ``profile`` or the config's), times its tier.
+    """This device's measured profile (node config ``profile`` or the config's), before its tier.
 
     A device with neither measures itself once and keeps the result in its state directory.
     """

@@ -24,7 +24,6 @@ from fleet.device_profile import DeviceProfile
 from fleet.experiment import trainer_options
 from fleet.federated import keys
 from fleet.federated.config import FleetConfig
-from fleet.importance import evaluate_importance
 from fleet.memory.budgeted import MemoryBudget
 from fleet.models import head_parameter_names
 from fleet.policies import Blend, SelectionPolicy, Window
@@ -50,9 +49,14 @@ class RoundResult:
     state: dict  # device state to keep for the next round
 
 
+def full_round_time(cfg: FleetConfig, profile: DeviceProfile) -> float:
+    """Seconds the round's local steps take on this device when it trains every tensor."""
+    return cfg.federation.local_steps * profile.full_step_time
+
+
 def device_rho(cfg: FleetConfig, profile: DeviceProfile, deadline_s: float) -> tuple[float, float]:
     """(rho, full-training time of this round's local work) from the deadline and the device's profile."""
-    full = cfg.federation.local_steps * profile.full_step_time
+    full = full_round_time(cfg, profile)
     if deadline_s <= 0:
         return 1.0, full
     rho = min(1.0, deadline_s / full)
@@ -115,7 +119,7 @@ class RoundBudget:
 
 def round_budget(cfg: FleetConfig, trainer: Trainer, plan: RoundPlan) -> RoundBudget:
     fed = cfg.federation
-    full = fed.local_steps * trainer.profile.full_step_time
+    full = full_round_time(cfg, trainer.profile)
     deadline = plan.deadline_s if plan.strategy != "fedavg" else 0.0
     if not fed.deadline_includes_upload:
         return RoundBudget(deadline, full, [0.0] * len(trainer.names), 0.0)
@@ -186,15 +190,11 @@ def select_for_round(
     budget = round_budget(cfg, trainer, plan)
     importance = [float(v) for v in prev_state.get("importance", [])]
     imp_round = int(prev_state.get("importance_round", -(10**9)))
-    if budget.trains_fully:
-        trainer.set_mask([True] * len(trainer.names))
+    if budget.trains_fully:  # the round's trainer starts with every tensor selected (method "full")
         return 0.0, importance, imp_round
     probe_cost = 0.0
     if len(importance) != len(trainer.names) or plan.server_round - imp_round >= cfg.federation.importance_interval:
-        x, y = trainer.probe_batch(train)
-        importance = evaluate_importance(
-            trainer.model, trainer.params, trainer.optimizer, x, y, step_context=trainer.step_context
-        )
+        importance = trainer.probe_importance(trainer.probe_batch(train))
         imp_round = plan.server_round
         probe_cost = PROBE_STEPS * (trainer.profile.full_step_time + trainer.memory_added_s())
     trainer.reselect(importance=importance, policy=round_policy(cfg, trainer, plan, budget, probe_cost))
@@ -268,7 +268,7 @@ def round_metrics(
 ) -> dict[str, float | int]:
     """The reply's metrics (see :mod:`fleet.federated.keys`)."""
     profile, mask, params = trainer.profile, trainer.mask, trainer.params
-    full_time = cfg.federation.local_steps * profile.full_step_time
+    full_time = full_round_time(cfg, profile)
     trained = sum(p.numel() for p, m in zip(params, mask) if m)
     return {
         keys.TIER: profile.speed_factor,

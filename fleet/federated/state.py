@@ -28,12 +28,12 @@ CHECKPOINT_FILE = "checkpoint.pt"
 
 @dataclass
 class RoundReplies:
-    """What one round's replies brought (not checkpointed: a resumed round is run again)."""
+    """What one round's replies brought; a new one each round (not checkpointed: a resumed round is run again)."""
 
     sent: dict[str, np.ndarray] = field(default_factory=dict)  # the global arrays the round started from
     train: list[dict] = field(default_factory=list)  # accepted train replies' metrics, with node_id
     evaluation: list[dict] = field(default_factory=list)  # accepted evaluate replies' metrics, with node_id
-    rejections: list[Rejection] = field(default_factory=list)  # every rejection of the run so far
+    rejections: list[Rejection] = field(default_factory=list)  # train replies the round went on without
     senders: dict[str, int] = field(default_factory=dict)  # tensor -> devices that trained it this round
 
 

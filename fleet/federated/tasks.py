@@ -32,7 +32,7 @@ from fleet.federated.device import (
     state_dir_of,
     tier_of,
 )
-from fleet.federated.round import RoundPlan, RoundResult, local_round
+from fleet.federated.round import RoundPlan, RoundResult, full_round_time, local_round
 from fleet.federated.split import device_data
 from fleet.trainer import accuracy
 
@@ -74,7 +74,7 @@ def query(device: Device) -> dict[str, float | int]:
     return {
         keys.PARTITION_ID: device.partition_id,
         keys.TIER: profile.speed_factor,
-        keys.FULL_TIME_S: device.cfg.federation.local_steps * profile.full_step_time,
+        keys.FULL_TIME_S: full_round_time(device.cfg, profile),
         keys.MIN_RHO: profile.min_rho,
     }
 

@@ -54,7 +54,6 @@ def round_record(
     round_time_s: float,
     accuracy: dict | None,
     param_names: list[str],
-    rejected_before: int,
 ) -> dict:
     """The metrics.jsonl line of the round ``state`` has just finished."""
     train = state.replies.train
@@ -71,7 +70,7 @@ def round_record(
         "personal_accuracy_p10": p10([d["personal_accuracy"] for d in devices if "personal_accuracy" in d]),
         "bytes_uploaded": int(sum(d.get(keys.BYTES_UPLOADED, 0) for d in train)),
         "tensors_trained_by_nobody": sum(1 for k in param_names if k not in state.replies.senders),
-        "rejections": [r.as_dict() for r in state.replies.rejections[rejected_before:]],
+        "rejections": [r.as_dict() for r in state.replies.rejections],
         "devices": devices,
     }
 

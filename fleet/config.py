@@ -40,6 +40,12 @@ class DataConfig:
     classes: list[int] | None = None  # keep these labels (remapped to 0..n-1)
     train_per_class: int | None = None  # cap training samples per class (a device's small local set)
     test_per_class: int | None = None
+    # The fleet's label space in order, shared by every device: a device's class folders map onto it
+    # by name, so label ids agree across the fleet even when a device holds only some classes.
+    class_names: list[str] | None = None
+    # Simulation: one sub-folder per device, each a device's own image tree named for the device
+    # (a natural per-user partition, like LEAF's FEMNIST writers).
+    device_roots: str | None = None
 
 
 @dataclass
@@ -89,6 +95,17 @@ LABELS_RULE = (
 )
 _OPTIONAL_COUNT = (lambda v: v is None or v >= 1, "an integer >= 1 or null")
 
+
+def _folder_name(name: str) -> bool:
+    """A class name must be usable as one folder name: not empty, no '/', not hidden (hidden entries are skipped)."""
+    return bool(name.strip()) and "/" not in name and not name.startswith(".")
+
+
+CLASS_NAMES_RULE = (
+    lambda v: v is None or (len(v) >= 2 and len(set(v)) == len(v) and all(_folder_name(n) for n in v)),
+    "a list of >= 2 distinct non-empty class names without '/' and not starting with '.', or null",
+)
+
 # Checks beyond the type: field path -> (predicate, what is allowed).
 RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "model.num_classes": (lambda v: v >= 2, "an integer >= 2"),
@@ -97,6 +114,8 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "data.classes": LABELS_RULE,
     "data.train_per_class": _OPTIONAL_COUNT,
     "data.test_per_class": _OPTIONAL_COUNT,
+    "data.class_names": CLASS_NAMES_RULE,
+    "data.device_roots": (lambda v: v is None or bool(v.strip()), "a folder path or null"),
     "train.method": (lambda v: v in METHODS, "one of " + ", ".join(METHODS)),
     "train.epochs": (lambda v: v >= 1, "an integer >= 1"),
     "train.batch_size": (lambda v: v >= 1, "an integer >= 1"),
@@ -193,7 +212,24 @@ def build_dataclass(cls: type, data: Any, prefix: str) -> Any:
         path = f"{prefix}.{f.name}" if prefix else f.name
         if path in RULES and not RULES[path][0](getattr(obj, f.name)):
             raise ConfigError(f"{path}: {getattr(obj, f.name)!r} is not allowed; use {RULES[path][1]}")
+    if isinstance(obj, ExperimentConfig):  # the fleet's config too: FleetConfig is an ExperimentConfig
+        check_experiment(obj)
     return obj
+
+
+def check_experiment(cfg: ExperimentConfig) -> None:
+    """Checks that span sections, so one field alone cannot express them."""
+    names = cfg.data.class_names
+    if names is not None and len(names) != cfg.model.num_classes:
+        raise ConfigError(
+            f"data.class_names: lists {len(names)} classes but model.num_classes is {cfg.model.num_classes}; "
+            "name every class of the model once, in label order, or change model.num_classes"
+        )
+    if cfg.data.device_roots is not None and names is None:
+        raise ConfigError(
+            "data.device_roots: needs data.class_names to map each device's class folders onto shared label ids; "
+            "list the fleet's class names in order under data.class_names"
+        )
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import os
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,21 @@ _STATS: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
     "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
 }
+GRAY_MODES = ("1", "L", "LA", "I", "I;16", "F")  # PIL modes read as one channel
+
+
+def norm_stats(dataset: str, channels: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Fixed normalisation constants for ``channels``-channel images of ``dataset``.
+
+    Fixed rather than measured because every device must normalise the same way: a mean taken
+    over one device's own images would shift its inputs relative to the other devices' and the
+    shared model would see differently scaled data on each. Known datasets keep their published
+    constants; anything else gets a neutral 0.5 / 0.25 per channel (uint8 images span [0, 1]).
+    """
+    stats = _STATS.get("fashion-mnist" if dataset == "fashion-mnist-torchvision" else dataset)
+    if stats is not None and len(stats[0]) == channels:
+        return stats
+    return (0.5,) * channels, (0.25,) * channels
 
 
 @dataclass
@@ -101,15 +117,17 @@ class ArrayDataset:
 _IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 
-def read_idx(path: str | os.PathLike) -> np.ndarray:
-    """Read an IDX file (MNIST's format), gzipped or raw, detected by content not name."""
+def read_idx(path: str | os.PathLike, field: str = "data.root") -> np.ndarray:
+    """Read an IDX file (MNIST's format), gzipped or raw, detected by content not name.
+
+    ``field`` starts the error messages: the setting that pointed here."""
     p = Path(path)
     raw = p.read_bytes()
     if raw[:2] == b"\x1f\x8b":
         raw = gzip.decompress(raw)
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
         raise DataError(
-            f"data.root: {str(p)!r} is not an IDX file (bad magic {raw[:4].hex()}); re-install or re-download it"
+            f"{field}: {str(p)!r} is not an IDX file (bad magic {raw[:4].hex()}); re-install or re-download it"
         )
     ndim = raw[3]
     header = 4 + 4 * ndim
@@ -118,13 +136,14 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if len(raw) - header != expected:
         raise DataError(
-            f"data.root: {str(p)!r} is truncated ({len(raw) - header} of {expected} data bytes); re-install "
+            f"{field}: {str(p)!r} is truncated ({len(raw) - header} of {expected} data bytes); re-install "
             "or re-download it"
         )
     return np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
 
 
-def _find_idx(root: Path, stem: str) -> Path | None:
+def find_idx(root: Path, stem: str) -> Path | None:
+    """``root/stem.gz`` or ``root/stem``, whichever exists (gzipped first)."""
     for candidate in (root / f"{stem}.gz", root / stem):
         if candidate.is_file():
             return candidate
@@ -133,7 +152,7 @@ def _find_idx(root: Path, stem: str) -> Path | None:
 
 def _fashion_missing(root: Path) -> list[str]:
     stems = [f"{s}-{k}-idx{d}-ubyte" for s in ("train", "t10k") for k, d in (("images", 3), ("labels", 1))]
-    return [f"{s}.gz" for s in stems if _find_idx(root, s) is None]
+    return [f"{s}.gz" for s in stems if find_idx(root, s) is None]
 
 
 def _fashion_fix(root: Path, missing: Sequence[str]) -> str:
@@ -146,8 +165,8 @@ def _fashion_fix(root: Path, missing: Sequence[str]) -> str:
 
 def _load_fashion_idx(root: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
     prefix = "train" if split == "train" else "t10k"
-    images_path = _find_idx(root, f"{prefix}-images-idx3-ubyte")
-    labels_path = _find_idx(root, f"{prefix}-labels-idx1-ubyte")
+    images_path = find_idx(root, f"{prefix}-images-idx3-ubyte")
+    labels_path = find_idx(root, f"{prefix}-labels-idx1-ubyte")
     if images_path is None or labels_path is None:
         raise DataError(_fashion_fix(root, _fashion_missing(root) or [f"{prefix}-images-idx3-ubyte.gz"]))
     images, labels = read_idx(images_path), read_idx(labels_path)
@@ -201,55 +220,98 @@ def _load_torchvision(name: str, root: Path, split: str) -> tuple[np.ndarray, np
 # ---------------------------------------------------------------- image folders
 
 
-def _class_dirs(folder: Path) -> list[str]:
+def class_dirs(folder: Path) -> list[str]:
+    """Names of the non-hidden sub-folders of ``folder``, sorted."""
     return sorted(d.name for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
 
 
-def _image_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+def image_files(folder: Path) -> list[Path]:
+    """Images anywhere below ``folder``, sorted; hidden files and folders (``.DS_Store``, macOS ``._x.png``
+    forks, ``.thumbnails/``) are skipped since they are not the user's images."""
+    return sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file()
+        and p.suffix.lower() in IMAGE_EXTENSIONS
+        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
+
+
+def read_image(path: Path, mode: str, size: tuple[int, int] | None, field: str = "data.root") -> np.ndarray:
+    """One image as uint8 (C, H, W) in PIL ``mode`` ("L" or "RGB"), resized to ``size`` (W, H) unless None.
+
+    A file PIL cannot open or decode (corrupt, truncated, not an image) is a one-line DataError
+    naming it, so one bad file on a device never ends in a traceback.
+    """
+    from PIL import Image
+
+    with _readable(path, field), Image.open(path) as img:
+        img = img.convert(mode)
+        if size is not None and img.size != size:
+            img = img.resize(size, Image.BILINEAR)
+        arr = np.asarray(img, dtype=np.uint8)
+    return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
+
+
+@contextmanager
+def _readable(path: Path, field: str) -> Iterator[None]:
+    """Turn whatever PIL raises on a bad file (corrupt, truncated, not an image) into one line naming it."""
+    from PIL import Image
+
+    try:
+        yield
+    except Image.UnidentifiedImageError:
+        reason = "not an image format PIL recognises"
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        reason = " ".join((str(exc) or type(exc).__name__).split())
+    else:
+        return
+    raise DataError(f"{field}: image {path} cannot be read ({reason}); remove or replace it")
+
+
+def _image_mode(path: Path, field: str = "data.root") -> tuple[bool, tuple[int, int]]:
+    """(grayscale?, (W, H)) of the first image, which fixes a dataset's channels and size."""
+    from PIL import Image
+
+    with _readable(path, field), Image.open(path) as img:
+        return img.mode in GRAY_MODES, img.size
 
 
 def _load_imagefolder(root: Path, split: str) -> tuple[np.ndarray, np.ndarray, int, tuple, tuple]:
     """ImageFolder layout root/<split>/<class>/*.png; the train split fixes classes, size, channels and stats."""
-    from PIL import Image
-
     split_dir = root / split
     if not split_dir.is_dir():
         raise DataError(f"data.root: {split_dir} is not a folder; lay images out as {root}/<train|test>/<class>/*.png")
     reference = root / "train" if (root / "train").is_dir() else split_dir
-    classes = _class_dirs(reference)
-    extra = sorted(set(_class_dirs(split_dir)) - set(classes))
+    classes = class_dirs(reference)
+    extra = sorted(set(class_dirs(split_dir)) - set(classes))
     if extra:
         raise DataError(
             f"data.root: class folder {extra[0]!r} in {split_dir} is absent from {reference}; add it there or remove it"
         )
-    ref_files = [f for c in classes for f in _image_files(reference / c)]
-    if not classes or not ref_files:
+    if not classes:
         raise DataError(f"data.root: no images under {reference}; expected {reference}/<class>/*.png or *.jpg")
-    with Image.open(ref_files[0]) as first:
-        gray = first.mode in ("1", "L", "LA", "I", "I;16", "F")
-        size = first.size
+    by_class = {c: image_files(reference / c) for c in classes}
+    empty = [c for c in classes if not by_class[c]]
+    if empty:  # counted as a class, it would add a label no image carries
+        raise DataError(
+            f"data.root: class folder {reference / empty[0]} holds no images ({', '.join(IMAGE_EXTENSIONS)}); "
+            "add the class's images or remove the folder"
+        )
+    ref_files = [f for c in classes for f in by_class[c]]
+    gray, size = _image_mode(ref_files[0])
     mode = "L" if gray else "RGB"
-
-    def read(path: Path) -> np.ndarray:
-        with Image.open(path) as img:
-            img = img.convert(mode)
-            if img.size != size:
-                img = img.resize(size, Image.BILINEAR)
-            arr = np.asarray(img, dtype=np.uint8)
-        return arr[None] if gray else arr.transpose(2, 0, 1)
-
     files, labels = [], []
     for label, cls in enumerate(classes):
         if (split_dir / cls).is_dir():
-            found = _image_files(split_dir / cls)
+            found = by_class[cls] if split_dir == reference else image_files(split_dir / cls)
             files += found
             labels += [label] * len(found)
     if not files:
         raise DataError(f"data.root: no images under {split_dir}; expected {split_dir}/<class>/*.png or *.jpg")
-    images = np.stack([read(f) for f in files])
+    images = np.stack([read_image(f, mode, size) for f in files])
     sample = [ref_files[i] for i in np.linspace(0, len(ref_files) - 1, min(512, len(ref_files))).astype(int)]
-    ref = images if reference == split_dir else np.stack([read(f) for f in sample])
+    ref = images if reference == split_dir else np.stack([read_image(f, mode, size) for f in sample])
     flat = ref.transpose(1, 0, 2, 3).reshape(ref.shape[1], -1).astype(np.float64) / 255.0
     mean = tuple(float(m) for m in flat.mean(axis=1))
     std = tuple(max(float(s), 1e-3) for s in flat.std(axis=1))

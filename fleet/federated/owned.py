@@ -1,0 +1,58 @@
+"""Device-owned data from the fleet config: each device reads its own image tree.
+
+Thin glue between :mod:`fleet.folders` (the reader) and the fleet's config, so the deployed node
+(``data-root`` in its node config), the simulation (``data.device_roots``) and ``fleet device check``
+read a device's files with exactly the same settings. No Flower here: this runs on a device
+before anything is sent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fleet.data import norm_stats
+from fleet.errors import ConfigError, DataError
+from fleet.federated.config import FleetConfig, resolve_path
+from fleet.folders import OwnedData, load_owned
+
+
+def owned_data(cfg: FleetConfig, root: str | Path, field: str) -> OwnedData:
+    """The device's train and held-out test sets from the tree at ``root``; ``field`` names where ``root`` came from.
+
+    The normalisation is the fleet's fixed one (:func:`fleet.data.norm_stats`), never the device's own.
+    """
+    channels = cfg.model.in_channels
+    mean, std = norm_stats(cfg.data.dataset, channels)
+    return load_owned(
+        root,
+        cfg.data.class_names,
+        channels=channels,
+        size=cfg.data.input_size,
+        mean=mean,
+        std=std,
+        test_fraction=cfg.federation.test_fraction,
+        seed=cfg.train.seed,
+        field=field,
+    )
+
+
+def device_roots(cfg: FleetConfig) -> list[Path]:
+    """Simulation: the devices' own trees, the sorted non-hidden sub-folders of ``data.device_roots``."""
+    if cfg.data.device_roots is None:
+        raise ConfigError(
+            "data.device_roots: not set; point it at a folder holding one sub-folder per device "
+            "(<device>/<class>/*.png)"
+        )
+    folder = resolve_path(cfg.data.device_roots)
+    if not folder.is_dir():
+        raise DataError(
+            f"data.device_roots: {folder} is not a folder; point it at a folder holding one sub-folder per device "
+            "(<device>/<class>/*.png)"
+        )
+    devices = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not devices:
+        raise DataError(
+            f"data.device_roots: {folder} holds no device sub-folders; put each device's images in "
+            f"{folder}/<device>/<class>/*.png"
+        )
+    return devices

@@ -5,12 +5,14 @@ Each handler unpacks the Message, calls the device's Flower-free task in
 
 train:    the global tensors and the round's config in; only the trained tensors out.
 evaluate: accuracy of the global model and of this device's personalized model.
-query:    this device's full-training time for a round (the server's default deadline).
+query:    who the device is, and its full-training time for a round (the server's default deadline).
+
+Every reply carries the device's name in a ConfigRecord (MetricRecords hold numbers only).
 """
 
 from __future__ import annotations
 
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fleet.federated import keys, tasks
@@ -23,8 +25,10 @@ def device_of(context: Context) -> tasks.Device:
     return tasks.Device.from_configs(config_from_run_config(dict(context.run_config)), context.node_config)
 
 
-def _reply(msg: Message, metrics: dict, arrays: ArrayRecord | None = None) -> Message:
-    content = RecordDict({keys.METRICS: MetricRecord(metrics)})
+def _reply(msg: Message, device: tasks.Device, metrics: dict, arrays: ArrayRecord | None = None) -> Message:
+    content = RecordDict(
+        {keys.METRICS: MetricRecord(metrics), keys.DEVICE: ConfigRecord({keys.DEVICE_NAME: device.name})}
+    )
     if arrays is not None:
         content[keys.ARRAYS] = arrays
     return Message(content, reply_to=msg)
@@ -32,19 +36,22 @@ def _reply(msg: Message, metrics: dict, arrays: ArrayRecord | None = None) -> Me
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    return _reply(msg, tasks.query(device_of(context)))
+    device = device_of(context)
+    return _reply(msg, device, tasks.query(device))
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
+    device = device_of(context)
     weights = msg.content[keys.ARRAYS].to_torch_state_dict()
-    result = tasks.train(device_of(context), weights, msg.content[keys.CONFIG])
-    return _reply(msg, result.metrics, ArrayRecord.from_torch_state_dict(result.arrays))
+    result = tasks.train(device, weights, msg.content[keys.CONFIG])
+    return _reply(msg, device, result.metrics, ArrayRecord.from_torch_state_dict(result.arrays))
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     has_config = keys.CONFIG in msg.content.config_records
     run_tag = str(msg.content[keys.CONFIG].get(keys.RUN_TAG, "")) if has_config else None
+    device = device_of(context)
     weights = msg.content[keys.ARRAYS].to_torch_state_dict()
-    return _reply(msg, tasks.evaluate(device_of(context), weights, run_tag))
+    return _reply(msg, device, tasks.evaluate(device, weights, run_tag))

@@ -13,19 +13,20 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import Array, ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from fleet.errors import FleetError
 from fleet.experiment import make_model
-from fleet.federated import keys
-from fleet.federated.aggregate import error_summary
 from fleet.federated.config import FleetConfig, config_from_run_config, run_dir
-from fleet.federated.state import ServerState, keep_previous_run, load_checkpoint, save_checkpoint
+from fleet.federated.membership import full_times, name_of, record_attendance, sample
+from fleet.federated.state import RoundReplies, ServerState, keep_previous_run, load_checkpoint, save_checkpoint
 from fleet.federated.tracking import Tracker, plot_run, progress_line, round_record, round_time
+from server.mailbox import Mailbox
+from server.roster import Membership, connected_nodes, wait_for_devices
 from server.strategy import ElasticFedAvg
 
 app = ServerApp()
@@ -39,39 +40,6 @@ def initial_arrays(cfg: FleetConfig) -> dict[str, np.ndarray]:
 
 def param_names(cfg: FleetConfig) -> list[str]:
     return [n for n, _ in make_model(cfg.model, cfg.train.seed).named_parameters()]
-
-
-def wait_for_devices(grid: Grid, cfg: FleetConfig, timeout: float) -> list[int]:
-    """The connected devices once all ``federation.num_devices`` are there; a FleetError after
-    ``timeout`` seconds (a SuperNode that never starts, or a simulation backend that died
-    while starting, would otherwise leave the server waiting forever)."""
-    want = cfg.federation.num_devices
-    deadline = time.monotonic() + timeout
-    node_ids = list(grid.get_node_ids())
-    while len(node_ids) < want:
-        if time.monotonic() > deadline:
-            raise FleetError(
-                f"only {len(node_ids)} of {want} devices connected within {timeout:.0f}s (federation.timeout_s); "
-                "start the missing SuperNodes or lower federation.num_devices"
-            )
-        log.info("waiting for devices: %d of %d connected", len(node_ids), want)
-        time.sleep(1.0)
-        node_ids = list(grid.get_node_ids())
-    return node_ids
-
-
-def query_full_times(grid: Grid, node_ids: list[int], timeout: float) -> dict[str, float]:
-    """Ask every device for its full-training time of one round (for the default deadline)."""
-    content = RecordDict({keys.CONFIG: ConfigRecord({})})
-    messages = [Message(content, dst_node_id=n, message_type=MessageType.QUERY) for n in node_ids]
-    times = {}
-    for reply in grid.send_and_receive(messages, timeout=timeout):
-        node = reply.metadata.src_node_id
-        if reply.has_error():
-            log.warning("device on node %d could not report its profile: %s", node, error_summary(reply.error.reason))
-            continue
-        times[str(node)] = float(reply.content[keys.METRICS][keys.FULL_TIME_S])
-    return times
 
 
 def out_of_time(cfg: FleetConfig, state: ServerState) -> bool:
@@ -113,31 +81,91 @@ def make_strategy(cfg: FleetConfig, state: ServerState, arrays: dict[str, np.nda
     )
 
 
-def run_round(
-    grid: Grid, cfg: FleetConfig, strategy: ElasticFedAvg, arrays: dict[str, np.ndarray], server_round: int
-) -> tuple[dict[str, np.ndarray], dict]:
-    """One round: train, aggregate, evaluate, advance the clocks; (new global arrays, metrics record)."""
-    state, timeout = strategy.state, cfg.federation.timeout_s
-    started = time.perf_counter()
+def round_bounds(ctx: RoundContext, deadline: float, nodes: list[str]) -> tuple[float, float]:
+    """(train, evaluate) wall-time bounds of a round. Deployed: the deadline (a FedAvg round: the
+    slowest sampled device's full round and upload) plus ``grace_s``, and ``grace_s`` to evaluate.
+    Simulated devices share this machine's CPUs, so their wall time is not the deadline's:
+    ``timeout_s`` bounds both."""
+    fed, strategy = ctx.cfg.federation, ctx.strategy
+    if ctx.simulated:
+        return fed.timeout_s, fed.timeout_s
+    expected = deadline
+    if expected <= 0:
+        expected = max(full_times(strategy.state.roster, nodes).values(), default=0.0) + strategy.full_upload_s
+    return expected + fed.grace_s, fed.grace_s
+
+
+@dataclass
+class TrainPhase:
+    """What the train half of a round leaves for the evaluate half and the record."""
+
+    arrays: dict[str, np.ndarray]
+    record: ArrayRecord
+    answered: list[str]  # nodes whose train reply came in (accepted or not)
+    deadline_s: float
+    bound_s: float
+    eval_bound_s: float
+
+
+def train_phase(grid: Grid, ctx: RoundContext, arrays: dict[str, np.ndarray], server_round: int) -> TrainPhase:
+    """Admit, sample, send the train messages, wait until they are in or the round closes, aggregate."""
+    strategy, state, fed = ctx.strategy, ctx.strategy.state, ctx.cfg.federation
+    att = state.replies.attendance
+    eligible = ctx.members.open_round(grid, server_round, fed.timeout_s if ctx.simulated else fed.grace_s)
+    nodes = sample(eligible, fed.devices_per_round, ctx.cfg.train.seed, server_round)
+    att.sampled = [state.roster[n]["name"] for n in nodes]
+    log.info("round %d: sampled %d of %d eligible devices: %s", server_round, len(nodes), len(eligible), att.sampled)
+    deadline = strategy.round_deadline(eligible)
+    bound, eval_bound = round_bounds(ctx, deadline, nodes)
     record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
-    deadline = strategy.round_deadline()
-    replies = grid.send_and_receive(
-        strategy.configure_train(server_round, record, ConfigRecord(), grid), timeout=timeout
-    )
+    messages = strategy.train_messages(server_round, record, [int(n) for n in nodes], deadline)
+    pulled = ctx.mailbox.collect(ctx.mailbox.push(messages, "train", server_round), bound, server_round)
+    replies = ctx.members.take(pulled, connected_nodes(grid), server_round)
+    answered = sorted({str(m.metadata.src_node_id) for m in replies})
+    att.missed = record_attendance(state.roster, nodes, answered)
+    for name in att.missed:
+        log.warning("round %d: no reply from device %s within %.0fs; went on without it", server_round, name, bound)
     new_record, _ = strategy.aggregate_train(server_round, replies)
     if new_record is not None:
         arrays, record = {k: a.numpy() for k, a in new_record.items()}, new_record
-    replies = grid.send_and_receive(
-        strategy.configure_evaluate(server_round, record, ConfigRecord(), grid), timeout=timeout
-    )
-    accuracy = strategy.aggregate_evaluate(server_round, replies)
+    ok = sorted({str(m.metadata.src_node_id) for m in replies if not m.has_error()})
+    return TrainPhase(arrays, record, ok, deadline, bound, eval_bound)
+
+
+def run_round(
+    grid: Grid, ctx: RoundContext, arrays: dict[str, np.ndarray], server_round: int
+) -> tuple[dict[str, np.ndarray], dict]:
+    """One round: admit, sample, train, aggregate, evaluate, advance the clocks; (new global arrays, metrics record)."""
+    state = ctx.strategy.state
+    state.replies = RoundReplies()
+    started = time.perf_counter()
+    phase = train_phase(grid, ctx, arrays, server_round)
+    messages = ctx.strategy.evaluate_messages(server_round, phase.record, [int(n) for n in phase.answered])
+    pulled = ctx.mailbox.collect(ctx.mailbox.push(messages, "evaluate", server_round), phase.eval_bound_s, server_round)
+    replies = ctx.members.take(pulled, connected_nodes(grid), server_round)
+    accuracy = ctx.strategy.aggregate_evaluate(server_round, replies)
     accuracy = None if accuracy is None else dict(accuracy)
-    rt = round_time(state.replies.train, cfg.federation.bandwidth_bytes_per_s)
-    state.finish_round(server_round, rt, time.perf_counter() - started)
-    return arrays, round_record(state, cfg.federation.strategy, deadline, rt, accuracy, strategy.param_names)
+    rt = round_time(state.replies.train, ctx.cfg.federation.bandwidth_bytes_per_s)
+    wall = time.perf_counter() - started
+    state.finish_round(server_round, rt, wall)
+    ctx.mailbox.forget_old(server_round)
+    rec = round_record(state, ctx.cfg.federation.strategy, phase.deadline_s, rt, accuracy, ctx.strategy.param_names)
+    rec.update({"round_wall_s": wall, "wall_bound_s": phase.bound_s, **state.replies.attendance.as_dict()})
+    return phase.arrays, rec
 
 
-def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool) -> dict:
+@dataclass
+class RoundContext:
+    """What every round of a run shares: config, strategy (holding the state), mailbox, membership."""
+
+    cfg: FleetConfig
+    strategy: ElasticFedAvg
+    mailbox: Mailbox
+    members: Membership
+    simulated: bool  # Flower's simulation engine: wall time says nothing about the simulated deadline
+
+
+def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool, simulated: bool = False) -> dict:
     """Run (or continue) the fleet until ``federation.rounds`` or, when set, until the
     simulated clock reaches ``federation.time_budget_s``; returns the summary."""
     fed = cfg.federation
@@ -146,9 +174,9 @@ def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     tracker = Tracker(out, resume_round=state.round if resume else None)
     strategy = make_strategy(cfg, state, arrays)
-    node_ids = wait_for_devices(grid, cfg, fed.timeout_s)
-    if fed.strategy != "fedavg" and fed.deadline_s is None and not state.full_times:
-        state.full_times = query_full_times(grid, node_ids, fed.timeout_s)
+    mailbox = Mailbox(grid, lambda node: name_of(state.roster, str(node)))
+    ctx = RoundContext(cfg, strategy, mailbox, Membership(cfg, state, mailbox), simulated)
+    wait_for_devices(grid, cfg)
     for server_round in range(state.round + 1, fed.rounds + 1):
         if out_of_time(cfg, state):
             print(
@@ -157,7 +185,7 @@ def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool) -> dict:
                 flush=True,
             )
             break
-        arrays, record = run_round(grid, cfg, strategy, arrays, server_round)
+        arrays, record = run_round(grid, ctx, arrays, server_round)
         tracker.add(record)
         save_checkpoint(out, arrays, state)
         print(progress_line(record, fed.rounds), flush=True)
@@ -168,5 +196,8 @@ def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool) -> dict:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    cfg = config_from_run_config({k: v for k, v in context.run_config.items() if k != "resume"})
-    run_fleet(grid, cfg, resume=bool(context.run_config.get("resume", False)))
+    run_config = dict(context.run_config)
+    cfg = config_from_run_config(run_config)
+    run_fleet(
+        grid, cfg, resume=bool(run_config.get("resume", False)), simulated=bool(run_config.get("simulation", False))
+    )

@@ -60,7 +60,7 @@ def _flower_run(config_path: Path, resume: bool) -> tuple[Any, dict]:
     from flwr.supercore.run import Run
     from flwr.supercore.task_identity import TaskIdentity
 
-    overrides: dict[str, Any] = {"config": str(config_path), "resume": resume}
+    overrides: dict[str, Any] = {"config": str(config_path), "resume": resume, "simulation": True}
     fused = get_fused_config_from_dir(APP_ROOT, overrides)
     run = dataclasses.replace(
         Run.create_empty(run_id=generate_rand_int_from_bytes(RUN_ID_NUM_BYTES)),

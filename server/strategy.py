@@ -3,7 +3,7 @@
 A thin adapter: it unpacks Flower Messages and calls the Flower-free server
 arithmetic in :mod:`fleet.federated.aggregate`. Flower's own FedAvg rejects
 replies whose keys differ, and ``aggregate_train`` does not see the current global
-arrays, so they are kept from ``configure_train``. Everything a round learns goes
+arrays, so they are kept from ``train_messages``. Everything a round learns goes
 into the one :class:`~fleet.federated.state.ServerState` the round loop owns.
 """
 
@@ -13,8 +13,7 @@ import logging
 from collections.abc import Iterable
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
-from flwr.serverapp import Grid
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
 from fleet.federated import keys
@@ -28,16 +27,18 @@ from fleet.federated.aggregate import (
     weight_problem,
     weighted_mean,
 )
-from fleet.federated.state import RoundReplies, ServerState
+from fleet.federated.membership import full_times, name_of
+from fleet.federated.state import ServerState
 
 log = logging.getLogger("fleet.server")
 
 
-def _partition(msg: Message) -> int | None:
-    if msg.has_error() or keys.METRICS not in msg.content.metric_records:
+def claimed_name(msg: Message) -> str | None:
+    """The name a reply says its device has (only a query reply's is trusted, by the roster)."""
+    if msg.has_error() or keys.DEVICE not in msg.content.config_records:
         return None
-    value = msg.content.metric_records[keys.METRICS].get(keys.PARTITION_ID)
-    return int(value) if isinstance(value, (int, float)) else None
+    name = msg.content.config_records[keys.DEVICE].get(keys.DEVICE_NAME)
+    return name if isinstance(name, str) else None
 
 
 def check_reply(msg: Message, global_arrays: dict[str, np.ndarray]) -> str | None:
@@ -89,25 +90,31 @@ class ElasticFedAvg(FedAvg):
         self.lr = lr
         self.blend = blend
 
-    def round_deadline(self) -> float:
-        return round_deadline(
-            self.method, self.deadline_s, self.deadline_factor, self.state.full_times, self.full_upload_s
-        )
+    def round_deadline(self, nodes: Iterable[str]) -> float:
+        """The round's deadline from the full-round times of ``nodes`` (the devices eligible now)."""
+        times = full_times(self.state.roster, nodes)
+        return round_deadline(self.method, self.deadline_s, self.deadline_factor, times, self.full_upload_s)
+
+    def device_of(self, msg: Message) -> str | None:
+        """The name the roster has for the reply's node (else what the reply claims)."""
+        return name_of(self.state.roster, str(msg.metadata.src_node_id)) or claimed_name(msg)
 
     # --- training ---------------------------------------------------------
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        self.state.replies = RoundReplies(sent={name: arr.numpy() for name, arr in arrays.items()})
-        config = ConfigRecord(dict(config))
+    def train_messages(
+        self, server_round: int, arrays: ArrayRecord, nodes: Iterable[int], deadline_s: float
+    ) -> list[Message]:
+        """The round's train messages to the sampled ``nodes``; the arrays sent are kept for aggregation."""
+        self.state.replies.sent = {name: arr.numpy() for name, arr in arrays.items()}
+        config = ConfigRecord({keys.SERVER_ROUND: server_round})
         config[keys.STRATEGY] = self.method
-        config[keys.DEADLINE_S] = float(self.round_deadline())
+        config[keys.DEADLINE_S] = float(deadline_s)
         config[keys.RUN_TAG] = self.state.run_tag
         gi = self.state.global_importance
         if self.blend and gi:
             config[keys.GLOBAL_IMPORTANCE_NAMES] = list(gi)
             config[keys.GLOBAL_IMPORTANCE_VALUES] = [float(v) for v in gi.values()]
-        return super().configure_train(server_round, arrays, config, grid)
+        record = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: config})
+        return list(self._construct_messages(record, list(nodes), MessageType.TRAIN))
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -123,10 +130,10 @@ class ElasticFedAvg(FedAvg):
             metrics = dict(msg.content.metric_records[keys.METRICS])
             record = next(iter(msg.content.array_records.values()))
             updates.append(({k: a.numpy() for k, a in record.items()}, float(metrics[keys.NUM_EXAMPLES])))
-            full = metrics.get(keys.FULL_TIME_S)
-            if isinstance(full, (int, float)) and full > 0:
-                state.full_times[str(msg.metadata.src_node_id)] = float(full)
-            state.replies.train.append({"node_id": msg.metadata.src_node_id, **metrics})
+            full, node = metrics.get(keys.FULL_TIME_S), str(msg.metadata.src_node_id)
+            if isinstance(full, (int, float)) and full > 0 and node in state.roster:
+                state.roster[node]["full_time_s"] = float(full)
+            state.replies.train.append({"node_id": msg.metadata.src_node_id, "device": self.device_of(msg), **metrics})
         if not updates:
             state.replies.senders = {}
             log.warning("round %d: no usable training replies; the global model is unchanged", server_round)
@@ -143,31 +150,28 @@ class ElasticFedAvg(FedAvg):
         return record, MetricRecord(summary)
 
     def _reject(self, server_round: int, msg: Message, reason: str) -> None:
-        rej = Rejection(server_round, msg.metadata.src_node_id, _partition(msg), reason)
+        rej = Rejection(server_round, msg.metadata.src_node_id, self.device_of(msg), reason)
         self.state.replies.rejections.append(rej)
         log.warning("round %d: rejected reply from %s: %s", server_round, rej.who(), reason)
 
     # --- evaluation -------------------------------------------------------
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        config = ConfigRecord(dict(config))
-        config[keys.RUN_TAG] = self.state.run_tag
-        return super().configure_evaluate(server_round, arrays, config, grid)
+    def evaluate_messages(self, server_round: int, arrays: ArrayRecord, nodes: Iterable[int]) -> list[Message]:
+        config = ConfigRecord({keys.SERVER_ROUND: server_round, keys.RUN_TAG: self.state.run_tag})
+        record = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: config})
+        return list(self._construct_messages(record, list(nodes), MessageType.EVALUATE))
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         rows = self.state.replies.evaluation = []
         for msg in replies:
             if msg.has_error() or keys.METRICS not in msg.content.metric_records:
                 reason = error_summary(msg.error.reason) if msg.has_error() else f"no '{keys.METRICS}' MetricRecord"
-                log.warning(
-                    "round %d: evaluation from node %d failed: %s", server_round, msg.metadata.src_node_id, reason
-                )
+                who = Rejection(server_round, msg.metadata.src_node_id, self.device_of(msg), reason).who()
+                log.warning("round %d: evaluation from %s failed: %s", server_round, who, reason)
                 continue
             metrics = dict(msg.content.metric_records[keys.METRICS])
             if weight_problem(metrics.get(keys.NUM_EXAMPLES)) is not None:
                 continue
-            rows.append({"node_id": msg.metadata.src_node_id, **metrics})
+            rows.append({"node_id": msg.metadata.src_node_id, "device": self.device_of(msg), **metrics})
         if not rows:
             return None
         return MetricRecord({key: weighted_mean(rows, key) for key in (keys.GLOBAL_ACCURACY, keys.PERSONAL_ACCURACY)})

@@ -205,7 +205,9 @@ class Loopback:
             args.append("--insecure")
         wait_port(self.port, self.start("superlink", args), self.logs["superlink"])
 
-    def start_node(self, i: int, node_config: str, register: bool) -> subprocess.Popen:
+    def start_node(self, i: int, node_config: str, register: bool, name: str | None = None) -> subprocess.Popen:
+        """A flower-supernode for device ``i``, logged as ``name`` (default supernode<i>): a device
+        restarted under a new name keeps its first process's log."""
         auth: list[str] = []
         if self.secure:
             key_path = make_node_key(self.tmp / "keys" / f"device{i}")
@@ -216,7 +218,7 @@ class Loopback:
             auth = ["--auth-supernode-private-key", str(key_path)]
         link = ["--superlink", f"127.0.0.1:{self.port}", "--port", str(free_port())]
         args = [str(BIN / "flower-supernode"), *self.node_tls, *auth, *link, "--node-config", node_config]
-        return self.start(f"supernode{i}", args)
+        return self.start(name or f"supernode{i}", args)
 
     def online_nodes(self, want: int, timeout: float = 60) -> list[dict]:
         """`flwr supernode ls` once ``want`` SuperNodes are online (or after ``timeout``)."""
@@ -228,8 +230,8 @@ class Loopback:
             time.sleep(1)
         return nodes
 
-    def run_to_end(self, config_path: Path, timeout: float = 900) -> None:
-        """`flwr run` the app with ``config_path`` and wait until the run finished, completed."""
+    def submit(self, config_path: Path) -> None:
+        """`flwr run` the app with ``config_path``; returns once the SuperLink accepted the run."""
         res = subprocess.run(
             [str(BIN / "flwr"), "run", str(ROOT), "loopback", "--run-config", f"config='{config_path}'"],
             env=self.env,
@@ -239,6 +241,9 @@ class Loopback:
             timeout=120,
         )
         assert res.returncode == 0 and "Successfully started run" in res.stdout, res.stdout + res.stderr
+
+    def wait_finished(self, timeout: float = 900) -> None:
+        """Waits until the one run finished, and asserts it completed (`flwr run` exits 0 either way)."""
         deadline, status = time.time() + timeout, {}
         while time.time() < deadline:
             runs = run_status(self.env)["runs"]
@@ -248,6 +253,11 @@ class Loopback:
                 break
             time.sleep(5)
         assert status.get("status") == "finished:completed", f"{status}\n{self.logs['superlink'].read_text()[-3000:]}"
+
+    def run_to_end(self, config_path: Path, timeout: float = 900) -> None:
+        """`flwr run` the app with ``config_path`` and wait until the run finished, completed."""
+        self.submit(config_path)
+        self.wait_finished(timeout)
 
     def stop(self) -> None:
         for p in reversed(self.procs):
@@ -262,6 +272,19 @@ class Loopback:
         shutil.rmtree(self.home, ignore_errors=True)
 
 
+def measure_profile(config_path: Path, env: dict, out: Path) -> Path:
+    """`fleet profile` of ``config_path``'s model, batch and input size, written to ``out``."""
+    prof = subprocess.run(
+        [str(BIN / "fleet"), "profile", "--config", str(config_path), "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert prof.returncode == 0 and out.is_file(), prof.stdout + prof.stderr
+    return out
+
+
 def tiny_deploy_config(tmp_path: Path, env: dict) -> tuple[Path, Path]:
     """fleet-tiny for two devices, and one profile measured for both, as on identical boards: their
     budgets then differ by their tiers alone. (Each device timing itself, both at once on a busy
@@ -272,16 +295,7 @@ def tiny_deploy_config(tmp_path: Path, env: dict) -> tuple[Path, Path]:
     cfg["federation"]["num_devices"] = 2
     config_path = tmp_path / "deploy.yaml"
     config_path.write_text(yaml.safe_dump(cfg))
-    profile = tmp_path / "profile.yaml"
-    prof = subprocess.run(
-        [str(BIN / "fleet"), "profile", "--config", str(config_path), "--out", str(profile)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert prof.returncode == 0 and profile.is_file(), prof.stdout + prof.stderr
-    return config_path, profile
+    return config_path, measure_profile(config_path, env, tmp_path / "profile.yaml")
 
 
 def deploy(

@@ -74,6 +74,12 @@ def test_device_failing_mid_round_does_not_stop_the_fleet(tmp_path):
     assert sorted(d["partition_id"] for d in r1["devices"] if "speedup" in d) == [0, 2, 3]
     assert sorted(d["partition_id"] for d in r2["devices"] if "speedup" in d) == [0, 1, 2, 3]
     assert r2["rejections"] == []
+    # membership: all four joined in round 1 and every one was sampled in both rounds, by name
+    names = [f"device-{i}" for i in range(4)]
+    assert sorted(r1["joined"]) == names and r2["joined"] == [] and r1["refused"] == []
+    assert r1["sampled"] == r2["sampled"] == names and r1["missed"] == r2["missed"] == []
+    assert sorted(d["device"] for d in r2["devices"]) == names
+    assert [d["rounds_trained"] for d in r2["devices"]] == [2, 1, 2, 2]  # device 1 failed round 1
     # per-device tracking and the simulated clock
     for d in r2["devices"]:
         assert 0 <= d["global_accuracy"] <= 1 and 0 <= d["personal_accuracy"] <= 1
@@ -103,8 +109,9 @@ def test_device_failing_mid_round_does_not_stop_the_fleet(tmp_path):
     assert (
         "configure_train" not in out and "Started a local Ray instance" not in out
     )  # Flower/Ray INFO off the terminal
-    assert "configure_train: Sampled" in (run / "flower.log").read_text()  # ... and in the run's log
-    assert "rejected reply from node" in out and "failed on purpose" in out  # fleet's warnings still shown
+    assert "Started a local Ray instance" in (run / "flower.log").read_text()  # ... and in the run's log
+    assert "rejected reply from device device-1 (node" in out and "failed on purpose" in out  # fleet's warnings
+
     assert "a ClientApp raised; Flower's tracebacks go to" in out and "Traceback" not in out
     assert len(re.findall(r"^round +\d+/2 ", out, re.M)) == 2  # one progress line per round
 
@@ -189,3 +196,42 @@ def test_resume_after_killed_server_loses_nothing(tmp_path):
 
     ckpt = torch.load(run / "checkpoint.pt", weights_only=True)
     assert ckpt["meta"]["round"] == 4
+
+
+def test_device_roots_train_each_device_on_exactly_its_own_files(tmp_path):
+    """data.device_roots: one folder per device, named for it (a natural split, as LEAF's per-writer
+    FEMNIST); 2 of the 4 sampled per round, seeded; each trains and is evaluated on its own PNGs only."""
+    import yaml
+
+    from fleet.data import load_dataset
+    from tests.test_devices_loopback import CLASS_NAMES, write_trees
+
+    trees = {
+        "alice": {"tshirt": 10, "bag": 6},
+        "bob": {"dress": 8, "coat": 8, "sneaker": 5},
+        "carol": {"sandal": 12},
+        "dave": {"boot": 7, "trouser": 7, "shirt": 1},
+    }
+    fmnist = load_dataset("fashion-mnist", "train")
+    files = write_trees(tmp_path / "roots", trees, fmnist.images.numpy(), fmnist.labels.numpy())
+    cfg = yaml.safe_load((ROOT / TINY).read_text())
+    cfg["data"].update(class_names=CLASS_NAMES, device_roots=str(tmp_path / "roots"))
+    cfg["federation"].update(rounds=3, devices_per_round=2, num_devices=9)  # num_devices: set from the folders
+    cfg["output_dir"] = str(tmp_path / "runs")
+    (tmp_path / "roots.yaml").write_text(yaml.safe_dump(cfg))
+    res = run_fleet(["simulate", str(tmp_path / "roots.yaml")])
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert "data.device_roots holds 4 devices: federation.num_devices = 4" in res.stdout
+    recs = read_metrics(tmp_path / "runs" / "fleet-tiny")
+    assert [r["round"] for r in recs] == [1, 2, 3]
+    assert sorted(recs[0]["joined"]) == sorted(trees)
+    sampled = [r["sampled"] for r in recs]
+    assert all(len(s) == 2 for s in sampled) and len({tuple(s) for s in sampled}) > 1, sampled
+    for r in recs:
+        rows = {d["device"]: d for d in r["devices"]}
+        assert set(rows) == set(r["sampled"]) and r["missed"] == []  # only the sampled devices trained
+        for name, d in rows.items():
+            assert d["train_examples"] + d["test_examples"] == files[name], (name, d)
+            assert d["test_examples"] >= sum(n >= 2 for n in trees[name].values())  # each class held out
+    summary = json.loads((tmp_path / "runs" / "fleet-tiny" / "summary.json").read_text())
+    assert set(summary["devices"]) == {n for s in sampled for n in s}

@@ -10,6 +10,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, Error, Message, MessageType, Metadata, MetricRecord, RecordDict
 
 from fleet.federated.aggregate import error_summary, masked_average
+from fleet.federated.membership import member
 from fleet.federated.state import ServerState
 from server.strategy import ElasticFedAvg, check_reply
 
@@ -48,8 +49,10 @@ def reply(
 
 
 def make_strategy(global_arrays: dict[str, np.ndarray]) -> ElasticFedAvg:
-    s = ElasticFedAvg(ServerState(), param_names=list(global_arrays), min_available_nodes=1, min_train_nodes=1)
-    s.state.replies.sent = {k: v.copy() for k, v in global_arrays.items()}  # what configure_train keeps
+    s = ElasticFedAvg(ServerState(), param_names=list(global_arrays))
+    s.state.replies.sent = {k: v.copy() for k, v in global_arrays.items()}  # what train_messages keeps
+    s.state.roster = {"12": member("pi-12", 1.0)}
+    return s
     return s
 
 
@@ -107,9 +110,9 @@ def test_malformed_reply_is_rejected_and_round_goes_on(arrays, reason, caplog):
     np.testing.assert_allclose(out["b"], 5.0)  # the bad device's 1000 samples did not count
     assert len(s.state.replies.rejections) == 1
     rej = s.state.replies.rejections[0]
-    assert (rej.server_round, rej.node_id, rej.partition_id) == (4, 12, 3)
+    assert (rej.server_round, rej.node_id, rej.device) == (4, 12, "pi-12")  # the roster's name for node 12
     assert reason in rej.reason
-    assert "node 12 (device 3)" in caplog.text and reason in caplog.text
+    assert "device pi-12 (node 12)" in caplog.text and reason in caplog.text
 
 
 def test_failed_device_and_bad_weight_are_rejected():
@@ -134,21 +137,22 @@ def test_no_usable_reply_keeps_global_model():
 
 def test_deadline_is_fastest_full_time_and_zero_for_fedavg():
     s = make_strategy(GLOBAL)
-    assert s.round_deadline() == 0.0  # nothing known yet: devices train fully
-    s.state.full_times = {"1": 4.0, "2": 1.5, "3": 6.0}
-    assert s.round_deadline() == 1.5
+    assert s.round_deadline([]) == 0.0  # nothing known yet: devices train fully
+    s.state.roster = {"1": member("a", 4.0), "2": member("b", 1.5), "3": member("c", 6.0)}
+    assert s.round_deadline(["1", "2", "3"]) == 1.5
+    assert s.round_deadline(["1", "3"]) == 4.0  # the fastest of the devices eligible now
     s.deadline_factor = 2.0
-    assert s.round_deadline() == 3.0
+    assert s.round_deadline(["1", "2"]) == 3.0
     s.deadline_s = 0.7
-    assert s.round_deadline() == 0.7
+    assert s.round_deadline(["1", "2"]) == 0.7
     s.method = "fedavg"
-    assert s.round_deadline() == 0.0
+    assert s.round_deadline(["1", "2"]) == 0.0
 
 
 def test_deadline_adds_the_full_upload_when_it_covers_uploads():
-    s = ElasticFedAvg(ServerState(), param_names=["a"], full_upload_s=2.5, min_available_nodes=1, min_train_nodes=1)
-    s.state.full_times = {"1": 4.0, "2": 1.5}
-    assert s.round_deadline() == 4.0  # the fastest device's round: full training plus full upload
+    s = ElasticFedAvg(ServerState(), param_names=["a"], full_upload_s=2.5)
+    s.state.roster = {"1": member("a", 4.0), "2": member("b", 1.5)}
+    assert s.round_deadline(["1", "2"]) == 4.0  # the fastest device's round: full training plus full upload
 
 
 def test_a_device_failure_is_logged_in_one_line():
@@ -168,3 +172,5 @@ def test_a_device_failure_is_logged_in_one_line():
     assert s.state.replies.rejections[0].reason == "device failed: OSError: [Errno 28] No space left on device"
     assert error_summary("x" * 500).endswith("...") and len(error_summary("x" * 500)) == 300
     assert error_summary("") == "no reason given"
+    deployed = "<class 'fleet.errors.DataError'>:<'node config data-root: class folder 'unicorn' is unknown'>"
+    assert error_summary(deployed) == "DataError: node config data-root: class folder 'unicorn' is unknown"

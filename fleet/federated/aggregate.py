@@ -23,29 +23,29 @@ class Rejection:
 
     server_round: int
     node_id: int
-    partition_id: int | None
+    device: str | None  # the device's name, when the server knows it
     reason: str
 
     def as_dict(self) -> dict:
-        return {
-            "round": self.server_round,
-            "node_id": self.node_id,
-            "partition_id": self.partition_id,
-            "reason": self.reason,
-        }
+        return {"round": self.server_round, "node_id": self.node_id, "device": self.device, "reason": self.reason}
 
     def who(self) -> str:
-        return f"node {self.node_id}" + (f" (device {self.partition_id})" if self.partition_id is not None else "")
+        return (f"device {self.device} " if self.device is not None else "") + f"(node {self.node_id})"
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failure|Interrupt|Exit)(: .*)?$")
+_DEPLOYED = re.compile(r"^<class '(?:[\w]+\.)*(\w+)'>:<'(.*)'>$", re.S)  # a deployed ClientApp's exception
 
 
 def error_summary(reason: str, limit: int = 300) -> str:
     """One line for a device's failure: the first exception line of the traceback Flower relays
     (the root cause: a simulated ClientApp's error arrives wrapped in Ray's and Flower's own)."""
-    lines = [ln.strip() for ln in _ANSI.sub("", reason).splitlines() if ln.strip()]
+    reason = _ANSI.sub("", reason)
+    deployed = _DEPLOYED.match(reason.strip())
+    if deployed:
+        reason = f"{deployed.group(1)}: {deployed.group(2)}"
+    lines = [ln.strip() for ln in reason.splitlines() if ln.strip()]
     first = next((ln for ln in lines if _EXCEPTION_LINE.match(ln)), lines[0] if lines else "no reason given")
     return first if len(first) <= limit else first[: limit - 3] + "..."
 

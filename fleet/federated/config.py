@@ -18,7 +18,7 @@ from fleet.errors import ConfigError
 
 STRATEGIES = ("fleet", "naive", "fedavg")
 PARTITIONS = ("iid", "dirichlet", "shards")
-RUN_ONLY_KEYS = ("config", "resume")  # run-config keys that are not fields of the YAML
+RUN_ONLY_KEYS = ("config", "resume", "simulation")  # run-config keys that are not fields of the YAML
 APP_ROOT = Path(__file__).resolve().parents[2]  # holds pyproject.toml and simulations/
 
 
@@ -58,7 +58,12 @@ class FederationConfig:
     )  # device i: [i % len] MB of activation memory, 0 = unlimited
     bandwidth_bytes_per_s: float = 12.5e6  # uplink of a simulated device (100 Mbit/s Wi-Fi)
     min_rho_margin: float = 0.02  # rho is clamped to the device floor plus this
-    timeout_s: float = 600.0  # a device that has not replied by then is left out of the round
+    timeout_s: float = 600.0  # bounds waiting for min_devices, and a simulated round (its wall time is not the clock's)
+    # Open membership (deployment): devices come and go; the fleet never waits on one that is gone
+    min_devices: int | None = None  # start once this many devices are connected; null: num_devices
+    devices_per_round: int | None = None  # sample up to this many connected devices per round (seeded); null: all
+    grace_s: float = 30.0  # a deployed round closes at deadline + grace_s: covers a ClientApp's start (5-15 s on a Pi)
+    max_missed: int = 2  # after this many missed rounds in a row a device is benched until it answers a query
     client_cpus: float = 1.0  # simulation: CPUs reserved per ClientApp
     client_threads: int = 1  # torch threads inside a ClientApp
     pretrained_samples: int = 0  # bench: samples held out from the devices to pretrain the start model
@@ -106,6 +111,10 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "federation.bandwidth_bytes_per_s": (lambda v: v > 0, "a number > 0"),
     "federation.min_rho_margin": (lambda v: 0 <= v < 0.5, "a number in [0, 0.5)"),
     "federation.timeout_s": (lambda v: v > 0, "a number > 0"),
+    "federation.min_devices": (lambda v: v is None or v >= 1, "an integer >= 1 or null (num_devices)"),
+    "federation.devices_per_round": (lambda v: v is None or v >= 1, "an integer >= 1 or null (all connected)"),
+    "federation.grace_s": (lambda v: 0 < v <= 3600, "a number of seconds in (0, 3600]"),
+    "federation.max_missed": (lambda v: v >= 1, "an integer >= 1"),
     "federation.client_cpus": (lambda v: v > 0, "a number > 0"),
     "federation.client_threads": (lambda v: v >= 1, "an integer >= 1"),
     "federation.pretrained_samples": (lambda v: v >= 0, "an integer >= 0"),

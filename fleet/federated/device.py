@@ -6,6 +6,8 @@ each lookup validates what it reads and names the field in its error.
 
 from __future__ import annotations
 
+import re
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -17,32 +19,91 @@ from fleet.errors import ConfigError
 from fleet.experiment import check_profile, make_model, obtain_profile
 from fleet.federated import keys
 from fleet.federated.config import FleetConfig, resolve_path, run_dir
+from fleet.federated.owned import device_roots
 from fleet.memory.budgeted import MemoryBudget
 
+DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # safe as a file name and a plot label
 
-def tier_of(cfg: FleetConfig, partition_id: int, node_config: dict[str, Any]) -> float:
-    """The device's speed tier: ``tier`` in the node config, else the config's tiers in turn."""
+
+def tier_of(cfg: FleetConfig, partition_id: int | None, node_config: dict[str, Any]) -> float:
+    """The device's speed tier: ``tier`` in the node config, else the config's tiers in turn for a
+    simulation-style device, else 1 (a real device runs at its own profile's speed)."""
     if keys.NODE_TIER in node_config:
-        tier = float(node_config[keys.NODE_TIER])
+        tier = _number(node_config[keys.NODE_TIER])
         if not tier > 0:
             raise ConfigError(
-                f"node config tier: {tier!r} is not allowed; use a slow-down factor > 0 (1 = as profiled)"
+                f"node config tier: {node_config[keys.NODE_TIER]!r} is not allowed; "
+                "use a slow-down factor > 0 (1 = as profiled)"
             )
         return tier
+    if partition_id is None:
+        return 1.0
     tiers = cfg.federation.tiers
     return float(tiers[partition_id % len(tiers)])
 
 
-def partition_of(cfg: FleetConfig, node_config: dict[str, Any]) -> int:
+def _number(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        return float("nan")
+
+
+def partition_of(cfg: FleetConfig, node_config: dict[str, Any]) -> int | None:
+    """The device's slice of the shared dataset (simulation-style split), or None for a device
+    that reads its own files (node config ``data-root``) and has no partition."""
     if keys.NODE_PARTITION_ID not in node_config:
-        raise ConfigError('node config: partition-id missing; start the SuperNode with --node-config "partition-id=0"')
-    pid = int(node_config[keys.NODE_PARTITION_ID])
-    if not 0 <= pid < cfg.federation.num_devices:
+        if node_config.get(keys.NODE_DATA_ROOT):
+            return None
         raise ConfigError(
-            f"node config partition-id: {pid} is outside 0..{cfg.federation.num_devices - 1} "
+            "node config: neither data-root nor partition-id; start the SuperNode with --node-config "
+            "\"data-root='/path/to/images'\" (the device's own data) or \"partition-id=0\" (a shared dataset's slice)"
+        )
+    raw = node_config[keys.NODE_PARTITION_ID]
+    pid = _number(raw)
+    if not (pid == pid and pid == int(pid) and 0 <= pid < cfg.federation.num_devices):
+        raise ConfigError(
+            f"node config partition-id: {raw!r} is outside 0..{cfg.federation.num_devices - 1} "
             "(federation.num_devices); pick a partition the fleet has"
         )
-    return pid
+    return int(pid)
+
+
+def check_device_name(name: str, where: str) -> str:
+    """``name`` if it can name a device everywhere it is used (metrics, plots, a state directory)."""
+    if not DEVICE_NAME.fullmatch(name):
+        raise ConfigError(
+            f"{where}: {name!r} cannot name a device; use 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def device_name_of(cfg: FleetConfig, node_config: dict[str, Any], partition_id: int | None) -> str:
+    """node config ``device-name``; else the device's folder under ``data.device_roots``; else
+    ``device-<partition-id>``; else the host name."""
+    if node_config.get(keys.NODE_DEVICE_NAME):
+        return check_device_name(str(node_config[keys.NODE_DEVICE_NAME]), "node config device-name")
+    if partition_id is not None and cfg.data.device_roots and not node_config.get(keys.NODE_DATA_ROOT):
+        return check_device_name(device_roots(cfg)[partition_id].name, "data.device_roots sub-folder")
+    if partition_id is not None:
+        return f"device-{partition_id}"
+    return check_device_name(socket.gethostname(), "the host name (node config device-name unset)")
+
+
+def data_root_of(cfg: FleetConfig, node_config: dict[str, Any], partition_id: int | None) -> tuple[Path, str] | None:
+    """Where the device's own files are, and the field that said so; None: a slice of the shared dataset."""
+    if node_config.get(keys.NODE_DATA_ROOT):
+        return Path(str(node_config[keys.NODE_DATA_ROOT])).expanduser(), "node config data-root"
+    if cfg.data.device_roots and partition_id is not None:
+        roots = device_roots(cfg)
+        if partition_id >= len(roots):
+            raise ConfigError(
+                f"data.device_roots: {cfg.data.device_roots} holds {len(roots)} device folders, "
+                f"fewer than device {partition_id} needs; set federation.num_devices to {len(roots)}"
+            )
+        return roots[partition_id], "data.device_roots"
+    return None
 
 
 def device_profile(
@@ -66,7 +127,7 @@ def device_profile(
 
 
 def memory_budget_of(
-    cfg: FleetConfig, partition_id: int, node_config: dict[str, Any], profile: DeviceProfile
+    cfg: FleetConfig, partition_id: int | None, node_config: dict[str, Any], profile: DeviceProfile
 ) -> float | None:
     """The device's activation memory budget in MB (None: unlimited), from the first that sets one:
     node config ``memory-budget-mb``, the device profile's ``memory_budget_mb``,
@@ -85,7 +146,7 @@ def memory_budget_of(
     if profile.memory_budget_mb is not None:
         return float(profile.memory_budget_mb)
     budgets = cfg.federation.memory_budgets_mb
-    if budgets:
+    if budgets and partition_id is not None:
         mb = float(budgets[partition_id % len(budgets)])
         return mb if mb > 0 else None
     return cfg.train.memory_budget_mb
@@ -108,11 +169,12 @@ def device_memory(
     )
 
 
-def state_dir_of(cfg: FleetConfig, partition_id: int, node_config: dict[str, Any]) -> Path:
-    """Where device state outlives a round: node config ``state-dir`` or runs/<name>/devices/<id>."""
+def state_dir_of(cfg: FleetConfig, name: str, node_config: dict[str, Any]) -> Path:
+    """Where device state outlives a round (and a restart): node config ``state-dir``/<run name>,
+    else runs/<run name>/devices/<device name>."""
     if node_config.get(keys.NODE_STATE_DIR):
         return Path(str(node_config[keys.NODE_STATE_DIR])).expanduser() / cfg.name
-    return run_dir(cfg) / "devices" / f"device-{partition_id}"
+    return run_dir(cfg) / "devices" / name
 
 
 # --- device state that must outlive a round --------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 ARRAYS = "arrays"  # ArrayRecord: the global model (to a device), the trained tensors (from it)
 CONFIG = "config"  # ConfigRecord: what the server asks of the round
 METRICS = "metrics"  # MetricRecord: what the device reports
+DEVICE = "device"  # ConfigRecord in a query reply: who the device says it is (MetricRecords hold numbers only)
 
 # --- server -> device (ConfigRecord) -----------------------------------------------------
 SERVER_ROUND = "server-round"  # set by Flower's FedAvg in every train and evaluate message
@@ -21,8 +22,12 @@ RUN_TAG = "run-tag"  # a device's saved state from another run is ignored
 GLOBAL_IMPORTANCE_NAMES = "gi-names"  # the server's global importance signal, per tensor name ...
 GLOBAL_IMPORTANCE_VALUES = "gi-values"  # ... and its values, in the same order
 
+# --- device -> server (ConfigRecord ``DEVICE`` of a query reply) ----------------------------
+DEVICE_NAME = "device-name"  # the name the device goes by in metrics, plots and its state dir
+
 # --- device -> server (MetricRecord) -----------------------------------------------------
-PARTITION_ID = "partition-id"  # which device (its data partition)
+PARTITION_ID = "partition-id"  # the device's slice of a shared dataset (simulation-style split only)
+ROUNDS_TRAINED = "rounds-trained"  # rounds this device has trained in this run, counted in its saved state
 NUM_EXAMPLES = "num-examples"  # samples behind a reply: the aggregation weight
 TIER = "tier"  # the device's slow-down factor against its profile
 FULL_TIME_S = "full-time-s"  # seconds one round's local work takes when training every tensor
@@ -44,7 +49,9 @@ GLOBAL_ACCURACY = "global-accuracy"  # the global model on the device's held-out
 PERSONAL_ACCURACY = "personal-accuracy"  # the device's personalized model on the same split
 
 # --- operator -> device: a SuperNode's --node-config ---------------------------------------
-NODE_PARTITION_ID = "partition-id"  # which slice of the shared dataset this device trains on
+NODE_PARTITION_ID = "partition-id"  # which slice of the shared dataset this device trains on (simulation-style)
+NODE_DATA_ROOT = "data-root"  # the device's own images: it trains on these instead of a shared dataset's slice
+NODE_DEVICE_NAME = "device-name"  # the device's name; default: device-<partition-id>, else the host name
 NODE_TIER = "tier"  # slow-down factor against the profile (simulated tiers); default: federation.tiers
 NODE_PROFILE = "profile"  # the device's own profile YAML (else train.profile, else measured once)
 NODE_MEMORY_BUDGET_MB = "memory-budget-mb"  # activation memory budget

@@ -15,15 +15,43 @@ import torch
 import yaml
 
 from fleet.config import config_to_dict
+from fleet.errors import ConfigError
 from fleet.experiment import make_model, obtain_profile
 from fleet.federated.config import FleetConfig, run_dir
+from fleet.federated.device import check_device_name
+from fleet.federated.owned import device_roots
 from fleet.federated.state import keep_previous_run
 
 EFFECTIVE_CONFIG = "fleet-config.yaml"
 
 
+def simulated_fleet(cfg: FleetConfig, log: Callable[[str], None]) -> FleetConfig:
+    """The simulated fleet's size: one device per folder of ``data.device_roots`` when set; sampling
+    and the start threshold checked against it (in deployment devices come and go, so they are not)."""
+    if cfg.data.device_roots:
+        roots = device_roots(cfg)
+        for root in roots:
+            check_device_name(root.name, f"data.device_roots: sub-folder {root}")
+        if cfg.federation.num_devices != len(roots):
+            log(f"data.device_roots holds {len(roots)} devices: federation.num_devices = {len(roots)}")
+        data = dataclasses.replace(cfg.data, device_roots=str(roots[0].parent.resolve()))
+        cfg = dataclasses.replace(
+            cfg, data=data, federation=dataclasses.replace(cfg.federation, num_devices=len(roots))
+        )
+    fed = cfg.federation
+    for name in ("devices_per_round", "min_devices"):
+        value = getattr(fed, name)
+        if value is not None and value > fed.num_devices:
+            raise ConfigError(
+                f"federation.{name}: {value} is more than the fleet's {fed.num_devices} simulated devices "
+                f"(federation.num_devices); use at most {fed.num_devices}, or null"
+            )
+    return cfg
+
+
 def prepare(cfg: FleetConfig, *, resume: bool, log: Callable[[str], None] = print) -> tuple[FleetConfig, Path]:
     """Profile, pretrain and write the effective config; returns it and its path."""
+    cfg = simulated_fleet(cfg, log)
     if cfg.train.profile is not None:
         # Every ClientApp checks it too, but there a mismatch fails each device inside Flower;
         # here it stops the launch in one line, before the previous run is moved aside.

@@ -133,11 +133,11 @@ def round_trainer(
     profile: DeviceProfile,
     memory: MemoryBudget | None,
     plan: RoundPlan,
-    partition_id: int,
+    device_seed: int,
     prev_state: dict,
 ) -> Trainer:
     """The round's trainer, with the device's momentum from earlier rounds (stale entries dropped)."""
-    seed = cfg.train.seed + 1000 * plan.server_round + partition_id
+    seed = cfg.train.seed + 1000 * plan.server_round + device_seed
     options = trainer_options(cfg.train, cfg.data.input_size, method="full", rho=1.0, seed=seed)
     trainer = Trainer(model, options, profile, memory)
     if "optimizer" in prev_state:
@@ -214,7 +214,7 @@ def local_round(
     train: ArrayDataset,
     prev_state: dict | None,
     plan: RoundPlan,
-    partition_id: int,
+    device_seed: int,
     memory: MemoryBudget | None = None,
 ) -> RoundResult:
     """Train ``model`` (already holding the global weights) for ``federation.local_steps`` batches.
@@ -224,7 +224,7 @@ def local_round(
     the deadline: when it would overrun, the selection is made again with that much less.
     """
     prev_state = prev_state or {}
-    trainer = round_trainer(cfg, model, profile, memory, plan, partition_id, prev_state)
+    trainer = round_trainer(cfg, model, profile, memory, plan, device_seed, prev_state)
     started = time.perf_counter()
     probe_cost, importance, imp_round = select_for_round(cfg, trainer, train, plan, prev_state)
     mask = trainer.mask
@@ -245,9 +245,11 @@ def local_round(
                 keys.MEMORY_ADDED_S: added_s,
             }
         )
-    metrics[keys.PARTITION_ID] = partition_id
+    rounds_trained = int(prev_state.get("rounds_trained", 0)) + 1
+    metrics[keys.ROUNDS_TRAINED] = rounds_trained
     state = {
         "round": plan.server_round,
+        "rounds_trained": rounds_trained,
         "optimizer": trainer.optimizer.state_dict(),
         "personal": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "importance": [float(v) for v in importance],

@@ -9,12 +9,14 @@ kept once per process.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from fleet.data import ArrayDataset
 from fleet.experiment import load_data
 from fleet.federated.config import FleetConfig
+from fleet.federated.owned import owned_data
 from fleet.partition import partition_indices, split_train_test
 
 
@@ -25,6 +27,7 @@ class DeviceData:
 
 
 _DATA: dict[str, tuple[ArrayDataset, ArrayDataset]] = {}  # a simulation actor serves many devices
+_OWNED: dict[str, DeviceData] = {}  # the last device-owned tree read in this process
 
 
 def _dataset(cfg: FleetConfig) -> tuple[ArrayDataset, ArrayDataset]:
@@ -58,3 +61,14 @@ def device_data(cfg: FleetConfig, partition_id: int) -> DeviceData:
     _, parts = fleet_indices(cfg, train.labels.numpy())
     tr, te = split_train_test(parts[partition_id], cfg.federation.test_fraction, seed=cfg.train.seed + partition_id)
     return DeviceData(train.subset(tr), train.subset(te))
+
+
+def own_device_data(cfg: FleetConfig, root: Path, field: str) -> DeviceData:
+    """A device's own files (its ImageFolder tree) and the split it holds out of them; read once per
+    process for consecutive messages to the same device."""
+    key = repr((str(root), cfg.data, cfg.model.in_channels, cfg.federation.test_fraction, cfg.train.seed))
+    if key not in _OWNED:
+        _OWNED.clear()
+        owned = owned_data(cfg, root, field)
+        _OWNED[key] = DeviceData(owned.train, owned.test)
+    return _OWNED[key]

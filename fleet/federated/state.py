@@ -22,6 +22,7 @@ import torch
 
 from fleet.atomic import load_torch, save_torch
 from fleet.federated.aggregate import Rejection
+from fleet.federated.membership import Attendance, Roster
 
 CHECKPOINT_FILE = "checkpoint.pt"
 
@@ -35,6 +36,7 @@ class RoundReplies:
     evaluation: list[dict] = field(default_factory=list)  # accepted evaluate replies' metrics, with node_id
     rejections: list[Rejection] = field(default_factory=list)  # train replies the round went on without
     senders: dict[str, int] = field(default_factory=dict)  # tensor -> devices that trained it this round
+    attendance: Attendance = field(default_factory=Attendance)  # who was here, sampled, missed, joined
 
 
 @dataclass
@@ -45,7 +47,7 @@ class ServerState:
     sim_time_s: float = 0.0
     wall_time_s: float = 0.0
     run_tag: str = ""
-    full_times: dict[str, float] = field(default_factory=dict)  # node id -> full-training time per round
+    roster: Roster = field(default_factory=dict)  # node id -> member (fleet.federated.membership)
     global_importance: dict[str, float] = field(default_factory=dict)
     replies: RoundReplies = field(default_factory=RoundReplies)
 
@@ -71,7 +73,8 @@ def load_checkpoint(out: Path) -> tuple[dict[str, torch.Tensor], ServerState] | 
     obj = load_torch(out / CHECKPOINT_FILE)
     if not obj or "model" not in obj or "meta" not in obj:
         return None
-    return obj["model"], ServerState(**obj["meta"])
+    known = {f.name for f in dataclasses.fields(ServerState)} - {"replies"}
+    return obj["model"], ServerState(**{k: v for k, v in obj["meta"].items() if k in known})
 
 
 def keep_previous_run(out: Path, name: str, log: Callable[[str], None] = print) -> Path | None:

@@ -10,6 +10,7 @@ message, so nothing in memory survives.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,9 @@ from fleet.experiment import make_model
 from fleet.federated import keys
 from fleet.federated.config import FleetConfig
 from fleet.federated.device import (
+    data_root_of,
     device_memory,
+    device_name_of,
     device_profile,
     load_state,
     memory_budget_of,
@@ -33,7 +36,7 @@ from fleet.federated.device import (
     tier_of,
 )
 from fleet.federated.round import RoundPlan, RoundResult, full_round_time, local_round
-from fleet.federated.split import device_data
+from fleet.federated.split import DeviceData, device_data, own_device_data
 from fleet.trainer import accuracy
 
 STATE_FILE = "state.pt"
@@ -44,18 +47,30 @@ class Device:
     """One device as its node config and the fleet config describe it."""
 
     cfg: FleetConfig
-    partition_id: int
+    partition_id: int | None  # its slice of a shared dataset; None when it reads its own files
+    name: str
     node_config: dict[str, Any]
 
     @classmethod
     def from_configs(cls, cfg: FleetConfig, node_config: Mapping[str, Any]) -> Device:
         node_config = dict(node_config)
         torch.set_num_threads(cfg.federation.client_threads)
-        return cls(cfg, partition_of(cfg, node_config), node_config)
+        pid = partition_of(cfg, node_config)
+        return cls(cfg, pid, device_name_of(cfg, node_config, pid), node_config)
 
     @property
     def state_dir(self) -> Path:
-        return state_dir_of(self.cfg, self.partition_id, self.node_config)
+        return state_dir_of(self.cfg, self.name, self.node_config)
+
+    @property
+    def seed(self) -> int:
+        """Seeds the device's batch order: its partition, else a stable number from its name."""
+        return self.partition_id if self.partition_id is not None else zlib.crc32(self.name.encode()) % 100_000
+
+    def data(self) -> DeviceData:
+        """Its own files when it has them (node config data-root, data.device_roots), else its slice."""
+        own = data_root_of(self.cfg, self.node_config, self.partition_id)
+        return device_data(self.cfg, self.partition_id) if own is None else own_device_data(self.cfg, *own)
 
     def profile(self, model: nn.Module | None = None) -> DeviceProfile:
         """Its measured profile times its tier (checked against ``model`` when given)."""
@@ -67,15 +82,21 @@ class Device:
         model.load_state_dict(weights, strict=True)
         return model
 
+    def identity(self) -> dict[str, int]:
+        """The partition a simulation-style device trains on, for its metrics (nothing for the others)."""
+        return {} if self.partition_id is None else {keys.PARTITION_ID: self.partition_id}
+
 
 def query(device: Device) -> dict[str, float | int]:
-    """This device's full-training time for a round (the server's default deadline) and floor."""
+    """This device's full-training time for a round (the server's default deadline), floor and data
+    size. Reading its data here refuses a device with a bad tree before it is ever sampled."""
     profile = device.profile()
     return {
-        keys.PARTITION_ID: device.partition_id,
+        **device.identity(),
         keys.TIER: profile.speed_factor,
         keys.FULL_TIME_S: full_round_time(device.cfg, profile),
         keys.MIN_RHO: profile.min_rho,
+        keys.NUM_EXAMPLES: len(device.data().train),
     }
 
 
@@ -101,10 +122,10 @@ def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[s
     memory = None if budget_mb is None else device_memory(cfg, model, budget_mb, device.state_dir, device.node_config)
     run_tag = str(config.get(keys.RUN_TAG, ""))
     state_path = device.state_dir / STATE_FILE
-    data = device_data(cfg, device.partition_id)
     result = local_round(
-        cfg, model, profile, data.train, load_state(state_path, run_tag), plan, device.partition_id, memory
+        cfg, model, profile, device.data().train, load_state(state_path, run_tag), plan, device.seed, memory
     )
+    result.metrics.update(device.identity())
     save_state(state_path, {**result.state, "run_tag": run_tag})
     return result
 
@@ -112,7 +133,7 @@ def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[s
 def evaluate(device: Device, weights: Mapping[str, torch.Tensor], run_tag: str | None) -> dict[str, float | int]:
     """Accuracy of the global model and of this device's personalized model on its held-out split."""
     cfg = device.cfg
-    data = device_data(cfg, device.partition_id)
+    data = device.data()
     model = device.model(weights)
     global_acc = accuracy(model, data.test, cfg.data.input_size)
     state = load_state(device.state_dir / STATE_FILE, run_tag)
@@ -121,7 +142,7 @@ def evaluate(device: Device, weights: Mapping[str, torch.Tensor], run_tag: str |
         model.load_state_dict(state["personal"], strict=True)
         personal_acc = accuracy(model, data.test, cfg.data.input_size)
     return {
-        keys.PARTITION_ID: device.partition_id,
+        **device.identity(),
         keys.NUM_EXAMPLES: len(data.test),
         keys.GLOBAL_ACCURACY: global_acc,
         keys.PERSONAL_ACCURACY: personal_acc,

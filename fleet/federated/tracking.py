@@ -26,23 +26,30 @@ def round_time(devices: list[dict], bandwidth: float) -> float:
     return max((d[keys.PREDICTED_TIME_S] + d.get(keys.BYTES_UPLOADED, 0) / bandwidth for d in devices), default=0.0)
 
 
+def device_key(row: dict) -> str:
+    """A row's device: its name (the server's roster), else its node id."""
+    return str(row.get("device") or f"node-{row.get('node_id')}")
+
+
 def device_rows(train: list[dict], evaluation: list[dict]) -> list[dict]:
-    """One row per device: its train metrics joined with its evaluation, keyed by partition.
+    """One row per device: its train metrics joined with its evaluation, keyed by device name.
 
     Metric keys become snake_case (``bytes-uploaded`` -> ``bytes_uploaded``); a device's test
     samples are ``test_examples`` and, when it also trained, its train samples ``train_examples``."""
-    by_pid: dict[int, dict] = {}
+    by_name: dict[str, dict] = {}
     for r in train:
-        by_pid.setdefault(int(r[keys.PARTITION_ID]), {}).update(r)
+        by_name.setdefault(device_key(r), {}).update(r)
     for r in evaluation:
-        row = by_pid.setdefault(int(r[keys.PARTITION_ID]), {})
-        row.update({k: r[k] for k in (keys.PARTITION_ID, keys.GLOBAL_ACCURACY, keys.PERSONAL_ACCURACY)})
+        row = by_name.setdefault(device_key(r), {})
+        shown = ("node_id", "device", keys.PARTITION_ID, keys.GLOBAL_ACCURACY, keys.PERSONAL_ACCURACY)
+        row.update({k: r[k] for k in shown if k in r})
         row["test-examples"] = r[keys.NUM_EXAMPLES]
     rows = []
-    for pid in sorted(by_pid):
-        row = {k.replace("-", "_"): v for k, v in by_pid[pid].items() if k != keys.NUM_EXAMPLES}
-        if keys.NUM_EXAMPLES in by_pid[pid] and "test-examples" in by_pid[pid]:
-            row["train_examples"] = by_pid[pid][keys.NUM_EXAMPLES]
+    for name in sorted(by_name):
+        row = {k.replace("-", "_"): v for k, v in by_name[name].items() if k != keys.NUM_EXAMPLES}
+        row["device"] = name
+        if keys.NUM_EXAMPLES in by_name[name] and "test-examples" in by_name[name]:
+            row["train_examples"] = by_name[name][keys.NUM_EXAMPLES]
         rows.append(row)
     return rows
 
@@ -73,6 +80,16 @@ def round_record(
         "rejections": [r.as_dict() for r in state.replies.rejections],
         "devices": devices,
     }
+
+
+def trained_rows(records: list[dict]) -> dict[str, list[dict]]:
+    """Each device's rows of the rounds it trained in, with the round number, by device name."""
+    per_device: dict[str, list[dict]] = {}
+    for rec in records:
+        for d in rec["devices"]:
+            if "speedup" in d:
+                per_device.setdefault(device_key(d), []).append({"round": rec["round"], **d})
+    return per_device
 
 
 def p10(values: list[float]) -> float | None:
@@ -110,11 +127,7 @@ class Tracker:
     def summary(self, extra: dict) -> dict:
         recs = self.records
         last = recs[-1] if recs else {}
-        per_device: dict[int, list[dict]] = {}
-        for rec in recs:
-            for d in rec["devices"]:
-                if "speedup" in d:
-                    per_device.setdefault(int(d["partition_id"]), []).append(d)
+        per_device = trained_rows(recs)
         personal = [d["personal_accuracy"] for d in last.get("devices", []) if "personal_accuracy" in d]
         summary = {
             **extra,
@@ -126,7 +139,7 @@ class Tracker:
             "bytes_uploaded": int(sum(r["bytes_uploaded"] for r in recs)),
             "rejections": sum(len(r["rejections"]) for r in recs),
             "devices": {
-                str(pid): {
+                name: {
                     "tier": rows[-1]["tier"],
                     "rounds_trained": len(rows),
                     "speedup_mean": float(np.mean([r["speedup"] for r in rows])),
@@ -134,7 +147,7 @@ class Tracker:
                     "rho_mean": float(np.mean([r["rho"] for r in rows])),
                     "bytes_uploaded": int(sum(r["bytes_uploaded"] for r in rows)),
                 }
-                for pid, rows in sorted(per_device.items())
+                for name, rows in sorted(per_device.items())
             },
             "history": [
                 {
@@ -165,7 +178,20 @@ def progress_line(rec: dict, rounds: int) -> str:
         f"global {pct(rec['global_accuracy'])}  personal {pct(rec['personal_accuracy'])}  "
         f"speedup {min(speedups, default=0):.2f}-{max(speedups, default=0):.2f}x  "
         f"up {rec['bytes_uploaded'] / 1e6:6.2f} MB  devices {len(speedups)}  rejected {len(rec['rejections'])}"
+        + attendance_note(rec)
     )
+
+
+def _names(names: list[str]) -> str:
+    return ",".join(names) if len(names) <= 4 else f"{len(names)} devices"
+
+
+def attendance_note(rec: dict) -> str:
+    """Who missed, joined or was refused this round: said on the progress line only when it happened."""
+    parts = [f"{key} {_names(rec[key])}" for key in ("missed", "joined") if rec.get(key)]
+    if rec.get("refused"):
+        parts.append(f"refused {len(rec['refused'])}")
+    return ("  " + "  ".join(parts)) if parts else ""
 
 
 def plot_run(out: Path, records: list[dict], title: str) -> list[Path]:
@@ -196,18 +222,11 @@ def plot_run(out: Path, records: list[dict], title: str) -> list[Path]:
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
 
-    per_device: dict[int, list[dict]] = {}
-    for rec in records:
-        for d in rec["devices"]:
-            if "speedup" in d:
-                per_device.setdefault(int(d["partition_id"]), []).append(d)
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for pid, rows in sorted(per_device.items()):
-        xs = [
-            r["round"] for r in records if any(int(d["partition_id"]) == pid and "speedup" in d for d in r["devices"])
-        ]
-        axes[0].plot(xs, [r["speedup"] for r in rows], marker=".", label=f"dev {pid} ({rows[-1]['tier']:g}x)")
-        axes[1].plot(xs, [r["trained_fraction"] for r in rows], marker=".", label=f"dev {pid}")
+    for name, rows in sorted(trained_rows(records).items()):
+        xs = [r["round"] for r in rows]
+        axes[0].plot(xs, [r["speedup"] for r in rows], marker=".", label=f"{name} ({rows[-1]['tier']:g}x)")
+        axes[1].plot(xs, [r["trained_fraction"] for r in rows], marker=".", label=name)
     axes[0].set_title("speedup vs full training")
     axes[1].set_title("trained fraction of weights")
     axes[2].bar(rounds, [r["bytes_uploaded"] / 1e6 for r in records])

@@ -1,0 +1,118 @@
+"""Who is in the fleet: devices join, leave, die and come back; the server samples from who is here.
+
+Pure bookkeeping over plain dicts (they go into the checkpoint as they are). A device
+becomes a member once it has answered a query (its name, its full-round time); a member
+is eligible while it is connected and has not missed ``max_missed`` rounds in a row; a
+benched member is eligible again once it answers a query.
+
+Design notes:
+
+* **Names, not node ids.** A SuperNode that restarts gets a new node id, so results and
+  device state follow the device's name. A name held by a live, answering node is not
+  handed to a second node (two devices claiming one name would merge silently); a name
+  whose node is gone or has missed its last round moves to the new node: that is a
+  restarted device.
+* **Seeded sampling.** The sample is drawn from the eligible devices sorted by name, with
+  a generator seeded by the run's seed and the round, so the same fleet samples the same
+  devices whatever node ids the SuperLink handed out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+Roster = dict[str, dict]  # node id (as a string: checkpoint keys) -> {"name", "full_time_s", "missed"}
+
+
+def member(name: str, full_time_s: float) -> dict:
+    return {"name": name, "full_time_s": float(full_time_s), "missed": 0}
+
+
+def holder_of(roster: Mapping[str, dict], name: str) -> str | None:
+    return next((node for node, m in roster.items() if m["name"] == name), None)
+
+
+def admit(roster: Roster, node: str, name: str, full_time_s: float, connected: Iterable[str]) -> str | None:
+    """Make ``node`` the member called ``name``; the reason it is refused, or None when admitted."""
+    holder = holder_of(roster, name)
+    if holder is not None and holder != node:
+        if holder in set(connected) and roster[holder]["missed"] == 0:
+            return (
+                f"device name {name!r} is already used by node {holder}; "
+                "give each SuperNode its own device-name (--node-config \"device-name='pi-2'\")"
+            )
+        del roster[holder]  # the device restarted as a new node: its name (and state) moves with it
+    roster[node] = member(name, full_time_s)
+    return None
+
+
+def eligible(roster: Mapping[str, dict], connected: Iterable[str], max_missed: int) -> list[str]:
+    """Connected members that have not missed ``max_missed`` rounds in a row, in name order."""
+    here = set(connected)
+    nodes = [n for n, m in roster.items() if n in here and m["missed"] < max_missed]
+    return sorted(nodes, key=lambda n: roster[n]["name"])
+
+
+def benched(roster: Mapping[str, dict], connected: Iterable[str], max_missed: int) -> list[str]:
+    """Connected members left out for missing rounds: they are sent a query until one answers."""
+    here = set(connected)
+    return sorted(n for n, m in roster.items() if n in here and m["missed"] >= max_missed)
+
+
+def sample(nodes: list[str], k: int | None, seed: int, server_round: int) -> list[str]:
+    """Up to ``k`` of ``nodes`` (all when k is None or covers them), the same for the same seed and round."""
+    if k is None or k >= len(nodes):
+        return list(nodes)
+    rng = np.random.default_rng([seed, 13, server_round])
+    picked = rng.choice(len(nodes), size=k, replace=False)
+    return [nodes[i] for i in sorted(picked)]
+
+
+def record_attendance(roster: Roster, sampled: Iterable[str], answered: Iterable[str]) -> list[str]:
+    """Count a missed round for each sampled member without an answer (reset for the others);
+    returns the names of those that missed."""
+    answered = set(answered)
+    missed = []
+    for node in sampled:
+        if node not in roster:
+            continue
+        if node in answered:
+            roster[node]["missed"] = 0
+        else:
+            roster[node]["missed"] += 1
+            missed.append(roster[node]["name"])
+    return missed
+
+
+def full_times(roster: Mapping[str, dict], nodes: Iterable[str]) -> dict[str, float]:
+    return {n: roster[n]["full_time_s"] for n in nodes if n in roster}
+
+
+def name_of(roster: Mapping[str, dict], node: str) -> str | None:
+    m = roster.get(node)
+    return None if m is None else m["name"]
+
+
+@dataclass
+class Attendance:
+    """What one round's membership did: for metrics.jsonl and the progress line."""
+
+    connected: int = 0
+    sampled: list[str] = field(default_factory=list)  # device names
+    missed: list[str] = field(default_factory=list)
+    joined: list[str] = field(default_factory=list)
+    refused: list[dict] = field(default_factory=list)  # {"node_id", "reason"}
+    benched: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {
+            "connected": self.connected,
+            "sampled": self.sampled,
+            "missed": self.missed,
+            "joined": self.joined,
+            "refused": self.refused,
+            "benched": self.benched,
+        }

@@ -1,0 +1,99 @@
+"""Messages out, replies in, and no wait without a bound.
+
+Flower's ``Grid.send_and_receive`` waits for the replies of one batch only and polls
+every 3 s. The fleet needs more: a round waits for its sampled devices' train replies
+until the round closes, while queries to joining or benched devices ride along and are
+picked up whenever they answer, and a reply that arrives after its round closed is
+dropped and logged, never aggregated. :class:`Mailbox` keeps every message it pushed
+until its reply is pulled (or it is given up), so nothing is waited on twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from flwr.app import Message
+from flwr.serverapp import Grid
+
+log = logging.getLogger("fleet.server")
+
+POLL_S = 0.25  # between pulls: a reply is picked up within this of its arrival
+FORGET_ROUNDS = 3  # a message unanswered this many rounds later is no longer pulled (a query is then sent again)
+
+
+@dataclass
+class Sent:
+    kind: str  # "query", "train" or "evaluate"
+    node: int
+    server_round: int
+
+
+def from_device(sent: Sent, msg: Message) -> bool:
+    """False for a reply the SuperLink wrote in the device's stead ("Node Unavailable" once its
+    heartbeat stopped): the device itself did not answer."""
+    return msg.metadata.src_node_id == sent.node
+
+
+class Mailbox:
+    """Every message pushed and not yet answered, and the replies that came back."""
+
+    def __init__(self, grid: Grid, name_of=lambda node: None) -> None:
+        self.grid = grid
+        self.name_of = name_of  # node id -> device name, for the log
+        self.sent: dict[str, Sent] = {}
+
+    def push(self, messages: Iterable[Message], kind: str, server_round: int) -> set[str]:
+        messages = list(messages)
+        ids = [str(i) for i in self.grid.push_messages(messages)]
+        for msg_id, msg in zip(ids, messages):
+            self.sent[msg_id] = Sent(kind, msg.metadata.dst_node_id, server_round)
+        return set(ids)
+
+    def collect(self, wait_for: set[str], timeout_s: float, server_round: int) -> list[tuple[Sent, Message]]:
+        """Pull until every message in ``wait_for`` is answered or ``timeout_s`` has passed; returns
+        every reply pulled meanwhile (queries of any round; train/evaluate of this round only)."""
+        end = time.monotonic() + max(0.0, timeout_s)
+        replies: list[tuple[Sent, Message]] = []
+        waiting = set(wait_for)
+        while True:
+            for reply in self._pull():
+                msg_id = reply.metadata.reply_to_message_id
+                sent = self.sent.pop(msg_id, None)
+                waiting.discard(msg_id)
+                if sent is None:
+                    continue
+                if sent.kind != "query" and sent.server_round != server_round:
+                    self._late(sent, server_round)
+                    continue
+                replies.append((sent, reply))
+            if not waiting or time.monotonic() >= end:
+                return replies
+            time.sleep(POLL_S)
+
+    def _pull(self) -> list[Message]:
+        if not self.sent:
+            return []
+        return list(self.grid.pull_messages(list(self.sent)))
+
+    def _late(self, sent: Sent, server_round: int) -> None:
+        who = self.name_of(sent.node) or f"node {sent.node}"
+        log.warning(
+            "round %d: dropped a late %s reply from %s (round %d had closed)",
+            server_round,
+            sent.kind,
+            who,
+            sent.server_round,
+        )
+
+    def forget_old(self, server_round: int) -> None:
+        """Stop pulling messages of rounds long closed (a dead device never answers)."""
+        stale = [i for i, s in self.sent.items() if s.server_round <= server_round - FORGET_ROUNDS]
+        for msg_id in stale:
+            del self.sent[msg_id]
+
+    def pending(self, kind: str) -> set[int]:
+        """Nodes with a message of ``kind`` still unanswered (a query is not sent twice)."""
+        return {s.node for s in self.sent.values() if s.kind == kind}

@@ -1,0 +1,108 @@
+"""Open membership: admission by name, restarts, benching, seeded sampling, bounded start."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleet.errors import ConfigError, FleetError
+from fleet.federated import membership as m
+from fleet.federated.config import fleet_config_from_dict
+from fleet.federated.device import device_name_of, partition_of, state_dir_of, tier_of
+from fleet.federated.prepare import simulated_fleet
+
+
+def test_a_second_device_claiming_a_live_name_is_refused_in_one_line():
+    roster: m.Roster = {}
+    assert m.admit(roster, "11", "pi-a", 2.0, connected={"11", "12"}) is None
+    reason = m.admit(roster, "12", "pi-a", 3.0, connected={"11", "12"})
+    assert reason is not None and "\n" not in reason
+    assert "'pi-a' is already used by node 11" in reason and "device-name" in reason
+    assert roster == {"11": m.member("pi-a", 2.0)}  # nothing merged
+
+
+@pytest.mark.parametrize("old_connected, old_missed", [(False, 0), (True, 1)])
+def test_a_restarted_device_takes_its_name_to_its_new_node(old_connected, old_missed):
+    """A SuperNode restarted gets a new node id; its old node is gone, or still 'online' until its
+    heartbeat expires but missing rounds."""
+    roster = {"11": {**m.member("pi-a", 2.0), "missed": old_missed}}
+    connected = {"11", "13"} if old_connected else {"13"}
+    assert m.admit(roster, "13", "pi-a", 2.5, connected) is None
+    assert roster == {"13": m.member("pi-a", 2.5)}
+
+
+def test_missed_rounds_bench_a_device_until_it_answers_a_query():
+    roster = {"1": m.member("a", 1.0), "2": m.member("b", 1.0), "3": m.member("c", 1.0)}
+    here = {"1", "2", "3"}
+    assert m.record_attendance(roster, ["1", "2", "3"], answered=["1", "3"]) == ["b"]
+    assert m.eligible(roster, here, max_missed=2) == ["1", "2", "3"]  # one miss: still sampled
+    assert m.record_attendance(roster, ["1", "2"], answered=["1"]) == ["b"]
+    assert m.eligible(roster, here, max_missed=2) == ["1", "3"]
+    assert m.benched(roster, here, max_missed=2) == ["2"]
+    assert m.eligible(roster, {"1"}, max_missed=2) == ["1"]  # disconnected devices are not eligible
+    assert m.admit(roster, "2", "b", 1.0, here) is None  # it answered a query: back in
+    assert m.eligible(roster, here, max_missed=2) == ["1", "2", "3"]
+    m.record_attendance(roster, ["3"], answered=["3"])
+    assert roster["3"]["missed"] == 0
+
+
+def test_sampling_is_seeded_by_round_and_covers_all_by_default():
+    nodes = [str(i) for i in range(20)]
+    assert m.sample(nodes, None, seed=0, server_round=1) == nodes
+    assert m.sample(nodes, 25, seed=0, server_round=1) == nodes
+    a = m.sample(nodes, 5, seed=0, server_round=3)
+    assert len(a) == 5 == len(set(a)) and set(a) <= set(nodes)
+    assert a == m.sample(nodes, 5, seed=0, server_round=3)  # the same round samples the same devices
+    assert a != m.sample(nodes, 5, seed=0, server_round=4)
+    assert a != m.sample(nodes, 5, seed=1, server_round=3)
+    counts = {n: 0 for n in nodes}
+    for r in range(200):
+        for n in m.sample(nodes, 5, seed=0, server_round=r):
+            counts[n] += 1
+    assert min(counts.values()) > 25 and max(counts.values()) < 75  # about 50 each: uniform
+
+
+class _Grid:
+    """Only what wait_for_devices reads: the connected node ids."""
+
+    def __init__(self, nodes: list[int]) -> None:
+        self.nodes = nodes
+
+    def get_node_ids(self) -> list[int]:
+        return self.nodes
+
+
+def test_the_server_starts_at_min_devices_and_gives_up_after_timeout():
+    from server.roster import wait_for_devices
+
+    cfg = fleet_config_from_dict({"federation": {"num_devices": 5, "min_devices": 2, "timeout_s": 1.0}})
+    assert wait_for_devices(_Grid([1, 2]), cfg) == {"1", "2"}
+    with pytest.raises(FleetError, match="only 1 of 2 devices connected within 1s"):
+        wait_for_devices(_Grid([1]), cfg)
+
+
+def test_device_identity_from_node_config():
+    cfg = fleet_config_from_dict({"federation": {"num_devices": 4, "tiers": [1, 3]}})
+    own = {"data-root": "/data/pi", "device-name": "pi-kitchen"}
+    assert partition_of(cfg, own) is None and tier_of(cfg, None, own) == 1.0  # a real device: its own profile
+    assert device_name_of(cfg, own, None) == "pi-kitchen"
+    assert state_dir_of(cfg, "pi-kitchen", {}).parts[-2:] == ("devices", "pi-kitchen")
+    assert device_name_of(cfg, {"partition-id": 3}, 3) == "device-3" and tier_of(cfg, 3, {}) == 3.0
+    for bad, match in (
+        ({"device-name": "../etc"}, "node config device-name: '../etc' cannot name a device"),
+        ({"device-name": "a b"}, "cannot name a device"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            device_name_of(cfg, {**own, **bad}, None)
+    with pytest.raises(ConfigError, match="neither data-root nor partition-id"):
+        partition_of(cfg, {})
+    with pytest.raises(ConfigError, match="partition-id: 'x' is outside 0..3"):
+        partition_of(cfg, {"partition-id": "x"})
+
+
+@pytest.mark.parametrize("field", ["devices_per_round", "min_devices"])
+def test_sampling_more_devices_than_the_simulated_fleet_is_one_line(field):
+    cfg = fleet_config_from_dict({"federation": {"num_devices": 4, field: 5}})
+    with pytest.raises(ConfigError, match=f"federation.{field}: 5 is more than the fleet's 4 simulated devices"):
+        simulated_fleet(cfg, log=lambda s: None)
+    ok = fleet_config_from_dict({"federation": {"num_devices": 4, field: 4}})
+    assert simulated_fleet(ok, log=lambda s: None).federation.num_devices == 4

@@ -52,9 +52,10 @@ class Mailbox:
             self.sent[msg_id] = Sent(kind, msg.metadata.dst_node_id, server_round)
         return set(ids)
 
-    def collect(self, wait_for: set[str], timeout_s: float, server_round: int) -> list[tuple[Sent, Message]]:
+    def collect(self, wait_for: set[str], timeout_s: float, server_round: int, kind: str) -> list[tuple[Sent, Message]]:
         """Pull until every message in ``wait_for`` is answered or ``timeout_s`` has passed; returns
-        every reply pulled meanwhile (queries of any round; train/evaluate of this round only)."""
+        every reply pulled meanwhile to queries (of any round) and to this round's ``kind`` messages.
+        Any other reply is late (a train reply after its phase closed included): dropped and logged."""
         end = time.monotonic() + max(0.0, timeout_s)
         replies: list[tuple[Sent, Message]] = []
         waiting = set(wait_for)
@@ -65,7 +66,7 @@ class Mailbox:
                 waiting.discard(msg_id)
                 if sent is None:
                     continue
-                if sent.kind != "query" and sent.server_round != server_round:
+                if sent.kind != "query" and (sent.kind != kind or sent.server_round != server_round):
                     self._late(sent, server_round)
                     continue
                 replies.append((sent, reply))
@@ -81,7 +82,7 @@ class Mailbox:
     def _late(self, sent: Sent, server_round: int) -> None:
         who = self.name_of(sent.node) or f"node {sent.node}"
         log.warning(
-            "round %d: dropped a late %s reply from %s (round %d had closed)",
+            "round %d: dropped a late %s reply from %s (its phase of round %d had closed)",
             server_round,
             sent.kind,
             who,

@@ -64,8 +64,8 @@ class Membership:
         self.refusals: dict[str, str] = {}  # node -> the last reason it was refused (logged once)
 
     def open_round(self, grid: Grid, server_round: int, wait_s: float) -> list[str]:
-        """Query new and benched devices; returns the eligible ones. With nobody eligible yet (the
-        first round, or everyone gone) it waits up to ``wait_s`` for the queries' answers."""
+        """Query new and benched devices; returns the eligible ones. With nobody eligible (the first
+        round, or every device gone) it waits up to ``wait_s`` for answers, then stops the run."""
         fed, roster, att = self.cfg.federation, self.state.roster, self.state.replies.attendance
         connected = connected_nodes(grid)
         att.connected = len(connected)
@@ -73,11 +73,29 @@ class Membership:
         bench = set(membership.benched(roster, connected, fed.max_missed))
         ask = sorted(n for n in connected if (n not in roster or n in bench) and n not in asked)
         self.mailbox.push(query_messages(ask), "query", server_round)
-        if not membership.eligible(roster, connected, fed.max_missed):
-            waiting = {i for i, s in self.mailbox.sent.items() if s.kind == "query"}
-            self.take(self.mailbox.collect(waiting, wait_s, server_round), connected, server_round)
+        eligible = membership.eligible(roster, connected, fed.max_missed)
+        if not eligible:
+            eligible = self.wait_for_members(grid, server_round, wait_s)
         att.benched = [roster[n]["name"] for n in membership.benched(roster, connected, fed.max_missed)]
-        return membership.eligible(roster, connected, fed.max_missed)
+        if not eligible:
+            reasons = "; ".join(sorted(set(self.refusals.values()))) or "none answered its query"
+            raise FleetError(f"round {server_round}: no device could take part within {wait_s:.0f}s ({reasons})")
+        return eligible
+
+    def wait_for_members(self, grid: Grid, server_round: int, wait_s: float) -> list[str]:
+        """Take query answers until ``min_devices`` are eligible, every query is answered, or ``wait_s``
+        has passed (a device that never answers holds up only this, and only this long)."""
+        fed = self.cfg.federation
+        want, end = fed.min_devices or fed.num_devices, time.monotonic() + wait_s
+        while True:
+            connected = connected_nodes(grid)
+            eligible = membership.eligible(self.state.roster, connected, fed.max_missed)
+            waiting = {i for i, s in self.mailbox.sent.items() if s.kind == "query"}
+            left = end - time.monotonic()
+            if len(eligible) >= want or not waiting or left <= 0:
+                return eligible
+            replies = self.mailbox.collect(waiting, min(1.0, left), server_round, "query")
+            self.take(replies, connected, server_round)
 
     def take(self, replies: list[tuple[Sent, Message]], connected: set[str], server_round: int) -> list[Message]:
         """Admit or refuse the query replies among ``replies``; returns the other replies the devices

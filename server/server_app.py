@@ -1,9 +1,11 @@
 """Flower ServerApp of the fleet (Message API).
 
-Each round: send the global model and the round's deadline, aggregate only the
-tensors each device trained (:class:`ElasticFedAvg`), evaluate global and
-personalized accuracy on every device, advance the simulated clock, write a
-metrics line and a progress line, and checkpoint. ``resume = true`` in the run
+Each round: admit devices that answered a query, sample the round's devices, send
+them the global model and the round's deadline, close the round at deadline +
+``grace_s`` at the latest, aggregate only the tensors each device trained
+(:class:`ElasticFedAvg`), evaluate global and personalized accuracy on the devices
+that trained, advance the simulated clock, write a metrics line and a progress
+line, and checkpoint. ``resume = true`` in the run
 config continues from the last checkpoint. The round's state lives in one
 :class:`~fleet.federated.state.ServerState`; the tracking is Flower-free.
 """
@@ -75,9 +77,6 @@ def make_strategy(cfg: FleetConfig, state: ServerState, arrays: dict[str, np.nda
         param_names=param_names(cfg),
         lr=cfg.train.lr,
         blend=fed.strategy == "fleet" and fed.blend_beta is not None,
-        min_train_nodes=1,
-        min_evaluate_nodes=1,
-        min_available_nodes=fed.num_devices,
     )
 
 
@@ -101,7 +100,7 @@ class TrainPhase:
 
     arrays: dict[str, np.ndarray]
     record: ArrayRecord
-    answered: list[str]  # nodes whose train reply came in (accepted or not)
+    answered: list[str]  # nodes whose train reply came in without an error: they are evaluated
     deadline_s: float
     bound_s: float
     eval_bound_s: float
@@ -111,7 +110,7 @@ def train_phase(grid: Grid, ctx: RoundContext, arrays: dict[str, np.ndarray], se
     """Admit, sample, send the train messages, wait until they are in or the round closes, aggregate."""
     strategy, state, fed = ctx.strategy, ctx.strategy.state, ctx.cfg.federation
     att = state.replies.attendance
-    eligible = ctx.members.open_round(grid, server_round, fed.timeout_s if ctx.simulated else fed.grace_s)
+    eligible = ctx.members.open_round(grid, server_round, fed.timeout_s)
     nodes = sample(eligible, fed.devices_per_round, ctx.cfg.train.seed, server_round)
     att.sampled = [state.roster[n]["name"] for n in nodes]
     log.info("round %d: sampled %d of %d eligible devices: %s", server_round, len(nodes), len(eligible), att.sampled)
@@ -119,7 +118,7 @@ def train_phase(grid: Grid, ctx: RoundContext, arrays: dict[str, np.ndarray], se
     bound, eval_bound = round_bounds(ctx, deadline, nodes)
     record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
     messages = strategy.train_messages(server_round, record, [int(n) for n in nodes], deadline)
-    pulled = ctx.mailbox.collect(ctx.mailbox.push(messages, "train", server_round), bound, server_round)
+    pulled = ctx.mailbox.collect(ctx.mailbox.push(messages, "train", server_round), bound, server_round, "train")
     replies = ctx.members.take(pulled, connected_nodes(grid), server_round)
     answered = sorted({str(m.metadata.src_node_id) for m in replies})
     att.missed = record_attendance(state.roster, nodes, answered)
@@ -141,7 +140,8 @@ def run_round(
     started = time.perf_counter()
     phase = train_phase(grid, ctx, arrays, server_round)
     messages = ctx.strategy.evaluate_messages(server_round, phase.record, [int(n) for n in phase.answered])
-    pulled = ctx.mailbox.collect(ctx.mailbox.push(messages, "evaluate", server_round), phase.eval_bound_s, server_round)
+    ids = ctx.mailbox.push(messages, "evaluate", server_round)
+    pulled = ctx.mailbox.collect(ids, phase.eval_bound_s, server_round, "evaluate")
     replies = ctx.members.take(pulled, connected_nodes(grid), server_round)
     accuracy = ctx.strategy.aggregate_evaluate(server_round, replies)
     accuracy = None if accuracy is None else dict(accuracy)

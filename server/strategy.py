@@ -20,6 +20,7 @@ from fleet.federated import keys
 from fleet.federated.aggregate import (
     Rejection,
     error_summary,
+    evaluation_problem,
     global_importance,
     masked_average,
     round_deadline,
@@ -165,11 +166,12 @@ class ElasticFedAvg(FedAvg):
         for msg in replies:
             if msg.has_error() or keys.METRICS not in msg.content.metric_records:
                 reason = error_summary(msg.error.reason) if msg.has_error() else f"no '{keys.METRICS}' MetricRecord"
+            else:
+                metrics = dict(msg.content.metric_records[keys.METRICS])
+                reason = evaluation_problem(metrics)
+            if reason is not None:
                 who = Rejection(server_round, msg.metadata.src_node_id, self.device_of(msg), reason).who()
                 log.warning("round %d: evaluation from %s failed: %s", server_round, who, reason)
-                continue
-            metrics = dict(msg.content.metric_records[keys.METRICS])
-            if weight_problem(metrics.get(keys.NUM_EXAMPLES)) is not None:
                 continue
             rows.append({"node_id": msg.metadata.src_node_id, "device": self.device_of(msg), **metrics})
         if not rows:

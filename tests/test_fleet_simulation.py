@@ -116,11 +116,22 @@ def test_device_failing_mid_round_does_not_stop_the_fleet(tmp_path):
     assert len(re.findall(r"^round +\d+/2 ", out, re.M)) == 2  # one progress line per round
 
 
-def test_bad_config_is_one_line_error(tmp_path):
-    res = run_fleet(["simulate", TINY, "--output-dir", str(tmp_path), "--set", "federation.tiers=[0]"], timeout=120)
+@pytest.mark.parametrize(
+    "setting, error",
+    [
+        ("federation.tiers=[0]", "error: federation.tiers: [0.0] is not allowed"),
+        ("federation.devices_per_round=5", "error: federation.devices_per_round: 5 is more than the fleet's 4"),
+        ("data.device_roots=/nonexistent/roots", "error: data.device_roots: "),
+    ],
+)
+def test_bad_config_is_one_line_error(tmp_path, setting, error):
+    args = ["simulate", TINY, "--output-dir", str(tmp_path), "--set", setting]
+    if "device_roots" in setting:
+        args += ["--set", "data.class_names=[a,b,c,d,e,f,g,h,i,j]"]
+    res = run_fleet(args, timeout=120)
     assert res.returncode == 2
-    assert res.stdout.strip().splitlines()[-1].startswith("error: federation.tiers: [0.0] is not allowed")
-    assert "Traceback" not in res.stdout
+    assert res.stdout.strip().splitlines()[-1].startswith(error), res.stdout[-500:]
+    assert "Traceback" not in res.stdout and not (tmp_path / "fleet-tiny").exists()  # nothing started
 
 
 def test_profile_of_another_batch_size_stops_the_launch_in_one_line(tmp_path):

@@ -174,3 +174,23 @@ def test_a_device_failure_is_logged_in_one_line():
     assert error_summary("") == "no reason given"
     deployed = "<class 'fleet.errors.DataError'>:<'node config data-root: class folder 'unicorn' is unknown'>"
     assert error_summary(deployed) == "DataError: node config data-root: class folder 'unicorn' is unknown"
+
+
+def eval_reply(node: int, metrics: dict) -> Message:
+    msg = reply(node, None)
+    return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), metadata=msg.metadata)
+
+
+def test_bad_evaluation_replies_are_left_out_not_crashing_the_server(caplog):
+    """A reply without accuracies (e.g. a train reply arriving while the round evaluates) or with an
+    impossible one is left out of the round's accuracy, with a line naming the device."""
+    s = make_strategy(GLOBAL)
+    good = eval_reply(11, {"num-examples": 10, "global-accuracy": 0.5, "personal-accuracy": 0.75})
+    train_like = eval_reply(12, {"num-examples": 10, "loss": 0.3})
+    huge = eval_reply(13, {"num-examples": 10, "global-accuracy": 1e6, "personal-accuracy": 0.5})
+    with caplog.at_level(logging.WARNING, logger="fleet.server"):
+        acc = s.aggregate_evaluate(3, [good, train_like, huge])
+    assert dict(acc) == {"global-accuracy": 0.5, "personal-accuracy": 0.75}
+    assert [r["node_id"] for r in s.state.replies.evaluation] == [11]
+    assert "evaluation from device pi-12 (node 12) failed: 'global-accuracy' must be an accuracy" in caplog.text
+    assert "(node 13) failed: 'global-accuracy' must be an accuracy in [0, 1], got 1000000.0" in caplog.text

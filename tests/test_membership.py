@@ -95,8 +95,9 @@ def test_device_identity_from_node_config():
             device_name_of(cfg, {**own, **bad}, None)
     with pytest.raises(ConfigError, match="neither data-root nor partition-id"):
         partition_of(cfg, {})
-    with pytest.raises(ConfigError, match="partition-id: 'x' is outside 0..3"):
-        partition_of(cfg, {"partition-id": "x"})
+    for bad in ("x", "inf", 1.5, 4, -1):
+        with pytest.raises(ConfigError, match=f"partition-id: {bad!r} is outside 0..3"):
+            partition_of(cfg, {"partition-id": bad})
 
 
 @pytest.mark.parametrize("field", ["devices_per_round", "min_devices"])

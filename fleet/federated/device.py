@@ -6,6 +6,7 @@ each lookup validates what it reads and names the field in its error.
 
 from __future__ import annotations
 
+import math
 import re
 import socket
 from pathlib import Path
@@ -61,7 +62,7 @@ def partition_of(cfg: FleetConfig, node_config: dict[str, Any]) -> int | None:
         )
     raw = node_config[keys.NODE_PARTITION_ID]
     pid = _number(raw)
-    if not (pid == pid and pid == int(pid) and 0 <= pid < cfg.federation.num_devices):
+    if not (math.isfinite(pid) and pid == int(pid) and 0 <= pid < cfg.federation.num_devices):
         raise ConfigError(
             f"node config partition-id: {raw!r} is outside 0..{cfg.federation.num_devices - 1} "
             "(federation.num_devices); pick a partition the fleet has"

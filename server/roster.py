@@ -10,14 +10,13 @@ the reason, and asked again in later rounds, since its owner may fix it.
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from fleet.errors import FleetError
-from fleet.federated import keys, membership
+from fleet.federated import keys, membership, schema
 from fleet.federated.aggregate import error_summary
 from fleet.federated.config import FleetConfig
 from fleet.federated.device import DEVICE_NAME
@@ -116,13 +115,13 @@ class Membership:
         if msg.has_error():
             reason = error_summary(msg.error.reason)
         else:
-            full = msg.content.metric_records.get(keys.METRICS, {}).get(keys.FULL_TIME_S)
-            if name is None or not DEVICE_NAME.fullmatch(name):
+            metrics = dict(msg.content.metric_records.get(keys.METRICS, {}))
+            reason = schema.metric_problem(metrics, schema.QUERY)
+            if reason is None and (name is None or not DEVICE_NAME.fullmatch(name)):
                 reason = f"query reply without a usable '{keys.DEVICE_NAME}' ({name!r})"
-            elif not isinstance(full, (int, float)) or not math.isfinite(full) or full <= 0:
-                reason = f"query reply with '{keys.FULL_TIME_S}' {full!r}; expected a positive number of seconds"
-            else:
-                reason = membership.admit(self.state.roster, node, name, float(full), connected)
+            if reason is None:
+                full, size = float(metrics[keys.FULL_TIME_S]), int(metrics[keys.NUM_EXAMPLES])
+                reason = membership.admit(self.state.roster, node, name, full, connected, size)
         if reason is not None:
             self.refuse(node, name, reason, server_round)
             return

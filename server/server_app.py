@@ -25,6 +25,8 @@ from flwr.serverapp import Grid, ServerApp
 from fleet.experiment import make_model
 from fleet.federated.config import FleetConfig, config_from_run_config, run_dir
 from fleet.federated.membership import full_times, name_of, record_attendance, sample
+from fleet.federated.robust import Defense
+from fleet.federated.split import known_data_sizes
 from fleet.federated.state import RoundReplies, ServerState, keep_previous_run, load_checkpoint, save_checkpoint
 from fleet.federated.tracking import Tracker, plot_run, progress_line, round_record, round_time
 from server.mailbox import Mailbox
@@ -65,8 +67,19 @@ def start_state(cfg: FleetConfig, out: Path, resume: bool) -> tuple[dict[str, np
     return initial_arrays(cfg), ServerState(run_tag=uuid.uuid4().hex[:12])
 
 
-def make_strategy(cfg: FleetConfig, state: ServerState, arrays: dict[str, np.ndarray]) -> ElasticFedAvg:
+def make_strategy(
+    cfg: FleetConfig, state: ServerState, arrays: dict[str, np.ndarray], simulated: bool = False
+) -> ElasticFedAvg:
     fed = cfg.federation
+    defense = Defense(
+        fed.aggregation,
+        fed.trim_fraction,
+        fed.norm_bound,
+        fed.norm_action,
+        fed.max_samples_per_device,
+        fed.time_band,
+        known_data_sizes(cfg) if simulated else {},  # a simulation knows every device's data
+    )
     full_upload_s = sum(a.nbytes for a in arrays.values() if a.dtype.kind == "f") / fed.bandwidth_bytes_per_s
     return ElasticFedAvg(
         state,
@@ -77,6 +90,7 @@ def make_strategy(cfg: FleetConfig, state: ServerState, arrays: dict[str, np.nda
         param_names=param_names(cfg),
         lr=cfg.train.lr,
         blend=fed.strategy == "fleet" and fed.blend_beta is not None,
+        defense=defense,
     )
 
 
@@ -173,7 +187,7 @@ def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool, simulated: bool = F
     arrays, state = start_state(cfg, out, resume)
     out.mkdir(parents=True, exist_ok=True)
     tracker = Tracker(out, resume_round=state.round if resume else None)
-    strategy = make_strategy(cfg, state, arrays)
+    strategy = make_strategy(cfg, state, arrays, simulated)
     mailbox = Mailbox(grid, lambda node: name_of(state.roster, str(node)))
     ctx = RoundContext(cfg, strategy, mailbox, Membership(cfg, state, mailbox), simulated)
     wait_for_devices(grid, cfg)

@@ -11,24 +11,33 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 
-from fleet.federated import keys
+from fleet.federated import keys, schema
 from fleet.federated.aggregate import (
     Rejection,
     error_summary,
-    evaluation_problem,
     global_importance,
-    masked_average,
     round_deadline,
     tensor_problem,
     weight_problem,
     weighted_mean,
 )
 from fleet.federated.membership import full_times, name_of
+from fleet.federated.robust import (
+    Defense,
+    bound_update,
+    plausible,
+    plausible_times,
+    robust_average,
+    update_limits,
+    upload_problem,
+)
+from fleet.federated.schema import known_metrics, metric_problem
 from fleet.federated.state import ServerState
 
 log = logging.getLogger("fleet.server")
@@ -58,6 +67,16 @@ def check_reply(msg: Message, global_arrays: dict[str, np.ndarray]) -> str | Non
     return problem
 
 
+@dataclass
+class Accepted:
+    """A train reply that passed its checks, on its way into the average."""
+
+    msg: Message
+    arrays: dict[str, np.ndarray]
+    weight: float  # its sample count, capped
+    row: dict  # its checked metrics, for the round's record
+
+
 class ElasticFedAvg(FedAvg):
     """FedAvg that aggregates per tensor over only the devices that trained it.
 
@@ -76,6 +95,7 @@ class ElasticFedAvg(FedAvg):
         param_names: Iterable[str] = (),
         lr: float = 0.01,
         blend: bool = True,
+        defense: Defense | None = None,
         **kwargs,
     ) -> None:
         kwargs.setdefault("weighted_by_key", keys.NUM_EXAMPLES)
@@ -90,10 +110,12 @@ class ElasticFedAvg(FedAvg):
         self.param_names = list(param_names)
         self.lr = lr
         self.blend = blend
+        self.defense = defense or Defense()
 
     def round_deadline(self, nodes: Iterable[str]) -> float:
-        """The round's deadline from the full-round times of ``nodes`` (the devices eligible now)."""
-        times = full_times(self.state.roster, nodes)
+        """The round's deadline from the full-round times of ``nodes`` (the devices eligible now),
+        each held to a band around the fleet's median, so one device cannot set it alone."""
+        times = plausible_times(full_times(self.state.roster, nodes), self.defense.time_band)
         return round_deadline(self.method, self.deadline_s, self.deadline_factor, times, self.full_upload_s)
 
     def device_of(self, msg: Message) -> str | None:
@@ -122,33 +144,82 @@ class ElasticFedAvg(FedAvg):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         state, current = self.state, self.state.replies.sent
         state.replies.train = []
-        updates: list[tuple[dict[str, np.ndarray], float]] = []
-        for msg in replies:
-            reason = check_reply(msg, current)
-            if reason is not None:
-                self._reject(server_round, msg, reason)
-                continue
-            metrics = dict(msg.content.metric_records[keys.METRICS])
-            record = next(iter(msg.content.array_records.values()))
-            updates.append(({k: a.numpy() for k, a in record.items()}, float(metrics[keys.NUM_EXAMPLES])))
-            full, node = metrics.get(keys.FULL_TIME_S), str(msg.metadata.src_node_id)
-            if isinstance(full, (int, float)) and full > 0 and node in state.roster:
-                state.roster[node]["full_time_s"] = float(full)
-            state.replies.train.append({"node_id": msg.metadata.src_node_id, "device": self.device_of(msg), **metrics})
-        if not updates:
+        accepted = [a for a in (self._accept(server_round, msg, current) for msg in replies) if a is not None]
+        accepted = self._bound(server_round, accepted, current)
+        if not accepted:
             state.replies.senders = {}
             log.warning("round %d: no usable training replies; the global model is unchanged", server_round)
             return None, None
-        new, state.replies.senders = masked_average(current, updates)
+        d = self.defense
+        updates = [(a.arrays, a.weight) for a in accepted]
+        new, state.replies.senders = robust_average(current, updates, d.aggregation, d.trim)
+        state.replies.train = rows = [a.row for a in accepted]
         state.global_importance = global_importance(new, current, self.param_names, self.lr)
         record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in new.items()})
-        rows = state.replies.train
         summary = {
             "devices": len(updates),
             keys.LOSS: weighted_mean(rows, keys.LOSS),
-            keys.BYTES_UPLOADED: int(sum(r.get(keys.BYTES_UPLOADED, 0) for r in rows)),
+            keys.BYTES_UPLOADED: int(sum(r[keys.BYTES_UPLOADED] for r in rows)),
         }
         return record, MetricRecord(summary)
+
+    def _accept(self, server_round: int, msg: Message, current: dict[str, np.ndarray]) -> Accepted | None:
+        """The reply's tensors, capped weight and checked metrics row, or None (rejected, with the reason)."""
+        reason = check_reply(msg, current)
+        metrics: dict = {}
+        if reason is None:
+            metrics = dict(msg.content.metric_records[keys.METRICS])
+            reason = metric_problem(metrics, schema.TRAIN)
+        arrays: dict[str, np.ndarray] = {}
+        if reason is None:
+            record = next(iter(msg.content.array_records.values()))
+            arrays = {k: a.numpy() for k, a in record.items()}
+            reason = upload_problem(arrays, metrics[keys.SELECTED], self.param_names)
+        if reason is not None:
+            self._reject(server_round, msg, reason)
+            return None
+        name = self.device_of(msg)
+        weight = min(float(metrics[keys.NUM_EXAMPLES]), self.defense.sample_cap(name))
+        if weight < metrics[keys.NUM_EXAMPLES]:
+            self.state.replies.defense.setdefault("capped", []).append(name)
+        row = {"node_id": msg.metadata.src_node_id, "device": name, **known_metrics(metrics, schema.TRAIN)}
+        row[keys.NUM_EXAMPLES] = weight
+        row[keys.BYTES_UPLOADED] = int(sum(a.nbytes for a in arrays.values()))  # counted here, not told
+        self._clamp_times(str(msg.metadata.src_node_id), row)
+        return Accepted(msg, arrays, weight, row)
+
+    def _clamp_times(self, node: str, row: dict) -> None:
+        """A device's reported full-round time and round time, held to a band around the full time it
+        joined with: it may drift (a hot Pi slows down), not move the fleet's deadline or clock at will."""
+        m = self.state.roster.get(node)
+        if m is None:
+            return
+        band = self.defense.time_band
+        full = plausible(row[keys.FULL_TIME_S], m["profile_s"], band)
+        m["full_time_s"] = row[keys.FULL_TIME_S] = full
+        row[keys.PREDICTED_TIME_S] = min(row[keys.PREDICTED_TIME_S], band * full)
+        row[keys.SPEEDUP] = full / row[keys.PREDICTED_TIME_S] if row[keys.PREDICTED_TIME_S] > 0 else 0.0
+
+    def _bound(self, server_round: int, accepted: list[Accepted], current: dict[str, np.ndarray]) -> list[Accepted]:
+        """Updates held to ``norm_bound`` x the lower median norm per tensor: clipped, or rejected."""
+        d = self.defense
+        if d.norm_bound is None or not accepted:
+            return accepted
+        limits = update_limits(current, [a.arrays for a in accepted], d.norm_bound)
+        kept = []
+        for a in accepted:
+            bounded, clipped = bound_update(current, a.arrays, limits)
+            if clipped and d.norm_action == "reject":
+                reason = (
+                    f"update of {len(clipped)} tensors above {d.norm_bound:g}x the median norm (first {clipped[0]!r})"
+                )
+                self._reject(server_round, a.msg, reason)
+                continue
+            if clipped:
+                self.state.replies.defense.setdefault("clipped", {})[a.row["device"]] = len(clipped)
+            a.arrays = bounded
+            kept.append(a)
+        return kept
 
     def _reject(self, server_round: int, msg: Message, reason: str) -> None:
         rej = Rejection(server_round, msg.metadata.src_node_id, self.device_of(msg), reason)
@@ -168,12 +239,13 @@ class ElasticFedAvg(FedAvg):
                 reason = error_summary(msg.error.reason) if msg.has_error() else f"no '{keys.METRICS}' MetricRecord"
             else:
                 metrics = dict(msg.content.metric_records[keys.METRICS])
-                reason = evaluation_problem(metrics)
+                reason = metric_problem(metrics, schema.EVALUATE)
             if reason is not None:
                 who = Rejection(server_round, msg.metadata.src_node_id, self.device_of(msg), reason).who()
                 log.warning("round %d: evaluation from %s failed: %s", server_round, who, reason)
                 continue
-            rows.append({"node_id": msg.metadata.src_node_id, "device": self.device_of(msg), **metrics})
+            row = {"node_id": msg.metadata.src_node_id, "device": self.device_of(msg)}
+            rows.append({**row, **known_metrics(metrics, schema.EVALUATE)})
         if not rows:
             return None
         return MetricRecord({key: weighted_mean(rows, key) for key in (keys.GLOBAL_ACCURACY, keys.PERSONAL_ACCURACY)})

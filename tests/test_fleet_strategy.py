@@ -11,6 +11,7 @@ from flwr.app import Array, ArrayRecord, Error, Message, MessageType, Metadata, 
 
 from fleet.federated.aggregate import error_summary, masked_average
 from fleet.federated.membership import member
+from fleet.federated.robust import Defense
 from fleet.federated.state import ServerState
 from server.strategy import ElasticFedAvg, check_reply
 
@@ -36,20 +37,36 @@ def reply(
     )
     if error is not None:
         return Message(error=Error(code=0, reason=error), metadata=meta)
-    metrics = {
-        "num-examples": samples,
-        "loss": 0.5,
-        "partition-id": node if partition is None else partition,
-        "bytes-uploaded": 4,
-    }
+    metrics = device_metrics(samples, selected=len(arrays or {}))
+    metrics["partition-id"] = node if partition is None else partition
     content = RecordDict(
         {"arrays": ArrayRecord({k: Array(v) for k, v in (arrays or {}).items()}), "metrics": MetricRecord(metrics)}
     )
     return Message(content=content, metadata=meta)
 
 
-def make_strategy(global_arrays: dict[str, np.ndarray]) -> ElasticFedAvg:
-    s = ElasticFedAvg(ServerState(), param_names=list(global_arrays))
+def device_metrics(samples: float, selected: int) -> dict:
+    """Every metric an honest device reports with its trained tensors (fleet.federated.schema.TRAIN)."""
+    return {
+        "num-examples": samples,
+        "tier": 1.0,
+        "selected": selected,
+        "num-tensors": 3,
+        "trained-fraction": 0.5,
+        "rho": 0.5,
+        "predicted-time-s": 1.0,
+        "measured-time-s": 0.8,
+        "full-time-s": 2.0,
+        "speedup": 2.0,
+        "bytes-uploaded": 4,
+        "loss": 0.5,
+        "steps": 10,
+    }
+
+
+def make_strategy(global_arrays: dict[str, np.ndarray], defense: Defense | None = None) -> ElasticFedAvg:
+    """Plain masked mean unless told otherwise: these tests are about masking, not about the defense."""
+    s = ElasticFedAvg(ServerState(), param_names=list(global_arrays), defense=defense or Defense(norm_bound=None))
     s.state.replies.sent = {k: v.copy() for k, v in global_arrays.items()}  # what train_messages keeps
     s.state.roster = {"12": member("pi-12", 1.0)}
     return s
@@ -192,5 +209,5 @@ def test_bad_evaluation_replies_are_left_out_not_crashing_the_server(caplog):
         acc = s.aggregate_evaluate(3, [good, train_like, huge])
     assert dict(acc) == {"global-accuracy": 0.5, "personal-accuracy": 0.75}
     assert [r["node_id"] for r in s.state.replies.evaluation] == [11]
-    assert "evaluation from device pi-12 (node 12) failed: 'global-accuracy' must be an accuracy" in caplog.text
-    assert "(node 13) failed: 'global-accuracy' must be an accuracy in [0, 1], got 1000000.0" in caplog.text
+    assert "evaluation from device pi-12 (node 12) failed: metric 'global-accuracy' is missing" in caplog.text
+    assert "(node 13) failed: metric 'global-accuracy' must be in [0, 1], got 1000000.0" in caplog.text

@@ -57,16 +57,6 @@ def weight_problem(weight: object) -> str | None:
     return None
 
 
-def evaluation_problem(metrics: Mapping[str, object]) -> str | None:
-    """Why an evaluate reply's metrics cannot be averaged, or None."""
-    problem = weight_problem(metrics.get(keys.NUM_EXAMPLES))
-    for key in (keys.GLOBAL_ACCURACY, keys.PERSONAL_ACCURACY):
-        value = metrics.get(key)
-        if problem is None and not (isinstance(value, (int, float)) and 0 <= value <= 1):
-            problem = f"'{key}' must be an accuracy in [0, 1], got {value!r}"
-    return problem
-
-
 def tensor_problem(
     name: str,
     shape: Iterable[int],

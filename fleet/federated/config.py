@@ -17,6 +17,8 @@ from fleet.config import LABELS_RULE, ExperimentConfig, apply_overrides, build_d
 from fleet.errors import ConfigError
 
 STRATEGIES = ("fleet", "naive", "fedavg")
+AGGREGATIONS = ("mean", "trimmed_mean", "median")
+NORM_ACTIONS = ("clip", "reject")
 PARTITIONS = ("iid", "dirichlet", "shards")
 RUN_ONLY_KEYS = ("config", "resume", "simulation")  # run-config keys that are not fields of the YAML
 APP_ROOT = Path(__file__).resolve().parents[2]  # holds pyproject.toml and simulations/
@@ -64,6 +66,13 @@ class FederationConfig:
     devices_per_round: int | None = None  # sample up to this many connected devices per round (seeded); null: all
     grace_s: float = 30.0  # a deployed round closes at deadline + grace_s: covers a ClientApp's start (5-15 s on a Pi)
     max_missed: int = 2  # after this many missed rounds in a row a device is benched until it answers a query
+    # Robust aggregation: every reply is untrusted, so no single device can move the model or the clocks far
+    aggregation: str = "mean"  # mean | trimmed_mean | median, per tensor over the devices that trained it
+    trim_fraction: float = 0.2  # trimmed_mean: drop this share of the values at each end, per coordinate
+    norm_bound: float | None = 3.0  # an update's norm may be this multiple of the median norm per tensor; null: off
+    norm_action: str = "clip"  # clip (scale it down to the bound) or reject the reply
+    max_samples_per_device: int = 100_000  # cap on a reply's sample weight (simulation: the device's data size)
+    time_band: float = 4.0  # a reported full-round time is clamped to [known / band, known * band]
     client_cpus: float = 1.0  # simulation: CPUs reserved per ClientApp
     client_threads: int = 1  # torch threads inside a ClientApp
     pretrained_samples: int = 0  # bench: samples held out from the devices to pretrain the start model
@@ -115,6 +124,12 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "federation.devices_per_round": (lambda v: v is None or v >= 1, "an integer >= 1 or null (all connected)"),
     "federation.grace_s": (lambda v: 0 < v <= 3600, "a number of seconds in (0, 3600]"),
     "federation.max_missed": (lambda v: v >= 1, "an integer >= 1"),
+    "federation.aggregation": (lambda v: v in AGGREGATIONS, "one of " + ", ".join(AGGREGATIONS)),
+    "federation.trim_fraction": (lambda v: 0 <= v < 0.5, "a number in [0, 0.5)"),
+    "federation.norm_bound": (lambda v: v is None or v >= 1, "a multiple >= 1 of the median update norm, or null"),
+    "federation.norm_action": (lambda v: v in NORM_ACTIONS, "clip or reject"),
+    "federation.max_samples_per_device": (lambda v: v >= 1, "an integer >= 1"),
+    "federation.time_band": (lambda v: v >= 1, "a factor >= 1"),
     "federation.client_cpus": (lambda v: v > 0, "a number > 0"),
     "federation.client_threads": (lambda v: v >= 1, "an integer >= 1"),
     "federation.pretrained_samples": (lambda v: v >= 0, "an integer >= 0"),

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from fleet.data import ArrayDataset
+from fleet.data import ArrayDataset, class_dirs, image_files
 from fleet.experiment import load_data
 from fleet.federated.config import FleetConfig
-from fleet.federated.owned import owned_data
+from fleet.federated.owned import device_roots, owned_data
 from fleet.partition import partition_indices, split_train_test
 
 
@@ -72,3 +72,17 @@ def own_device_data(cfg: FleetConfig, root: Path, field: str) -> DeviceData:
         owned = owned_data(cfg, root, field)
         _OWNED[key] = DeviceData(owned.train, owned.test)
     return _OWNED[key]
+
+
+def known_data_sizes(cfg: FleetConfig) -> dict[str, int]:
+    """Each simulated device's training-set size by name, as the server can work it out itself: it caps
+    the sample weight a reply may claim. Device folders: their image count (an upper bound)."""
+    if cfg.data.device_roots:
+        return {root.name: sum(len(image_files(root / c)) for c in class_dirs(root)) for root in device_roots(cfg)}
+    train, _ = _dataset(cfg)
+    _, parts = fleet_indices(cfg, train.labels.numpy())
+    sizes = {}
+    for pid, part in enumerate(parts):
+        tr, _ = split_train_test(part, cfg.federation.test_fraction, seed=cfg.train.seed + pid)
+        sizes[f"device-{pid}"] = len(tr)
+    return sizes

@@ -37,6 +37,7 @@ class RoundReplies:
     rejections: list[Rejection] = field(default_factory=list)  # train replies the round went on without
     senders: dict[str, int] = field(default_factory=dict)  # tensor -> devices that trained it this round
     attendance: Attendance = field(default_factory=Attendance)  # who was here, sampled, missed, joined
+    defense: dict = field(default_factory=dict)  # what robust aggregation did: "capped" devices, "clipped" tensors
 
 
 @dataclass

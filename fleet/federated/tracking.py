@@ -78,6 +78,7 @@ def round_record(
         "bytes_uploaded": int(sum(d.get(keys.BYTES_UPLOADED, 0) for d in train)),
         "tensors_trained_by_nobody": sum(1 for k in param_names if k not in state.replies.senders),
         "rejections": [r.as_dict() for r in state.replies.rejections],
+        "defense": state.replies.defense,
         "devices": devices,
     }
 

@@ -1,0 +1,146 @@
+"""Aggregation that one bad device cannot steer: capped weights, bounded updates, robust means.
+
+Everything a device sends is untrusted. The masked mean of section 5 (docs/algorithms.md)
+lets one reply with a huge sample count, or an update scaled a thousandfold, take the
+global model anywhere. Here, per tensor and over only the devices that trained it:
+
+* **Weights are capped** by the caller at what the device can hold (its known data size).
+* **Updates are norm-bounded.** Each device's update ``W_nk - W_k`` may be at most
+  ``bound`` times the lower median of the update norms of the devices that sent tensor
+  ``k``; a larger one is clipped to that norm (or its reply rejected). The lower median
+  keeps two devices from being enough to lift the bound: with two senders it is the
+  smaller norm.
+* **Robust means.** ``trimmed_mean`` drops the ``trim`` share of values at each end of
+  every coordinate, ``median`` takes the coordinate-wise median, both over the devices that
+  sent the tensor (Flower's own trimmed-mean and median strategies need every device to
+  send every tensor; masked updates do not). With fewer than three senders there is
+  nothing to trim, so the weighted mean is used.
+* **Normalization statistics are checked**: a BatchNorm ``running_var`` below zero, or
+  statistics far outside what a network produces, poison every later forward pass.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fleet.federated import keys
+from fleet.federated.aggregate import masked_average
+
+MAX_ABS_STAT = 1e4  # |running_mean| and running_var beyond this are not what a trained network produces
+
+
+def bn_problem(name: str, values: np.ndarray) -> str | None:
+    """Why a normalization statistic cannot be right, or None (other tensors: always None)."""
+    if name.endswith("running_var"):
+        if (values < 0).any():
+            return f"tensor {name!r} holds a negative variance ({float(values.min()):g})"
+        if (values > MAX_ABS_STAT).any():
+            return f"tensor {name!r} holds an implausible variance ({float(values.max()):g} > {MAX_ABS_STAT:g})"
+    if name.endswith("running_mean") and (np.abs(values) > MAX_ABS_STAT).any():
+        return f"tensor {name!r} holds an implausible mean (|x| > {MAX_ABS_STAT:g})"
+    return None
+
+
+def update_limits(current: Mapping[str, np.ndarray], arrays: list[dict[str, np.ndarray]], bound: float) -> dict:
+    """Per float tensor sent by anyone: the largest update norm allowed (bound x lower median)."""
+    norms: dict[str, list[float]] = {}
+    for sent in arrays:
+        for name, value in sent.items():
+            if value.dtype.kind == "f":
+                norms.setdefault(name, []).append(_norm(value, current[name]))
+    return {name: bound * statistics.median_low(ns) for name, ns in norms.items()}
+
+
+def _norm(value: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm((value.astype(np.float64) - ref).ravel()))
+
+
+def bound_update(
+    current: Mapping[str, np.ndarray], sent: dict[str, np.ndarray], limits: Mapping[str, float]
+) -> tuple[dict[str, np.ndarray], list[str]]:
+    """``sent`` with every update above its limit scaled down onto it; (arrays, names clipped)."""
+    out, clipped = dict(sent), []
+    for name, value in sent.items():
+        if name not in limits:
+            continue
+        norm = _norm(value, current[name])
+        if norm > limits[name] and norm > 0:
+            ref = current[name].astype(np.float64)
+            out[name] = (ref + (value - ref) * (limits[name] / norm)).astype(value.dtype)
+            clipped.append(name)
+    return out, clipped
+
+
+def robust_average(
+    current: Mapping[str, np.ndarray],
+    updates: list[tuple[dict[str, np.ndarray], float]],
+    method: str = "mean",
+    trim: float = 0.2,
+) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Per tensor over its senders: the weighted mean, a trimmed mean or the median; (arrays, senders)."""
+    new, senders = masked_average(current, updates)
+    if method == "mean":
+        return new, senders
+    for name, count in senders.items():
+        values = [arrays[name] for arrays, _ in updates if name in arrays]
+        if count < 3 or values[0].dtype.kind != "f":
+            continue  # nothing to trim among two; integer counters keep the mean
+        stack = np.sort(np.stack([v.astype(np.float64) for v in values]), axis=0)
+        if method == "median":
+            agg = np.median(stack, axis=0)
+        else:
+            cut = int(np.floor(trim * count))
+            agg = stack[cut : count - cut].mean(axis=0)
+        new[name] = agg.astype(current[name].dtype)
+    return new, senders
+
+
+def plausible(value: float, reference: float, band: float) -> float:
+    """``value`` clamped to [reference / band, reference * band]: a device may be off, not arbitrary."""
+    return float(min(max(value, reference / band), reference * band))
+
+
+def plausible_times(times: Mapping[str, float], band: float) -> dict[str, float]:
+    """Each device's full-round time clamped to ``band`` around the fleet's median: one device
+    reporting 1e-9 s cannot set everyone's deadline."""
+    if not times:
+        return {}
+    median = statistics.median(times.values())
+    return {node: plausible(t, median, band) for node, t in times.items()}
+
+
+def upload_problem(arrays: Mapping[str, np.ndarray], selected: float, param_names: list[str]) -> str | None:
+    """Why an upload cannot be what the device says it trained, or None: its normalization
+    statistics must be plausible, and it may carry exactly the ``selected`` trainable tensors
+    (a device that sends every tensor while claiming few would pass off untrained ones)."""
+    for name, values in arrays.items():
+        problem = bn_problem(name, values)
+        if problem is not None:
+            return problem
+    params = set(param_names)
+    trained = sum(1 for name in arrays if name in params)
+    if params and trained != int(selected):
+        return f"uploads {trained} trainable tensors but reports '{keys.SELECTED}' {int(selected)}"
+    return None
+
+
+@dataclass
+class Defense:
+    """How the server guards aggregation and its clocks (the federation section's fields)."""
+
+    aggregation: str = "mean"
+    trim: float = 0.2
+    norm_bound: float | None = 3.0
+    norm_action: str = "clip"
+    max_samples: int = 100_000
+    time_band: float = 4.0
+    sample_caps: dict[str, int] = field(default_factory=dict)  # device name -> its data size, when known
+
+    def sample_cap(self, name: str | None) -> float:
+        """A reply's largest sample weight: the device's known data size, else ``max_samples``."""
+        known = self.sample_caps.get(name or "")
+        return float(min(known, self.max_samples) if known else self.max_samples)

@@ -1,0 +1,149 @@
+"""One bad reply cannot break the round: schema, capped weights, bounded updates, robust means.
+
+Real Flower Messages go into ElasticFedAvg.aggregate_train, as the ServerApp hands them over.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from fleet.federated.membership import member
+from fleet.federated.robust import Defense, plausible_times, robust_average, update_limits
+from fleet.federated.schema import TRAIN, metric_problem
+from fleet.federated.state import ServerState
+from server.strategy import ElasticFedAvg
+from tests.test_fleet_strategy import device_metrics, reply
+
+GLOBAL = {
+    "w": np.zeros(4, np.float32),
+    "bn.running_var": np.ones(2, np.float32),
+    "bn.running_mean": np.zeros(2, np.float32),
+}
+PARAMS = ["w"]
+
+
+def strategy(**defense) -> ElasticFedAvg:
+    s = ElasticFedAvg(ServerState(), param_names=PARAMS, defense=Defense(**defense))
+    s.state.replies.sent = {k: v.copy() for k, v in GLOBAL.items()}
+    s.state.roster = {str(n): member(f"pi-{n}", 2.0, 100) for n in range(10, 20)}
+    return s
+
+
+def honest(node: int, step: float = 1.0, samples: float = 100, **metric_changes) -> object:
+    arrays = {"w": np.full(4, step, np.float32), "bn.running_var": np.full(2, 1.1, np.float32)}
+    msg = reply(node, arrays, samples=samples)
+    metrics = msg.content.metric_records["metrics"]
+    for key, value in {**device_metrics(samples, selected=1), **metric_changes}.items():
+        if value is None:
+            del metrics[key]
+        else:
+            metrics[key] = value
+    return msg
+
+
+def aggregate(s: ElasticFedAvg, replies: list) -> dict[str, np.ndarray]:
+    record, _ = s.aggregate_train(1, replies)
+    return {k: a.numpy() for k, a in record.items()}
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ({"loss": None}, "metric 'loss' is missing"),
+        ({"loss": float("nan")}, "metric 'loss' must be finite"),
+        ({"partition-id": 1.5}, "metric 'partition-id' must be a whole number"),
+        ({"bytes-uploaded": -1e12}, "metric 'bytes-uploaded' must be in [0, inf]"),
+        ({"trained-fraction": 7}, "metric 'trained-fraction' must be in [0, 1]"),
+        ({"tier": None}, "metric 'tier' is missing"),
+        ({"full-time-s": 0}, "metric 'full-time-s' must be in (0, 1e+06]"),
+        ({"num-examples": 1e308 * 10}, "'num-examples' must be a positive number, got inf"),
+    ],
+)
+def test_a_reply_outside_the_schema_is_rejected_naming_the_device(change, reason, caplog):
+    s = strategy()
+    with caplog.at_level(logging.WARNING, logger="fleet.server"):
+        out = aggregate(s, [honest(11), honest(12, **change)])
+    np.testing.assert_allclose(out["w"], 1.0)  # only the sound reply counted
+    assert len(s.state.replies.rejections) == 1 and s.state.replies.rejections[0].reason.startswith(reason)
+    assert f"rejected reply from device pi-12 (node 12): {reason}" in caplog.text
+    assert metric_problem(device_metrics(1, 1), TRAIN) is None
+
+
+def test_huge_sample_counts_are_capped_at_what_the_device_holds():
+    s = strategy(sample_caps={"pi-12": 100, "pi-13": 100})
+    out = aggregate(s, [honest(11, 1.0), honest(12, 4.0, samples=1e12), honest(13, 4.0, samples=1e300)])
+    assert np.isfinite(out["w"]).all()
+    np.testing.assert_allclose(out["w"], 3.0)  # (100 x 1 + 100 x 4 + 100 x 4) / 300
+    assert sorted(s.state.replies.defense["capped"]) == ["pi-12", "pi-13"]
+    assert Defense(max_samples=500).sample_cap("unknown") == 500  # deployment: the configured cap
+
+
+def test_scaled_and_sign_flipped_updates_are_clipped_to_the_median_norm():
+    s = strategy(norm_bound=3.0, max_samples=100)  # deployment: every weight capped at max_samples_per_device
+    replies = [honest(n, 1.0) for n in (11, 12, 13)] + [honest(14, 1e3), honest(15, -10.0, samples=1e12)]
+    out = aggregate(s, replies)
+    # the two bad updates are clipped to 3x the honest norm: (3 x 1 + 3000 -> 3 + (-10 -> -3)) / 5
+    np.testing.assert_allclose(out["w"], (3 * 1.0 + 3.0 - 3.0) / 5, rtol=1e-6)
+    assert s.state.replies.defense["clipped"] == {"pi-14": 1, "pi-15": 1}
+    s = strategy(norm_bound=3.0, norm_action="reject")
+    out = aggregate(s, [honest(n, 1.0) for n in (11, 12, 13)] + [honest(14, 1e3)])
+    np.testing.assert_allclose(out["w"], 1.0)
+    assert "above 3x the median norm" in s.state.replies.rejections[0].reason
+
+
+def test_two_attackers_cannot_lift_the_bound_with_the_lower_median():
+    limits = update_limits(GLOBAL, [{"w": np.full(4, 1.0, np.float32)}, {"w": np.full(4, 1e3, np.float32)}], 3.0)
+    assert limits["w"] == pytest.approx(3 * 2.0)  # 3 x the smaller of the two norms (2 and 2000)
+
+
+@pytest.mark.parametrize(
+    "buffer, reason",
+    [
+        ({"bn.running_var": np.full(2, -1.0, np.float32)}, "negative variance"),
+        ({"bn.running_mean": np.full(2, 1e6, np.float32)}, "implausible mean"),
+    ],
+)
+def test_poisoned_normalization_statistics_are_rejected(buffer, reason):
+    s = strategy()
+    bad = honest(12)
+    bad.content.array_records["arrays"][next(iter(buffer))] = type(
+        next(iter(bad.content.array_records["arrays"].values()))
+    )(next(iter(buffer.values())))
+    out = aggregate(s, [honest(11), bad])
+    assert reason in s.state.replies.rejections[0].reason
+    np.testing.assert_allclose(out["bn.running_var"], 1.1)
+
+
+def test_an_upload_of_more_tensors_than_claimed_is_rejected():
+    s = strategy()
+    liar = honest(12, selected=0)  # uploads the trainable "w" while claiming nothing was trained
+    aggregate(s, [honest(11), liar])
+    assert s.state.replies.rejections[0].reason == "uploads 1 trainable tensors but reports 'selected' 0"
+
+
+def test_reported_times_are_held_to_a_band_and_bytes_are_counted_by_the_server():
+    s = strategy(time_band=4.0)
+    aggregate(s, [honest(11, **{"full-time-s": 1e-9, "predicted-time-s": 1e12, "bytes-uploaded": 1})])
+    row = s.state.replies.train[0]
+    assert row["full-time-s"] == pytest.approx(2.0 / 4)  # the device joined with 2.0 s
+    assert row["predicted-time-s"] == pytest.approx(4 * 0.5)
+    assert row["bytes-uploaded"] == 4 * 4 + 2 * 4  # what it really sent
+    assert s.state.roster["11"]["full_time_s"] == pytest.approx(0.5)
+    times = plausible_times({"a": 1e-9, "b": 2.0, "c": 3.0, "d": 4.0}, band=4.0)
+    assert times["a"] == pytest.approx(2.5 / 4) and times["d"] == 4.0  # one liar cannot set the deadline
+
+
+def test_trimmed_mean_and_median_ignore_an_outlier_over_the_devices_that_trained_a_tensor():
+    cur = {"w": np.zeros(2, np.float32), "v": np.zeros(2, np.float32)}
+    ups = [({"w": np.full(2, x, np.float32)}, 1.0) for x in (1.0, 1.1, 0.9, 1.0, 50.0)]
+    ups.append(({"v": np.full(2, 2.0, np.float32)}, 1.0))  # only one device trained v
+    mean, _ = robust_average(cur, ups, "mean")
+    trimmed, senders = robust_average(cur, ups, "trimmed_mean", trim=0.2)
+    median, _ = robust_average(cur, ups, "median")
+    assert mean["w"][0] == pytest.approx(10.8, rel=1e-6)
+    assert trimmed["w"][0] == pytest.approx(1.0333333, rel=1e-5)  # 0.9 and 50 dropped
+    assert median["w"][0] == pytest.approx(1.0)
+    assert senders == {"w": 5, "v": 1} and trimmed["v"][0] == median["v"][0] == 2.0  # one sender: its value

@@ -14,11 +14,21 @@ from fleet.commands import bench as bench_command
 from fleet.commands import device as device_command
 from fleet.commands import fleet as fleet_command
 from fleet.commands import memory as memory_command
-from fleet.commands import personalize, pretrain, profile, train
+from fleet.commands import personalize, pretrain, profile, robustness, train
 from fleet.errors import FleetError
 
 # Modules exposing register(subparsers) and optionally register_bench(bench_subparsers).
-COMMAND_MODULES = (train, profile, pretrain, personalize, bench_command, memory_command, fleet_command, device_command)
+COMMAND_MODULES = (
+    train,
+    profile,
+    pretrain,
+    personalize,
+    bench_command,
+    memory_command,
+    fleet_command,
+    device_command,
+    robustness,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

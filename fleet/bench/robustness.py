@@ -1,0 +1,241 @@
+"""``fleet bench robustness``: how far 1, then 2, adversarial devices move an 8-device fleet.
+
+One clean run, then one run per attack (:data:`fleet.bench.adversary_app.ATTACKS`) and number
+of adversaries. Adversaries are the first partitions (0, then 0 and 1), so every count adds one
+device to the previous set. Every run shares the seed, the partitions, one measured profile and
+one pretrained start (made once in ``<output_dir>/<name>-shared``, as ``fleet bench fleet`` does), so
+the only difference between a run and the clean one is what the adversaries send.
+
+Each simulation runs in its own process group with a timeout (:func:`launch`): an attack that
+crashes or hangs the server is a finding (``server_crashed``), not the end of the bench.
+
+Figures per run: ``final_accuracy`` is the global accuracy of the last round that finished
+(``summary.json``'s ``final_accuracy``; for a crashed run, its last line in ``metrics.jsonl``),
+``rejected_replies`` the replies the server rejected over the run, ``rounds`` the rounds done.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from fleet.bench.adversary_app import ATTACK_FILE, ATTACKS
+from fleet.errors import ConfigError
+from fleet.federated.config import FleetConfig, load_fleet_config, run_dir
+from fleet.federated.prepare import prepare
+from fleet.federated.tracking import SUMMARY_FILE
+
+DEFAULT_CONFIG = "simulations/robustness.yaml"
+REPORT_FILE = "robustness.json"
+HONEST_APP = "client.client_app:app"
+ADVERSARY_APP = "fleet.bench.adversary_app:app"
+DEFENSE_FIELDS = ("aggregation", "trim_fraction", "norm_bound", "norm_action", "max_samples_per_device", "time_band")
+METRICS_FILE = "metrics.jsonl"
+SIMULATE = (  # one simulation, as `fleet simulate` runs it, with the ClientApp named on the command line
+    "import sys\n"
+    "from fleet.errors import FleetError\n"
+    "from server.simulation import simulate\n"
+    "try:\n"
+    "    simulate(sys.argv[1], None, client_app=sys.argv[2])\n"
+    "except FleetError as exc:\n"
+    "    print(f'error: {exc}', flush=True)\n"
+    "    sys.exit(2)\n"
+)
+
+Log = Callable[[str], None]
+
+
+def launch(config_path: Path, client_app: str, timeout_s: float, echo: Log) -> str | None:
+    """Run one simulation in a new process group; None when it exited 0, else why not.
+
+    Its output is echoed line by line. On a timeout the whole group (Ray's workers included) is
+    killed; it is also cleared after a normal exit, so no simulation outlives its turn."""
+    cmd = [sys.executable, "-c", SIMULATE, str(config_path), client_app]
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, **pipes)
+    tail: deque[str] = deque(maxlen=5)
+
+    def pump() -> None:
+        for line in proc.stdout:
+            tail.append(line.rstrip())
+            echo(line.rstrip())
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        reader.join(timeout=10)
+    if code is None:
+        return f"timed out after {timeout_s:.0f}s"
+    if code != 0:
+        return f"exit {code}" + (f": {tail[-1]}" if tail else "")
+    return None
+
+
+def _finite(value: Any) -> float | None:
+    """A number JSON can hold (NaN and infinities are not JSON), else None."""
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def run_figures(out: Path, error: str | None) -> dict[str, Any]:
+    """A finished run's figures from ``summary.json``; a crashed run's from the rounds it wrote."""
+    summary_path = out / SUMMARY_FILE
+    if error is None and summary_path.is_file():
+        summary = json.loads(summary_path.read_text())
+        return {
+            "final_accuracy": _finite(summary.get("final_accuracy")),
+            "rejected_replies": int(summary.get("rejections", 0)),
+            "server_crashed": False,
+            "rounds": int(summary.get("rounds", 0)),
+        }
+    records = []
+    if (out / METRICS_FILE).is_file():
+        for line in (out / METRICS_FILE).read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by the crash
+    accs = [r.get("global_accuracy") for r in records if r.get("global_accuracy") is not None]
+    return {
+        "final_accuracy": _finite(accs[-1]) if accs else None,
+        "rejected_replies": sum(len(r.get("rejections", [])) for r in records),
+        "server_crashed": True,
+        "rounds": len(records),
+        "error": error or f"no {SUMMARY_FILE} in {out}",
+    }
+
+
+def shared_start(path: str, overrides: dict[str, Any], log: Log) -> FleetConfig:
+    """Profile and pretrain once, in ``<name>-shared``; every run of the bench starts from these."""
+    base = load_fleet_config(path, overrides)
+    shared, _ = prepare(load_fleet_config(path, {**overrides, "name": f"{base.name}-shared"}), resume=False, log=log)
+    return shared
+
+
+def run_one(
+    path: str,
+    overrides: dict[str, Any],
+    attack: str | None,
+    partitions: list[int],
+    *,
+    timeout_s: float,
+    log: Log,
+) -> dict[str, Any]:
+    """One simulation: clean (``attack`` None, the real ClientApp) or with ``partitions`` adversarial."""
+    name = load_fleet_config(path, overrides).name
+    run_name = f"{name}-clean" if attack is None else f"{name}-{attack}-{len(partitions)}"
+    cfg, config_path = prepare(load_fleet_config(path, {**overrides, "name": run_name}), resume=False, log=log)
+    out = run_dir(cfg)
+    (out / SUMMARY_FILE).unlink(missing_ok=True)  # only this launch's summary may count
+    (out / ATTACK_FILE).unlink(missing_ok=True)
+    if attack is not None:
+        (out / ATTACK_FILE).write_text(json.dumps({"attack": attack, "partitions": partitions}))
+    who = "clean" if attack is None else f"{attack}, adversarial partitions {partitions}"
+    log(f"--- {run_name}: {who}; {cfg.federation.rounds} rounds on {cfg.federation.num_devices} devices ---")
+    error = launch(config_path, HONEST_APP if attack is None else ADVERSARY_APP, timeout_s, log)
+    entry = {"attack": attack, "adversaries": len(partitions), "partitions": partitions}
+    entry.update(run_figures(out, error))
+    entry["run_dir"] = str(out)
+    acc = entry["final_accuracy"]
+    log(
+        f"--- {run_name}: final accuracy {'n/a' if acc is None else f'{100 * acc:.2f}%'}, "
+        f"{entry['rejected_replies']} rejected" + (f", SERVER CRASHED ({entry['error']})" if entry.get("error") else "")
+    )
+    return entry
+
+
+def check_choices(attacks: Sequence[str], adversaries: Sequence[int], num_devices: int) -> None:
+    """One-line errors for an unknown attack or an adversary count the fleet cannot hold."""
+    for attack in attacks:
+        if attack not in ATTACKS:
+            raise ConfigError(f"--attacks: {attack!r} is not an attack; use some of {', '.join(ATTACKS)}")
+    for k in adversaries:
+        if not 1 <= k < num_devices:
+            raise ConfigError(
+                f"--adversaries: {k} is not allowed; use counts in [1, {num_devices - 1}] "
+                f"(the fleet has {num_devices} devices and needs an honest one)"
+            )
+
+
+def bench_robustness(
+    path: str = DEFAULT_CONFIG,
+    overrides: dict[str, Any] | None = None,
+    *,
+    attacks: Sequence[str] = ATTACKS,
+    adversaries: Sequence[int] = (1, 2),
+    timeout_s: float = 1800.0,
+    quiet: bool = False,
+) -> dict[str, Any]:
+    """The clean run, then every attack with each number of adversaries; the report is also written
+    to ``<output_dir>/robustness.json`` after every run, so a killed bench keeps what it measured."""
+    base = load_fleet_config(path, overrides or {})
+    check_choices(attacks, adversaries, base.federation.num_devices)
+    log: Log = (lambda s: print(s, file=sys.stderr, flush=True)) if quiet else (lambda s: print(s, flush=True))
+    shared = shared_start(path, dict(overrides or {}), log)
+    common = {**(overrides or {}), "train.profile": shared.train.profile, "model.weights": shared.model.weights}
+    fed = base.federation
+    report: dict[str, Any] = {
+        "config": str(path),
+        "devices": fed.num_devices,
+        "rounds": fed.rounds,
+        "strategy": fed.strategy,
+        "aggregation": fed.aggregation,
+        "defenses": {f: getattr(fed, f) for f in DEFENSE_FIELDS},
+        "final_accuracy_is": "global accuracy of the last round that finished",
+        "clean_final_accuracy": None,
+        "clean": None,
+        "attacks": [],
+    }
+    out = Path(base.output_dir).expanduser().resolve() / REPORT_FILE
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report["clean"] = run_one(path, common, None, [], timeout_s=timeout_s, log=log)
+    report["clean_final_accuracy"] = report["clean"]["final_accuracy"]
+    out.write_text(json.dumps(report, indent=2))
+    for attack in attacks:
+        for k in adversaries:
+            report["attacks"].append(run_one(path, common, attack, list(range(k)), timeout_s=timeout_s, log=log))
+            out.write_text(json.dumps(report, indent=2))
+    report["report"] = str(out)
+    out.write_text(json.dumps(report, indent=2))
+    return report
+
+
+def robustness_table(report: dict[str, Any]) -> str:
+    """The report as a table: each attack's final accuracy against the clean run's."""
+
+    def pct(v: float | None) -> str:
+        return f"{100 * v:7.2f}%" if v is not None else "     n/a"
+
+    clean = report["clean_final_accuracy"]
+    lines = [
+        f"{report['devices']} devices, {report['rounds']} rounds, {report['strategy']}, "
+        f"aggregation {report['aggregation']}; clean final accuracy {pct(clean).strip()}",
+        f"{'attack':>15} {'adv':>3} {'final':>8} {'vs clean':>9} {'rejected':>8} {'rounds':>6}  server",
+    ]
+    for e in report["attacks"]:
+        acc = e["final_accuracy"]
+        gap = f"{100 * (acc - clean):+8.2f}" if acc is not None and clean is not None else "     n/a"
+        lines.append(
+            f"{e['attack']:>15} {e['adversaries']:>3} {pct(acc)} {gap:>9} {e['rejected_replies']:>8} "
+            f"{e['rounds']:>6}  {'CRASHED: ' + e['error'] if e['server_crashed'] else 'ok'}"
+        )
+    lines.append(f"report: {report.get('report', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,63 @@
+"""``fleet bench robustness``: the fleet with adversarial devices, one attack at a time."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # devices have no internet; flwr reads this on import
+
+DEFAULT_CONFIG = "simulations/robustness.yaml"
+
+
+def register_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "robustness", help="final accuracy and rejections of an 8-device fleet with 1, then 2, adversarial devices"
+    )
+    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"fleet YAML (default: {DEFAULT_CONFIG})")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a config field")
+    p.add_argument(
+        "--attacks",
+        nargs="+",
+        metavar="ATTACK",
+        help="run only these (default: all of huge_samples scaled_update sign_flip random_weights bn_poison "
+        "metric_poison all_tensors; the bench checks the names)",
+    )
+    p.add_argument(
+        "--adversaries", type=int, nargs="+", default=[1, 2], help="adversarial devices per run: partitions 0..k-1"
+    )
+    p.add_argument("--aggregation", help="federation.aggregation: mean, trimmed_mean or median")
+    p.add_argument("--output-dir")
+    p.add_argument(
+        "--timeout-s", type=float, default=1800.0, help="a simulation still running after this counts as crashed"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
+    p.set_defaults(func=run_robustness)
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    from fleet.config import parse_override
+
+    overrides = dict(parse_override(s) for s in args.set)
+    if args.aggregation is not None:
+        overrides["federation.aggregation"] = args.aggregation
+    if args.output_dir is not None:
+        overrides["output_dir"] = args.output_dir
+    return overrides
+
+
+def run_robustness(args: argparse.Namespace) -> int:
+    from fleet.bench.adversary_app import ATTACKS
+    from fleet.bench.robustness import bench_robustness, robustness_table
+
+    report = bench_robustness(
+        args.config,
+        _overrides(args),
+        attacks=list(dict.fromkeys(args.attacks or ATTACKS)),
+        adversaries=list(dict.fromkeys(args.adversaries)),
+        timeout_s=args.timeout_s,
+        quiet=args.json,
+    )
+    print(json.dumps(report, indent=2) if args.json else robustness_table(report))
+    return 0

@@ -1,0 +1,307 @@
+"""``fleet bench robustness``: what each attack changes in a real device's reply, and the bench end to end.
+
+The honest replies come from the real ClientApp handlers (client/client_app.py) training the tiny fleet's
+model on its synthetic data, with a size-proportional profile so the trained subset is the same on any machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, Metadata, RecordDict
+
+from client import client_app
+from fleet.bench import adversary_app as adv
+from fleet.bench.robustness import check_choices, run_figures
+from fleet.errors import ConfigError
+from fleet.experiment import make_model
+from fleet.federated import keys
+from fleet.federated.config import load_fleet_config, run_dir
+from fleet.federated.round import full_round_time
+from fleet.models import model_meta
+from tests.conftest import proportional_profile
+
+TINY = "simulations/fleet-tiny.yaml"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def incoming(message_type: str, content: RecordDict) -> Message:
+    """A message as the SuperNode hands it to the ClientApp."""
+    meta = Metadata(
+        run_id=1,
+        message_id=f"to-device-{message_type}",
+        src_node_id=1,
+        dst_node_id=7,
+        reply_to_message_id="",
+        group_id="1",
+        created_at=time.time(),
+        ttl=600.0,
+        message_type=message_type,
+    )
+    return Message(content=content, metadata=meta)
+
+
+@pytest.fixture(scope="module")
+def device(tmp_path_factory):
+    """The tiny fleet's device 0, its context, the global model and the messages of round 1."""
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("runs")
+    cfg = load_fleet_config(TINY, {"output_dir": str(out)})
+    model = make_model(cfg.model, cfg.train.seed)
+    m = cfg.model
+    profile = proportional_profile(
+        model, cfg.train.batch_size, cfg.data.input_size, meta=model_meta(m.name, m.num_classes, m.in_channels, False)
+    )
+    profile_path = profile.save(out / "profile.yaml")
+    run_config = {"config": TINY, "output_dir": str(out), "train.profile": str(profile_path)}
+
+    def context(partition: int) -> Context:
+        return Context(
+            run_id=1, node_id=7, node_config={"partition-id": partition}, state=RecordDict(), run_config=run_config
+        )
+
+    glob = ArrayRecord.from_torch_state_dict(model.state_dict())
+    deadline = 0.5 * full_round_time(cfg, profile)  # half the round: the honest device trains a subset
+    train_cfg = ConfigRecord({keys.SERVER_ROUND: 1, keys.STRATEGY: "fleet", keys.DEADLINE_S: deadline})
+    train_msg = incoming(MessageType.TRAIN, RecordDict({keys.ARRAYS: glob, keys.CONFIG: train_cfg}))
+    eval_cfg = ConfigRecord({keys.SERVER_ROUND: 1, keys.RUN_TAG: ""})
+    eval_msg = incoming(MessageType.EVALUATE, RecordDict({keys.ARRAYS: glob, keys.CONFIG: eval_cfg}))
+    honest = client_app.train(train_msg, context(0))
+    return {
+        "cfg": cfg,
+        "context": context,
+        "state_dict": model.state_dict(),
+        "train_msg": train_msg,
+        "eval_msg": eval_msg,
+        "honest": honest,
+        "honest_eval": client_app.evaluate(eval_msg, context(0)),
+    }
+
+
+def poisoned(device, attack: str, seed: int = 0) -> Message:
+    gen = torch.Generator().manual_seed(seed)
+    return adv.poison_train_reply(attack, device["train_msg"], device["honest"], gen)
+
+
+def tensors(msg: Message) -> dict[str, torch.Tensor]:
+    return msg.content[keys.ARRAYS].to_torch_state_dict()
+
+
+def metrics(msg: Message) -> dict:
+    return dict(msg.content[keys.METRICS])
+
+
+def test_honest_reply_uploads_a_trained_subset(device):
+    sent, full = tensors(device["honest"]), device["state_dict"]
+    assert 0 < metrics(device["honest"])[keys.SELECTED] < metrics(device["honest"])[keys.NUM_TENSORS]
+    assert set(sent) < set(full)  # so all_tensors below uploads more than an honest device
+    assert any(k.endswith(adv.RUNNING_VAR) for k in sent)  # norm statistics always travel
+
+
+@pytest.mark.parametrize("attack", adv.ATTACKS)
+def test_every_attack_is_a_reply_to_the_same_message_from_the_same_device(device, attack):
+    reply = poisoned(device, attack)
+    assert reply.metadata.reply_to_message_id == device["train_msg"].metadata.message_id
+    assert reply.metadata.message_type == MessageType.TRAIN
+    assert reply.content[keys.DEVICE][keys.DEVICE_NAME] == "device-0"
+    assert metrics(reply)[keys.PARTITION_ID] == 0
+
+
+@pytest.mark.parametrize(("attack", "scale"), [("sign_flip", -10.0), ("scaled_update", 1e3)])
+def test_update_attacks_scale_the_honest_update(device, attack, scale):
+    honest, bad, glob = tensors(device["honest"]), tensors(poisoned(device, attack)), device["state_dict"]
+    assert set(bad) == set(honest)
+    moved = 0
+    for name, t in honest.items():
+        if adv.is_norm_statistic(name):
+            assert torch.equal(bad[name], t), name  # honest statistics: no negative variance to give it away
+            continue
+        honest_update = t.double() - glob[name].double()
+        bad_update = bad[name].double() - glob[name].double()
+        tol = 1e-5 * (1 + glob[name].double().abs().max().item() + abs(scale) * honest_update.abs().max().item())
+        assert torch.allclose(bad_update, scale * honest_update, atol=tol), name
+        moved += int(honest_update.abs().max() > 0)
+    assert moved > 0
+    assert metrics(poisoned(device, attack)) == metrics(device["honest"])  # the lie is in the weights only
+
+
+def test_huge_samples_claims_1e12_and_sends_the_honest_weights(device):
+    bad = poisoned(device, "huge_samples")
+    assert metrics(bad)[keys.NUM_EXAMPLES] == 10**12
+    honest = tensors(device["honest"])
+    assert all(torch.equal(t, honest[k]) for k, t in tensors(bad).items())
+
+
+def test_random_weights_replaces_every_float_tensor_with_noise_of_its_scale(device):
+    honest, bad = tensors(device["honest"]), tensors(poisoned(device, "random_weights"))
+    assert set(bad) == set(honest)
+    for name, t in honest.items():
+        assert bad[name].dtype == t.dtype and bad[name].shape == t.shape
+        if t.numel() >= 1000:
+            assert not torch.allclose(bad[name], t)
+            ratio = adv.scale_of(bad[name]) / adv.scale_of(t)
+            assert 0.8 < ratio < 1.2, name
+    again = tensors(poisoned(device, "random_weights"))  # the same seed: the same noise
+    assert all(torch.equal(again[k], bad[k]) for k in bad)
+
+
+def test_bn_poison_sets_running_var_negative_and_running_mean_huge(device):
+    honest, bad = tensors(device["honest"]), tensors(poisoned(device, "bn_poison"))
+    assert set(bad) == set(honest)
+    poisoned_names = [k for k in bad if adv.is_norm_statistic(k)]
+    assert poisoned_names
+    for name, t in bad.items():
+        if name.endswith(adv.RUNNING_VAR):
+            assert torch.all(t == -1.0), name
+        elif name.endswith(adv.RUNNING_MEAN):
+            assert torch.all(t == 1e6), name
+        else:
+            assert torch.equal(t, honest[name]), name
+
+
+def test_metric_poison_lies_in_train_and_evaluate_metrics(device):
+    bad = poisoned(device, "metric_poison")
+    got = metrics(bad)
+    assert got[keys.FULL_TIME_S] == 1e-9 and got[keys.PREDICTED_TIME_S] == 1e12
+    assert got[keys.BYTES_UPLOADED] == -(10**12) and got[keys.TRAINED_FRACTION] == 7.0
+    assert math.isnan(got[keys.LOSS])
+    assert got[keys.NUM_EXAMPLES] == metrics(device["honest"])[keys.NUM_EXAMPLES]
+    honest = tensors(device["honest"])
+    assert all(torch.equal(t, honest[k]) for k, t in tensors(bad).items())
+    ev = adv.poison_evaluate_reply("metric_poison", device["eval_msg"], device["honest_eval"])
+    assert ev.metadata.reply_to_message_id == device["eval_msg"].metadata.message_id
+    assert metrics(ev)[keys.GLOBAL_ACCURACY] == 1e6 and math.isnan(metrics(ev)[keys.PERSONAL_ACCURACY])
+    assert metrics(ev)[keys.NUM_EXAMPLES] == metrics(device["honest_eval"])[keys.NUM_EXAMPLES]
+    # every other attack leaves evaluation alone
+    assert adv.poison_evaluate_reply("sign_flip", device["eval_msg"], device["honest_eval"]) is device["honest_eval"]
+
+
+def test_all_tensors_uploads_every_state_dict_key_near_the_received_model(device):
+    bad = poisoned(device, "all_tensors")
+    sent, glob = tensors(bad), device["state_dict"]
+    assert set(sent) == set(glob) and len(sent) > len(tensors(device["honest"]))
+    for name, g in glob.items():
+        assert sent[name].dtype == g.dtype and sent[name].shape == g.shape
+        if g.is_floating_point():
+            assert (sent[name].double() - g.double()).abs().max() <= 6 * adv.ALL_TENSORS_NOISE * adv.scale_of(g)
+        else:
+            assert torch.equal(sent[name], g)  # num_batches_tracked: as received
+    got = metrics(bad)
+    assert got[keys.SELECTED] == 1
+    real_bytes = sum(t.numel() * t.element_size() for t in sent.values())
+    assert 0 < got[keys.BYTES_UPLOADED] < 1e-3 * real_bytes
+
+
+def test_the_app_attacks_only_listed_partitions_and_only_with_an_attack_file(device):
+    ctx0, ctx3 = device["context"](0), device["context"](3)
+    spec = run_dir(device["cfg"]) / adv.ATTACK_FILE
+    assert adv.attack_file(ctx0) == spec
+    assert adv.attack_of(ctx0) is None  # no file: the real device
+    spec.parent.mkdir(parents=True, exist_ok=True)
+    spec.write_text(json.dumps({"attack": "huge_samples", "partitions": [0]}))
+    try:
+        assert adv.attack_of(ctx0) == "huge_samples" and adv.attack_of(ctx3) is None
+        assert metrics(adv.train(device["train_msg"], ctx0))[keys.NUM_EXAMPLES] == 10**12
+        honest = metrics(adv.train(device["train_msg"], ctx3))[keys.NUM_EXAMPLES]
+        assert 0 < honest < 1000
+        assert adv.evaluate(device["eval_msg"], ctx0).content[keys.METRICS][keys.GLOBAL_ACCURACY] <= 1
+        spec.write_text(json.dumps({"attack": "nonsense", "partitions": [0]}))
+        with pytest.raises(ValueError, match="unknown attack 'nonsense'"):
+            adv.attack_of(ctx0)
+    finally:
+        spec.unlink()
+
+
+def test_figures_of_a_finished_and_of_a_crashed_run(tmp_path):
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / "summary.json").write_text(json.dumps({"final_accuracy": 0.7, "rejections": 3, "rounds": 6}))
+    assert run_figures(done, None) == {
+        "final_accuracy": 0.7,
+        "rejected_replies": 3,
+        "server_crashed": False,
+        "rounds": 6,
+    }
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    lines = [
+        {"round": 1, "global_accuracy": 0.5, "rejections": [{"reason": "x"}]},
+        {"round": 2, "global_accuracy": float("nan"), "rejections": [{"reason": "y"}, {"reason": "z"}]},
+    ]
+    (crashed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"round": 3, "glo')
+    fig = run_figures(crashed, "exit 1: boom")
+    assert fig["server_crashed"] and fig["error"] == "exit 1: boom"
+    assert fig["final_accuracy"] is None and fig["rejected_replies"] == 3 and fig["rounds"] == 2  # NaN is not JSON
+    assert run_figures(done, "timed out after 5s")["server_crashed"]  # a non-zero exit counts even with a summary
+    assert run_figures(tmp_path / "never", None)["server_crashed"]
+
+
+def test_bad_choices_are_one_line_errors():
+    with pytest.raises(ConfigError, match="'flip' is not an attack"):
+        check_choices(["flip"], [1], 8)
+    with pytest.raises(ConfigError, match="--adversaries: 8 is not allowed"):
+        check_choices(["sign_flip"], [8], 8)
+    check_choices(list(adv.ATTACKS), [1, 2], 8)
+
+
+def test_robustness_config_loads_and_the_cli_knows_every_attack():
+    from fleet.cli import build_parser
+
+    cfg = load_fleet_config("simulations/robustness.yaml")
+    assert cfg.federation.num_devices == 8 and cfg.federation.pretrained_samples > 0
+    bench = build_parser()._subparsers._group_actions[0].choices["bench"]
+    robustness = bench._subparsers._group_actions[0].choices["robustness"]
+    assert all(a in robustness.format_help() for a in adv.ATTACKS)
+
+
+@pytest.mark.slow
+def test_bench_end_to_end_prints_one_json_object(tmp_path):
+    cmd = [sys.executable, "-c", "import sys; from fleet.cli import main; sys.exit(main())"]
+    cmd += [
+        "bench",
+        "robustness",
+        "--config",
+        TINY,
+        "--attacks",
+        "sign_flip",
+        "--adversaries",
+        "1",
+        "--set",
+        "federation.rounds=2",
+        "--output-dir",
+        str(tmp_path),
+        "--json",
+    ]
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        out, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    report = json.loads(out)  # nothing but the JSON object on stdout
+    assert "sign_flip" in err  # progress went to stderr
+    assert isinstance(report["clean_final_accuracy"], float) and report["aggregation"] == "mean"
+    assert not report["clean"]["server_crashed"]
+    assert len(report["attacks"]) == 1
+    entry = report["attacks"][0]
+    assert {"attack", "adversaries", "final_accuracy", "rejected_replies", "server_crashed"} <= set(entry)
+    assert (entry["attack"], entry["adversaries"], entry["server_crashed"]) == ("sign_flip", 1, False)
+    assert isinstance(entry["final_accuracy"], float) and isinstance(entry["rejected_replies"], int)
+    assert entry["rounds"] == 2
+    assert json.loads((tmp_path / "robustness.json").read_text())["attacks"] == report["attacks"]
+    spec = json.loads((Path(entry["run_dir"]) / adv.ATTACK_FILE).read_text())
+    assert spec == {"attack": "sign_flip", "partitions": [0]}

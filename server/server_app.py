@@ -27,7 +27,14 @@ from fleet.federated.config import FleetConfig, config_from_run_config, run_dir
 from fleet.federated.membership import full_times, name_of, record_attendance, sample
 from fleet.federated.robust import Defense
 from fleet.federated.split import known_data_sizes
-from fleet.federated.state import RoundReplies, ServerState, keep_previous_run, load_checkpoint, save_checkpoint
+from fleet.federated.state import (
+    RoundReplies,
+    ServerState,
+    check_resumable,
+    keep_previous_run,
+    load_checkpoint,
+    save_checkpoint,
+)
 from fleet.federated.tracking import Tracker, plot_run, progress_line, round_record, round_time
 from server.mailbox import Mailbox
 from server.roster import Membership, connected_nodes, wait_for_devices
@@ -56,6 +63,7 @@ def out_of_time(cfg: FleetConfig, state: ServerState) -> bool:
 def start_state(cfg: FleetConfig, out: Path, resume: bool) -> tuple[dict[str, np.ndarray], ServerState]:
     """The checkpointed model and state when resuming, else a fresh start (an older run is kept aside)."""
     if resume:
+        check_resumable(out)
         loaded = load_checkpoint(out)
         if loaded is not None:
             model, state = loaded

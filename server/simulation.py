@@ -20,6 +20,7 @@ from typing import Any
 from fleet.errors import FleetError
 from fleet.federated.config import APP_ROOT, FleetConfig, load_fleet_config, run_dir
 from fleet.federated.prepare import prepare
+from fleet.federated.state import check_resumable
 from fleet.federated.tracking import SUMMARY_FILE
 from server.flower_log import FLOWER_LOG, flower_output
 
@@ -125,5 +126,7 @@ def simulate(
     client_app: str = CLIENT_APP,
 ) -> dict:
     cfg = load_fleet_config(path, overrides)
+    if resume:
+        check_resumable(run_dir(cfg))  # before anything is measured, moved or launched
     cfg, config_path = prepare(cfg, resume=resume, log=log)
     return run_simulation(cfg, config_path, resume=resume, verbose=verbose, client_app=client_app)

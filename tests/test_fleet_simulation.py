@@ -246,3 +246,21 @@ def test_device_roots_train_each_device_on_exactly_its_own_files(tmp_path):
             assert d["test_examples"] >= sum(n >= 2 for n in trees[name].values())  # each class held out
     summary = json.loads((tmp_path / "runs" / "fleet-tiny" / "summary.json").read_text())
     assert set(summary["devices"]) == {n for s in sampled for n in s}
+
+
+@pytest.mark.parametrize("checkpoint", [b"not a checkpoint", None])
+def test_resume_without_a_readable_checkpoint_stops_and_keeps_every_file(tmp_path, checkpoint):
+    """Starting over would rewrite metrics.jsonl from round 1: a resume that cannot read its
+    checkpoint (cut short, or missing beside the metrics) is one line, and nothing is touched."""
+    run = tmp_path / "fleet-tiny"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"round": 1}\n{"round": 2}\n')
+    if checkpoint is not None:
+        (run / "checkpoint.pt").write_bytes(checkpoint)
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    res = run_fleet(["simulate", TINY, "--output-dir", str(tmp_path), "--resume"], timeout=120)
+    assert res.returncode == 2, res.stdout[-2000:]
+    last = res.stdout.strip().splitlines()[-1]
+    assert last.startswith("error: resume: ") and "nothing was changed" in last
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fleet-tiny"]  # nothing moved aside

@@ -89,10 +89,18 @@ def summary_table(summary: dict) -> str:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
+    from fleet.errors import FleetError
     from server.simulation import simulate
 
     summary = simulate(args.config, _overrides(args), resume=args.resume, verbose=args.verbose)
     print(summary_table(summary))
+    empty = summary.get("rounds_without_training") or []
+    if empty:
+        raise FleetError(
+            f"{len(empty)} of {summary['rounds']} rounds ended with no accepted training reply (rounds {empty}; "
+            f"first rejection: {summary.get('first_rejection') or 'no device replied'}); fix what the rejections "
+            "name, e.g. fewer devices than samples (federation.num_devices, samples_per_device)"
+        )
     return 0
 
 

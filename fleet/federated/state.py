@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from fleet.atomic import load_torch, save_torch
+from fleet.errors import FleetError
 from fleet.federated.aggregate import Rejection
 from fleet.federated.membership import Attendance, Roster
 
@@ -76,6 +77,22 @@ def load_checkpoint(out: Path) -> tuple[dict[str, torch.Tensor], ServerState] | 
         return None
     known = {f.name for f in dataclasses.fields(ServerState)} - {"replies"}
     return obj["model"], ServerState(**{k: v for k, v in obj["meta"].items() if k in known})
+
+
+def check_resumable(out: Path) -> None:
+    """A resume that cannot read its checkpoint stops here, with every file as it was: starting
+    over would rewrite metrics.jsonl from round 1 and lose the rounds already run."""
+    path = out / CHECKPOINT_FILE
+    if path.exists() and load_checkpoint(out) is None:
+        raise FleetError(
+            f"resume: {path} cannot be read (cut short or not a fleet checkpoint); nothing was changed. "
+            f"Restore it, or move {out} aside and start without resume"
+        )
+    if not path.exists() and (out / "metrics.jsonl").is_file():
+        raise FleetError(
+            f"resume: {out} has metrics.jsonl but no {CHECKPOINT_FILE}; nothing was changed. "
+            f"Restore the checkpoint, or move {out} aside and start without resume"
+        )
 
 
 def keep_previous_run(out: Path, name: str, log: Callable[[str], None] = print) -> Path | None:

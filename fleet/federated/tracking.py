@@ -139,6 +139,8 @@ class Tracker:
             "personalized_accuracy_p10": p10(personal),
             "bytes_uploaded": int(sum(r["bytes_uploaded"] for r in recs)),
             "rejections": sum(len(r["rejections"]) for r in recs),
+            "rounds_without_training": [r["round"] for r in recs if not any("speedup" in d for d in r["devices"])],
+            "first_rejection": next((j["reason"] for r in recs for j in r["rejections"]), None),
             "devices": {
                 name: {
                     "tier": rows[-1]["tier"],

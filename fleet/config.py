@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from fleet.errors import ConfigError
+from fleet.errors import ConfigError, FleetError
 
 METHODS = ("full", "tl", "bn_bias", "prunetrain", "elastic")
 
@@ -101,6 +102,15 @@ def _folder_name(name: str) -> bool:
     return bool(name.strip()) and "/" not in name and not name.startswith(".")
 
 
+# A run's name becomes one folder under output_dir (and ``<name>.<timestamp>`` when a run is kept
+# aside): one plain path component, so '..' cannot climb out of output_dir and '.' cannot be output_dir itself.
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def _run_name(name: str) -> bool:
+    return isinstance(name, str) and RUN_NAME.fullmatch(name) is not None
+
+
 CLASS_NAMES_RULE = (
     lambda v: v is None or (len(v) >= 2 and len(set(v)) == len(v) and all(_folder_name(n) for n in v)),
     "a list of >= 2 distinct non-empty class names without '/' and not starting with '.', or null",
@@ -133,7 +143,10 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "pretrain.epochs": (lambda v: v >= 1, "an integer >= 1"),
     "pretrain.lr": (lambda v: 0 < v < 10, "a number in (0, 10)"),
     "methods": (lambda v: len(v) >= 1 and all(m in METHODS for m in v), "a list drawn from " + ", ".join(METHODS)),
-    "name": (lambda v: bool(v) and "/" not in v, "a non-empty name without '/'"),
+    "name": (
+        _run_name,
+        "a plain folder name: 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit (e.g. my-run)",
+    ),
 }
 
 
@@ -183,6 +196,25 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     raise TypeError(f"unsupported config type {tp} at {path}")
 
 
+def _allows_null(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
+def _field_value(path: str, raw: Any, tp: Any) -> Any:
+    """One field's checked value. A null for a field that needs a value is named as such (rather than
+    "None is not a number"), since it comes from an empty YAML entry or ``--set FIELD=null``."""
+    allowed = RULES[path][1] if path in RULES else _type_name(tp)
+    if raw is None and not _allows_null(tp):
+        raise ConfigError(f"{path}: null is not allowed, the field needs a value; use {allowed}")
+    try:
+        value = _coerce(path, raw, tp)
+    except ConfigError as exc:  # the type is wrong: say what would be right
+        raise ConfigError(f"{exc}; use {allowed}") from None
+    if path in RULES and not RULES[path][0](value):
+        raise ConfigError(f"{path}: {value!r} is not allowed; use {RULES[path][1]}")
+    return value
+
+
 def build_dataclass(cls: type, data: Any, prefix: str) -> Any:
     if data is None:
         data = {}
@@ -201,12 +233,8 @@ def build_dataclass(cls: type, data: Any, prefix: str) -> Any:
         if dataclasses.is_dataclass(tp):
             values[f.name] = build_dataclass(tp, data.get(f.name), path)
             continue
-        if f.name not in data:
-            continue
-        value = _coerce(path, data[f.name], tp)
-        if path in RULES and not RULES[path][0](value):
-            raise ConfigError(f"{path}: {value!r} is not allowed; use {RULES[path][1]}")
-        values[f.name] = value
+        if f.name in data:
+            values[f.name] = _field_value(path, data[f.name], tp)
     obj = cls(**values)
     for f in dataclasses.fields(cls):  # defaults must pass the rules too
         path = f"{prefix}.{f.name}" if prefix else f.name
@@ -232,31 +260,56 @@ def check_experiment(cfg: ExperimentConfig) -> None:
         )
 
 
+class _Null:
+    """``--set FIELD=null``: set the field to None. A plain None in an overrides mapping means "not given"
+    (flags left unset), so an explicit null needs its own marker to get through :func:`apply_overrides`."""
+
+    def __repr__(self) -> str:
+        return "null"
+
+
+NULL: Any = _Null()
+
+
 def parse_override(text: str) -> tuple[str, Any]:
-    """``train.rho=0.4`` -> ("train.rho", 0.4), the value read as YAML."""
+    """``train.rho=0.4`` -> ("train.rho", 0.4), the value read as YAML; ``null`` -> :data:`NULL`.
+
+    An empty value is refused rather than dropped: the user asked for a change that would not happen."""
     if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected FIELD=VALUE, e.g. train.rho=0.4")
+        raise ConfigError(f"--set {text}: expected FIELD=VALUE; write e.g. --set train.rho=0.4")
     key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or not all(key.split(".")):
+        raise ConfigError(f"--set {text}: {key!r} is not a field path; write e.g. --set train.rho=0.4")
+    if not raw.strip():
+        raise ConfigError(
+            f"--set {text}: empty value; give a value (e.g. --set {key}=VALUE), or null to clear a field that allows it"
+        )
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml.safe_load(raw)
     except yaml.YAMLError:
         value = raw
-    return key.strip(), value
+    return key, NULL if value is None else value
 
 
 def apply_overrides(data: dict, overrides: dict[str, Any]) -> dict:
-    """Set dotted paths in a raw config mapping (before validation)."""
+    """Set dotted paths in a raw config mapping (before validation).
+
+    None means "not given" and is skipped (unset flags); :data:`NULL` sets the field to None."""
     for key, value in overrides.items():
         if value is None:
             continue
         parts = key.split(".")
         node = data
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:  # absent, or an empty section in the YAML file
+                child = node[part] = {}
             if not isinstance(child, dict):
-                raise ConfigError(f"{key}: {part} is not a section")
+                where = ".".join(parts[: i + 1])
+                raise ConfigError(f"{key}: {where} is a field, not a section; set {where}=VALUE instead")
             node = child
-        node[parts[-1]] = value
+        node[parts[-1]] = None if value is NULL else value
     return data
 
 
@@ -265,22 +318,36 @@ def config_from_dict(data: dict | None, overrides: dict[str, Any] | None = None)
     return build_dataclass(ExperimentConfig, data, "")
 
 
+def read_text_file(path: Path, what: str, fix: str, error: type[FleetError] = ConfigError) -> str:
+    """A text file's content, or one line naming ``what`` failed and how to fix it: a YAML file saved in
+    another encoding (Latin-1, UTF-16) or unreadable would otherwise end in a traceback."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        byte = f"byte 0x{exc.object[exc.start]:02x} at offset {exc.start}"
+        raise error(f"{what} is not UTF-8 text ({byte}); {fix}") from None
+    except OSError as exc:
+        raise error(f"{what} cannot be read ({exc.strerror or exc}); make it readable by this user") from None
+
+
 def read_yaml_mapping(path: str | Path, shown: str | Path | None = None) -> dict:
     """A config file's sections, or a one-line ConfigError saying what is wrong with the file
     (named as ``shown``, the path the user gave, when ``path`` is where it was looked up)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {shown or path} not found; pass an existing YAML file (see simulations/)")
+    text = read_text_file(path, f"config file {shown or path}", "save it as UTF-8 YAML (see simulations/)")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or "syntax error"
-        raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from None
+        raise ConfigError(f"config file {shown or path} is not valid YAML{where}: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(
-            f"config file {path}: expected a mapping of sections (model, data, train), got {type(data).__name__}"
+            f"config file {shown or path}: expected a mapping of sections (model, data, train), "
+            f"got {type(data).__name__}; write it as `section:` blocks like simulations/personalize.yaml"
         )
     return data
 

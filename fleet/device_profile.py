@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from fleet.atomic import write_text_atomic
+from fleet.config import read_text_file
 from fleet.errors import ProfileMismatchError
 
 FORMAT_VERSION = 1
@@ -165,19 +166,23 @@ class DeviceProfile:
         return profile
 
     def save(self, path: str | os.PathLike) -> Path:
+        if Path(path).is_dir():  # os.replace onto a folder: IsADirectoryError after all the measuring
+            raise ProfileMismatchError(f"profile file {path} is a directory; save the profile to a file path")
         return write_text_atomic(path, yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None))
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> DeviceProfile:
+    def load(cls, path: str | os.PathLike, *, field: str | None = None) -> DeviceProfile:
+        """Read a profile file; every problem is one line, starting with ``field`` (the setting that
+        named the file, e.g. ``train.profile``) when given."""
         path = Path(path)
+        what = f"{field}: profile file {path}" if field else f"profile file {path}"
         if not path.is_file():
-            raise ProfileMismatchError(f"profile file {path} not found; create it with `fleet profile --out {path}`")
+            raise ProfileMismatchError(f"{what} not found; create it with `fleet profile --out {path}`")
+        text = read_text_file(path, what, "re-create it with `fleet profile`", ProfileMismatchError)
         try:
-            data = yaml.safe_load(path.read_text())
+            data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             line = getattr(getattr(exc, "problem_mark", None), "line", None)
             where = f" at line {line + 1}" if line is not None else ""
-            raise ProfileMismatchError(
-                f"profile file {path} is not valid YAML{where}; re-create it with `fleet profile`"
-            ) from None
-        return cls.from_dict(data, source=f"profile {path}")
+            raise ProfileMismatchError(f"{what} is not valid YAML{where}; re-create it with `fleet profile`") from None
+        return cls.from_dict(data, source=f"{field}: profile {path}" if field else f"profile {path}")

@@ -12,6 +12,7 @@ from torch import nn
 from fleet.config import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
 from fleet.data import ArrayDataset, check_fashion_mnist, load_dataset
 from fleet.device_profile import DeviceProfile
+from fleet.errors import ConfigError
 from fleet.models import build_model, head_parameter_names, input_channels, model_meta
 from fleet.profiler import profile_device, tensor_order
 from fleet.trainer import TrainerOptions, make_optimizer
@@ -36,6 +37,29 @@ def load_data(cfg: DataConfig, seed: int = 0) -> tuple[ArrayDataset, ArrayDatase
     train = load_dataset(cfg.dataset, "train", root=cfg.root, classes=cfg.classes)
     test = load_dataset(cfg.dataset, "test", root=cfg.root, classes=cfg.classes)
     return cap_per_class(train, cfg.train_per_class, seed), cap_per_class(test, cfg.test_per_class, seed + 1)
+
+
+def check_model_fits_data(cfg: ExperimentConfig, *datasets: ArrayDataset, classes_field: str = "data.classes") -> None:
+    """Refuse a model whose head or stem does not fit the data, before any profiling or training.
+
+    Otherwise the mismatch surfaces minutes later as an IndexError in the loss (a label beyond the
+    head) or a RuntimeError in the first convolution (wrong channel count). ``data.input_size`` may
+    differ from the stored image size (batches are resized); the channel count may not.
+    ``classes_field`` names the setting that chose the labels (``pretrain.classes`` when pretraining).
+    """
+    for ds in datasets:
+        labels = max(ds.num_classes, int(ds.labels.max()) + 1 if len(ds) else 0)
+        if labels > cfg.model.num_classes:
+            raise ConfigError(
+                f"model.num_classes: {cfg.model.num_classes} is fewer than the {labels} labels of the data "
+                f"({ds.name}); set model.num_classes to {labels}, or keep fewer labels with {classes_field}"
+            )
+        if ds.channels != cfg.model.in_channels:
+            plural = "s" if ds.channels != 1 else ""
+            raise ConfigError(
+                f"model.in_channels: {cfg.model.in_channels} does not match the data ({ds.name}: {ds.channels} "
+                f"channel{plural} per image); set model.in_channels to {ds.channels}"
+            )
 
 
 def make_model(cfg: ModelConfig, seed: int = 0) -> nn.Module:
@@ -91,7 +115,7 @@ def obtain_profile(
     """The configured profile (checked against the model), else a cached or freshly measured one."""
     batch, size = cfg.train.batch_size, cfg.data.input_size
     if cfg.train.profile is not None:
-        profile = DeviceProfile.load(cfg.train.profile)
+        profile = DeviceProfile.load(cfg.train.profile, field="train.profile")
         check_profile(profile, model, batch, size, f"profile {cfg.train.profile} (train.profile)")
         return profile
     if cache is not None and cache.is_file():

@@ -16,7 +16,7 @@ from torch import nn
 
 from fleet.config import ExperimentConfig
 from fleet.data import ArrayDataset
-from fleet.experiment import load_data, make_model, trainer_options
+from fleet.experiment import check_model_fits_data, load_data, make_model, trainer_options
 from fleet.models import load_checkpoint_meta, model_meta, save_checkpoint
 from fleet.trainer import Trainer, TrainerOptions
 
@@ -69,6 +69,7 @@ def pretrain(cfg: ExperimentConfig, out: Path | None = None, log: Callable[[str]
     pcfg = pretrain_config(cfg)
     out = out or checkpoint_path(cfg)
     train_ds, test_ds = load_data(pcfg.data, pcfg.train.seed)
+    check_model_fits_data(pcfg, train_ds, test_ds, classes_field="pretrain.classes")
     model = make_model(pcfg.model, pcfg.train.seed)
     options = trainer_options(pcfg.train, pcfg.data.input_size)
     log(

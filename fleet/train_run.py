@@ -11,7 +11,7 @@ import torch
 from fleet.atomic import write_json
 from fleet.config import ExperimentConfig, config_to_dict
 from fleet.device_profile import DeviceProfile
-from fleet.experiment import load_data, make_model, obtain_profile, trainer_options
+from fleet.experiment import check_model_fits_data, load_data, make_model, obtain_profile, trainer_options
 from fleet.trainer import EpochStats, Trainer
 
 
@@ -66,6 +66,7 @@ def run_training(cfg: ExperimentConfig, log: Callable[[str], None] = print) -> t
         torch.set_num_threads(cfg.train.threads)
     out = experiment_dir(cfg)
     train_ds, test_ds = load_data(cfg.data, cfg.train.seed)
+    check_model_fits_data(cfg, train_ds, test_ds)
     model = make_model(cfg.model, cfg.train.seed)
     profile = obtain_profile(cfg, model, out / "device-profile.yaml", log=log)
     memory = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from fleet.commands.common import model_kwargs
+from fleet.commands.common import model_kwargs, require_counts
 
 
 def _model_args(p: argparse.ArgumentParser, required: bool) -> None:
@@ -65,6 +65,7 @@ def _emit(result: dict, as_json: bool, lines: list[str]) -> None:
 def run_timing(args: argparse.Namespace) -> int:
     from fleet.bench.timing import timing_bench
 
+    require_counts(args, "selections", "repeats", "threads")
     r = timing_bench(_profile(args), selections=args.selections, repeats=args.repeats)
     lines = [f"{'selected':>8} {'kmin':>5} {'predicted ms':>13} {'measured ms':>12} {'error':>7}"]
     for row in [r["full"], *r["selections"]]:
@@ -87,6 +88,7 @@ def run_speedup(args: argparse.Namespace) -> int:
 
     if not 0 < args.rho <= 1:
         raise ConfigError(f"--rho: {args.rho} is not allowed; use a number in (0, 1]")
+    require_counts(args, "repeats", "threads")
     r = speedup_bench(_profile(args), args.rho, repeats=args.repeats)
     lines = [
         f"{r['model']} rho={r['rho']}: trained {r['selected']}/{r['tensors']} tensors; "

@@ -73,3 +73,14 @@ def config_from_args(args: argparse.Namespace) -> ExperimentConfig:
 def model_kwargs(args: argparse.Namespace) -> dict:
     """The model flags the benchmark commands share, as keyword arguments of their entry functions."""
     return {"num_classes": args.num_classes, "in_channels": args.in_channels, "small_input": args.small_input}
+
+
+def require_counts(args: argparse.Namespace, *flags: str) -> None:
+    """Each named count flag (``repeats``, ``selections``, ...) is >= 1: a zero otherwise fails only
+    after the model is built and measured (a median of no samples), or is silently ignored."""
+    from fleet.errors import ConfigError
+
+    for flag in flags:
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')}: {value} is not allowed; use an integer >= 1")

@@ -19,7 +19,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from fleet.commands.common import model_kwargs
+from fleet.commands.common import model_kwargs, require_counts
 from fleet.errors import ConfigError
 
 
@@ -107,6 +107,7 @@ def _budget_flags(mb_flag: str | None, fraction_flag: str) -> Iterator[None]:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    require_counts(args, "repeats", "threads")
     import yaml
 
     from fleet.bench.memory import bench_model
@@ -166,6 +167,7 @@ def _print_plan(args: argparse.Namespace, plan, budget: int, minimum: int, step_
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    require_counts(args, "repeats", "profile_repeats", "threads")
     from fleet.bench.memory import run_memory_bench
 
     _threads(args)

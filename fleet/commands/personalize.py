@@ -6,6 +6,7 @@ import argparse
 import json
 
 from fleet.commands.common import add_config_args, config_from_args
+from fleet.config import ExperimentConfig
 
 DEFAULT_CONFIG = "simulations/personalize.yaml"
 
@@ -25,6 +26,18 @@ def register_bench(bench_sub: argparse._SubParsersAction) -> None:
     _add(bench_sub.add_parser("personalize", help="final accuracy and training time per method"))
 
 
+def check_data(cfg: ExperimentConfig) -> None:
+    """The model against the personalization data and, when a checkpoint is still to be made, the
+    pretraining data: a mismatch is one line now instead of an IndexError after pretraining."""
+    from fleet.experiment import check_model_fits_data, load_data
+    from fleet.pretrain import checkpoint_path, pretrain_config
+
+    check_model_fits_data(cfg, *load_data(cfg.data, cfg.train.seed))
+    if cfg.model.weights is None and not checkpoint_path(cfg).is_file():
+        pcfg = pretrain_config(cfg)
+        check_model_fits_data(pcfg, *load_data(pcfg.data, pcfg.train.seed), classes_field="pretrain.classes")
+
+
 def run(args: argparse.Namespace) -> int:
     import sys
 
@@ -33,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     if args.methods:
         args.set.append(f"methods=[{args.methods}]")
     cfg = config_from_args(args)
+    check_data(cfg)
     log = (
         (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
     )

@@ -7,7 +7,12 @@ batch and input size of a config (an experiment or a fleet file; flags override 
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from pathlib import Path
+
+from fleet.commands.common import require_counts
+from fleet.errors import ConfigError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,11 +38,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def check_counts(args: argparse.Namespace) -> None:
+    """``--threads 0`` would be silently ignored and ``--repeats 0`` fail after the model is built."""
+    require_counts(args, "repeats", "threads")
+
+
+def output_file(out: str) -> Path:
+    """``--out`` as a file path whose folder exists (made when missing), checked before the profiling
+    work rather than when the profile is saved after it."""
+    if not out.strip():
+        raise ConfigError("--out: empty path; give the profile's file path, e.g. --out device.yaml")
+    path = Path(out).expanduser()
+    if not path.name or path.is_dir():
+        raise ConfigError(f"--out: {out} is a directory; give a file path in it, e.g. {path / 'device.yaml'}")
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ConfigError(f"--out: {blocker} is a file, not a folder; give a path in a folder, e.g. device.yaml")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"--out: cannot create the folder {path.parent} ({exc.strerror or exc}); give a path in a writable folder"
+        ) from None
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out: the folder {path.parent} is not writable; give a path in a writable folder")
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from fleet.config import load_config
-    from fleet.errors import ConfigError
     from fleet.experiment import make_model, trainer_options
     from fleet.models import model_meta
     from fleet.profiler import profile_device
@@ -45,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.config is None and args.model is None:
         raise ConfigError("fleet profile: give --model NAME or --config FILE.yaml to say which model to profile")
+    check_counts(args)
     flags = {
         "model.name": args.model,
         "model.num_classes": args.num_classes,
@@ -56,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         "train.memory_budget_mb": args.memory_budget_mb,
     }
     cfg = load_config(args.config, {k: v for k, v in flags.items() if v is not None}, ignore_sections=("federation",))
+    out = output_file(args.out)
     if args.threads:
         torch.set_num_threads(args.threads)
     model = make_model(cfg.model)
@@ -71,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats,
     )
     profile.memory_budget_mb = cfg.train.memory_budget_mb
-    path = profile.save(args.out)
+    path = profile.save(out)
     print(
         f"profiled {cfg.model.name} at batch {cfg.train.batch_size}, input {size}: {len(profile.tensors)} "
         f"tensors, forward {1000 * profile.forward_time:.1f} ms, "

@@ -16,7 +16,7 @@ import yaml
 
 from fleet.config import config_to_dict
 from fleet.errors import ConfigError
-from fleet.experiment import make_model, obtain_profile
+from fleet.experiment import check_model_fits_data, load_data, make_model, obtain_profile
 from fleet.federated.config import FleetConfig, run_dir
 from fleet.federated.device import check_device_name
 from fleet.federated.owned import device_roots
@@ -52,6 +52,8 @@ def simulated_fleet(cfg: FleetConfig, log: Callable[[str], None]) -> FleetConfig
 def prepare(cfg: FleetConfig, *, resume: bool, log: Callable[[str], None] = print) -> tuple[FleetConfig, Path]:
     """Profile, pretrain and write the effective config; returns it and its path."""
     cfg = simulated_fleet(cfg, log)
+    if not cfg.data.device_roots:  # the shared dataset; devices' own trees are checked as they are read
+        check_model_fits_data(cfg, *load_data(cfg.data, cfg.train.seed))
     if cfg.train.profile is not None:
         # Every ClientApp checks it too, but there a mismatch fails each device inside Flower;
         # here it stops the launch in one line, before the previous run is moved aside.

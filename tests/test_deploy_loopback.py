@@ -73,9 +73,10 @@ def run_status(env: dict, timeout: float = 60) -> dict:
     return flwr_json(["ls", "loopback"], env, timeout)
 
 
-def make_tls(d: Path) -> tuple[Path, Path, Path]:
-    """A throwaway CA and a server certificate it signed, for 127.0.0.1 and localhost."""
+def make_tls(d: Path, extra_ips: tuple[str, ...] = ()) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate it signed, for 127.0.0.1 and localhost (and ``extra_ips``)."""
     d.mkdir()
+    sans = ",".join(["IP:127.0.0.1", *(f"IP:{ip}" for ip in extra_ips), "DNS:localhost"])
 
     def ssl(*args: str) -> None:
         res = subprocess.run([OPENSSL, *args], cwd=d, capture_output=True, text=True, timeout=60)
@@ -102,7 +103,7 @@ def make_tls(d: Path) -> tuple[Path, Path, Path]:
     )
     ssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost", "-keyout", "server.key", "-out", "server.csr")
     (d / "server.ext").write_text(
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=critical,CA:FALSE\n"
+        f"subjectAltName={sans}\nbasicConstraints=critical,CA:FALSE\n"
         "keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
         "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n"
     )
@@ -156,10 +157,14 @@ class Loopback:
     secure: TLS from a throwaway CA on the SuperLink (SuperNodes and `flwr` trust the CA) and
     `--enable-supernode-auth`; each SuperNode has its own key pair, registered with
     `flwr supernode register` before it starts (unless it is meant to be refused).
+    database: the SuperLink's `--database` file (default: none, the state lives in memory).
+    tls_ips (secure only): more IP addresses the server certificate is valid for, e.g. a proxy's.
     """
 
-    def __init__(self, tmp_path: Path, secure: bool) -> None:
-        self.tmp, self.secure = tmp_path, secure
+    def __init__(
+        self, tmp_path: Path, secure: bool, *, database: Path | None = None, tls_ips: tuple[str, ...] = ()
+    ) -> None:
+        self.tmp, self.secure, self.database, self.tls_ips = tmp_path, secure, database, tls_ips
         self.home = tmp_path / "flwr-home"
         self.home.mkdir()
         self.port = free_port()
@@ -176,7 +181,7 @@ class Loopback:
         """Writes `flwr`'s connection config; returns the SuperNodes' TLS flags."""
         connection = f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\naddress = "127.0.0.1:{self.port}"\n'
         if self.secure:
-            self.ca, self.cert, self.key = make_tls(self.tmp / "certs")
+            self.ca, self.cert, self.key = make_tls(self.tmp / "certs", self.tls_ips)
             connection += f'root-certificates = "{self.ca}"\n'  # flwr accepts only an absolute path here
             (self.tmp / "keys").mkdir()
         else:
@@ -193,30 +198,41 @@ class Loopback:
         self.procs.append(p)
         return p
 
-    def start_link(self) -> None:
-        # No --database: the SuperLink keeps its state in memory. With a SQLite file, a write held up
-        # past SQLite's 5 s busy timeout on a loaded machine answers a SuperNode's pull-messages with
-        # 500 "database is locked", and flower-supernode exits on it (it retries only 502/503/504).
+    def start_link(self, name: str = "superlink") -> subprocess.Popen:
+        """Starts the SuperLink (logged as ``name``: a restarted SuperLink keeps the first one's log)
+        and returns once its port is open."""
+        # No --database by default: the SuperLink keeps its state in memory. With a SQLite file, a write
+        # held up past SQLite's 5 s busy timeout on a loaded machine answers a SuperNode's pull-messages
+        # with 500 "database is locked", and flower-supernode exits on it (it retries only 502/503/504).
         args = [str(BIN / "flower-superlink"), "--port", str(self.port), "--disable-runtime-dependency-installation"]
+        if self.database is not None:
+            args += ["--database", str(self.database)]
         if self.secure:
             tls = ["--ssl-ca-certfile", str(self.ca), "--ssl-certfile", str(self.cert), "--ssl-keyfile", str(self.key)]
             args += [*tls, "--enable-supernode-auth"]
         else:
             args.append("--insecure")
-        wait_port(self.port, self.start("superlink", args), self.logs["superlink"])
+        proc = self.start(name, args)
+        wait_port(self.port, proc, self.logs[name])
+        return proc
 
-    def start_node(self, i: int, node_config: str, register: bool, name: str | None = None) -> subprocess.Popen:
+    def start_node(
+        self, i: int, node_config: str, register: bool, name: str | None = None, superlink: str | None = None
+    ) -> subprocess.Popen:
         """A flower-supernode for device ``i``, logged as ``name`` (default supernode<i>): a device
-        restarted under a new name keeps its first process's log."""
+        restarted under a new name keeps its first process's log. Secure: device ``i`` keeps its key
+        pair (made on its first start). superlink: the address it dials (default: the SuperLink's)."""
         auth: list[str] = []
         if self.secure:
-            key_path = make_node_key(self.tmp / "keys" / f"device{i}")
+            key_path = self.tmp / "keys" / f"device{i}"
+            if not key_path.is_file():
+                make_node_key(key_path)
             if register:
                 reg = flwr_json(["supernode", "register", f"{key_path}.pub", "loopback"], self.env)
                 assert reg.get("success") is True, reg
                 self.node_ids.append(int(reg["node-id"]))
             auth = ["--auth-supernode-private-key", str(key_path)]
-        link = ["--superlink", f"127.0.0.1:{self.port}", "--port", str(free_port())]
+        link = ["--superlink", superlink or f"127.0.0.1:{self.port}", "--port", str(free_port())]
         args = [str(BIN / "flower-supernode"), *self.node_tls, *auth, *link, "--node-config", node_config]
         return self.start(name or f"supernode{i}", args)
 

@@ -222,27 +222,36 @@ def test_the_app_attacks_only_listed_partitions_and_only_with_an_attack_file(dev
 
 
 def test_figures_of_a_finished_and_of_a_crashed_run(tmp_path):
+    def row(pid: int, acc: float, n: int = 10) -> dict:
+        return {"partition_id": pid, "global_accuracy": acc, "test_examples": n}
+
     done = tmp_path / "done"
     done.mkdir()
-    (done / "summary.json").write_text(json.dumps({"final_accuracy": 0.7, "rejections": 3, "rounds": 6}))
-    assert run_figures(done, None) == {
-        "final_accuracy": 0.7,
-        "rejected_replies": 3,
+    (done / "summary.json").write_text(json.dumps({"rounds": 4}))
+    rounds = [
+        {"round": r, "rejections": [{"reason": "x"}] * (r == 1), "devices": [row(0, 0.0), row(2, a), row(3, b, 30)]}
+        for r, a, b in ((1, 0.1, 0.1), (2, 0.5, 0.7), (3, 0.6, 0.6), (4, 0.9, 0.5))
+    ]
+    (done / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    fig = run_figures(done, None, honest_from=2)  # partition 0 (an adversary) is not a judge
+    assert fig == {
+        "final_accuracy": pytest.approx((0.65 + 0.6 + 0.6) / 3),
+        "rejected_replies": 1,
         "server_crashed": False,
-        "rounds": 6,
+        "rounds": 4,
     }
     crashed = tmp_path / "crashed"
     crashed.mkdir()
     lines = [
-        {"round": 1, "global_accuracy": 0.5, "rejections": [{"reason": "x"}]},
-        {"round": 2, "global_accuracy": float("nan"), "rejections": [{"reason": "y"}, {"reason": "z"}]},
+        {"round": 1, "devices": [row(2, 0.5)], "rejections": [{"reason": "x"}]},
+        {"round": 2, "devices": [row(2, float("nan"))], "rejections": [{"reason": "y"}, {"reason": "z"}]},
     ]
     (crashed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"round": 3, "glo')
-    fig = run_figures(crashed, "exit 1: boom")
+    fig = run_figures(crashed, "exit 1: boom", honest_from=2)
     assert fig["server_crashed"] and fig["error"] == "exit 1: boom"
-    assert fig["final_accuracy"] is None and fig["rejected_replies"] == 3 and fig["rounds"] == 2  # NaN is not JSON
-    assert run_figures(done, "timed out after 5s")["server_crashed"]  # a non-zero exit counts even with a summary
-    assert run_figures(tmp_path / "never", None)["server_crashed"]
+    assert fig["final_accuracy"] == 0.5 and fig["rejected_replies"] == 3 and fig["rounds"] == 2  # NaN skipped
+    assert run_figures(done, "timed out after 5s", 2)["server_crashed"]  # a non-zero exit counts even with a summary
+    assert run_figures(tmp_path / "never", None, 2)["server_crashed"]
 
 
 def test_bad_choices_are_one_line_errors():

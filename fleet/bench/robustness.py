@@ -9,9 +9,10 @@ the only difference between a run and the clean one is what the adversaries send
 Each simulation runs in its own process group with a timeout (:func:`launch`): an attack that
 crashes or hangs the server is a finding (``server_crashed``), not the end of the bench.
 
-Figures per run: ``final_accuracy`` is the global accuracy of the last round that finished
-(``summary.json``'s ``final_accuracy``; for a crashed run, its last line in ``metrics.jsonl``),
-``rejected_replies`` the replies the server rejected over the run, ``rounds`` the rounds done.
+Figures per run: ``final_accuracy`` is the mean global accuracy of the last 3 rounds, over the
+devices that are honest in every run (the same test sets judge every run, whether or not an
+attack's evaluation replies were rejected); ``rejected_replies`` the replies the server rejected
+over the run, ``rounds`` the rounds done.
 """
 
 from __future__ import annotations
@@ -95,32 +96,42 @@ def _finite(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
-def run_figures(out: Path, error: str | None) -> dict[str, Any]:
-    """A finished run's figures from ``summary.json``; a crashed run's from the rounds it wrote."""
-    summary_path = out / SUMMARY_FILE
-    if error is None and summary_path.is_file():
-        summary = json.loads(summary_path.read_text())
-        return {
-            "final_accuracy": _finite(summary.get("final_accuracy")),
-            "rejected_replies": int(summary.get("rejections", 0)),
-            "server_crashed": False,
-            "rounds": int(summary.get("rounds", 0)),
-        }
+FINAL_ROUNDS = 3  # final accuracy: the mean of this many last rounds (one round's accuracy moves by points)
+
+
+def honest_accuracy(record: dict, honest_from: int) -> float | None:
+    """A round's global accuracy over the devices that are honest in every run of the bench
+    (partitions >= ``honest_from``), weighted by their test samples: the same devices judge every run,
+    whether or not an attack's evaluation replies were rejected."""
+    rows = [
+        d
+        for d in record.get("devices", [])
+        if d.get("partition_id", -1) >= honest_from and _finite(d.get("global_accuracy")) is not None
+    ]
+    total = sum(d.get("test_examples", 0) for d in rows)
+    return sum(d["global_accuracy"] * d["test_examples"] for d in rows) / total if total else None
+
+
+def run_figures(out: Path, error: str | None, honest_from: int) -> dict[str, Any]:
+    """A run's figures from the rounds it wrote; a run without its summary.json crashed."""
     records = []
     if (out / METRICS_FILE).is_file():
         for line in (out / METRICS_FILE).read_text().splitlines():
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:
-                continue  # a line cut short by the crash
-    accs = [r.get("global_accuracy") for r in records if r.get("global_accuracy") is not None]
-    return {
-        "final_accuracy": _finite(accs[-1]) if accs else None,
+                continue  # a line cut short by a crash
+    accs = [a for a in (honest_accuracy(r, honest_from) for r in records) if a is not None][-FINAL_ROUNDS:]
+    crashed = error is not None or not (out / SUMMARY_FILE).is_file()
+    figures = {
+        "final_accuracy": _finite(sum(accs) / len(accs)) if accs else None,
         "rejected_replies": sum(len(r.get("rejections", [])) for r in records),
-        "server_crashed": True,
+        "server_crashed": crashed,
         "rounds": len(records),
-        "error": error or f"no {SUMMARY_FILE} in {out}",
     }
+    if crashed:
+        figures["error"] = error or f"no {SUMMARY_FILE} in {out}"
+    return figures
 
 
 def shared_start(path: str, overrides: dict[str, Any], log: Log) -> FleetConfig:
@@ -138,8 +149,10 @@ def run_one(
     *,
     timeout_s: float,
     log: Log,
+    honest_from: int = 2,
 ) -> dict[str, Any]:
-    """One simulation: clean (``attack`` None, the real ClientApp) or with ``partitions`` adversarial."""
+    """One simulation: clean (``attack`` None, the real ClientApp) or with ``partitions`` adversarial;
+    its accuracy judged on partitions >= ``honest_from``."""
     name = load_fleet_config(path, overrides).name
     run_name = f"{name}-clean" if attack is None else f"{name}-{attack}-{len(partitions)}"
     cfg, config_path = prepare(load_fleet_config(path, {**overrides, "name": run_name}), resume=False, log=log)
@@ -152,7 +165,7 @@ def run_one(
     log(f"--- {run_name}: {who}; {cfg.federation.rounds} rounds on {cfg.federation.num_devices} devices ---")
     error = launch(config_path, HONEST_APP if attack is None else ADVERSARY_APP, timeout_s, log)
     entry = {"attack": attack, "adversaries": len(partitions), "partitions": partitions}
-    entry.update(run_figures(out, error))
+    entry.update(run_figures(out, error, honest_from))
     entry["run_dir"] = str(out)
     acc = entry["final_accuracy"]
     log(
@@ -199,19 +212,22 @@ def bench_robustness(
         "strategy": fed.strategy,
         "aggregation": fed.aggregation,
         "defenses": {f: getattr(fed, f) for f in DEFENSE_FIELDS},
-        "final_accuracy_is": "global accuracy of the last round that finished",
+        "final_accuracy_is": f"mean global accuracy of the last {FINAL_ROUNDS} rounds over the devices honest in "
+        f"every run (partitions >= {max(adversaries)})",
         "clean_final_accuracy": None,
         "clean": None,
         "attacks": [],
     }
     out = Path(base.output_dir).expanduser().resolve() / REPORT_FILE
     out.parent.mkdir(parents=True, exist_ok=True)
-    report["clean"] = run_one(path, common, None, [], timeout_s=timeout_s, log=log)
+    honest = max(adversaries)
+    report["clean"] = run_one(path, common, None, [], timeout_s=timeout_s, log=log, honest_from=honest)
     report["clean_final_accuracy"] = report["clean"]["final_accuracy"]
     out.write_text(json.dumps(report, indent=2))
     for attack in attacks:
         for k in adversaries:
-            report["attacks"].append(run_one(path, common, attack, list(range(k)), timeout_s=timeout_s, log=log))
+            entry = run_one(path, common, attack, list(range(k)), timeout_s=timeout_s, log=log, honest_from=honest)
+            report["attacks"].append(entry)
             out.write_text(json.dumps(report, indent=2))
     report["report"] = str(out)
     out.write_text(json.dumps(report, indent=2))

@@ -132,8 +132,8 @@ def upload_problem(arrays: Mapping[str, np.ndarray], selected: float, param_name
 class Defense:
     """How the server guards aggregation and its clocks (the federation section's fields)."""
 
-    aggregation: str = "mean"
-    trim: float = 0.2
+    aggregation: str = "mean"  # the plain masked mean unless the config says otherwise (its default: trimmed_mean)
+    trim: float = 0.25
     norm_bound: float | None = 3.0
     norm_action: str = "clip"
     max_samples: int = 100_000

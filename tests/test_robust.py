@@ -147,3 +147,15 @@ def test_trimmed_mean_and_median_ignore_an_outlier_over_the_devices_that_trained
     assert trimmed["w"][0] == pytest.approx(1.0333333, rel=1e-5)  # 0.9 and 50 dropped
     assert median["w"][0] == pytest.approx(1.0)
     assert senders == {"w": 5, "v": 1} and trimmed["v"][0] == median["v"][0] == 2.0  # one sender: its value
+
+
+def test_two_senders_take_the_smaller_step_per_coordinate():
+    """Neither of two devices can be outvoted: a flipped, larger update does not undo the honest one."""
+    cur = {"w": np.zeros(3, np.float32)}
+    honest_up = np.array([1.0, -1.0, 0.5], np.float32)
+    flipped = -3 * honest_up
+    for method in ("trimmed_mean", "median"):
+        out, _ = robust_average(cur, [({"w": honest_up}, 1.0), ({"w": flipped}, 1.0)], method)
+        np.testing.assert_allclose(out["w"], honest_up)
+    mean, _ = robust_average(cur, [({"w": honest_up}, 1.0), ({"w": flipped}, 1.0)], "mean")
+    np.testing.assert_allclose(mean["w"], -honest_up)  # the plain mean is dragged backwards

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -166,6 +167,7 @@ def run_one(
     error = launch(config_path, HONEST_APP if attack is None else ADVERSARY_APP, timeout_s, log)
     entry = {"attack": attack, "adversaries": len(partitions), "partitions": partitions}
     entry.update(run_figures(out, error, honest_from))
+    shutil.rmtree(out / "devices", ignore_errors=True)  # 8 devices' weights and momentum: ~0.7 GB a run, unused
     entry["run_dir"] = str(out)
     acc = entry["final_accuracy"]
     log(

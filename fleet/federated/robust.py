@@ -13,8 +13,8 @@ global model anywhere. Here, per tensor and over only the devices that trained i
 * **Robust means.** ``trimmed_mean`` drops the ``trim`` share of values at each end of
   every coordinate, ``median`` takes the coordinate-wise median, both over the devices that
   sent the tensor (Flower's own trimmed-mean and median strategies need every device to
-  send every tensor; masked updates do not). With fewer than three senders there is
-  nothing to trim, so the weighted mean is used.
+  send every tensor; masked updates do not). With two senders neither can be outvoted, so
+  each coordinate takes the smaller of the two steps; with one, its value.
 * **Normalization statistics are checked**: a BatchNorm ``running_var`` below zero, or
   statistics far outside what a network produces, poison every later forward pass.
 """
@@ -87,8 +87,11 @@ def robust_average(
         return new, senders
     for name, count in senders.items():
         values = [arrays[name] for arrays, _ in updates if name in arrays]
-        if count < 3 or values[0].dtype.kind != "f":
-            continue  # nothing to trim among two; integer counters keep the mean
+        if count < 2 or values[0].dtype.kind != "f":
+            continue  # one sender: its value; integer counters keep the mean
+        if count == 2:
+            new[name] = _smaller_step(current[name], values[0], values[1])
+            continue
         stack = np.sort(np.stack([v.astype(np.float64) for v in values]), axis=0)
         if method == "median":
             agg = np.median(stack, axis=0)
@@ -97,6 +100,12 @@ def robust_average(
             agg = stack[cut : count - cut].mean(axis=0)
         new[name] = agg.astype(current[name].dtype)
     return new, senders
+
+
+def _smaller_step(ref: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Of two devices' values, per coordinate the one that moves less from ``ref``: with two senders
+    neither can be outvoted, so the tensor takes the step both agree is at least that safe."""
+    return np.where(np.abs(a - ref) <= np.abs(b - ref), a, b).astype(ref.dtype)
 
 
 def plausible(value: float, reference: float, band: float) -> float:

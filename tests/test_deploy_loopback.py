@@ -54,8 +54,9 @@ def wait_port(port: int, proc: subprocess.Popen, log: Path, timeout: float = 60)
     pytest.fail(f"port {port} not open after {timeout}s:\n{log.read_text()[-2000:]}")
 
 
-def flwr_json(args: list[str], env: dict, timeout: float = 60) -> dict:
-    """A `flwr ... --format json` command's JSON (it may print other lines before it)."""
+def flwr_try(args: list[str], env: dict, timeout: float = 120) -> tuple[int, dict | None, str]:
+    """A `flwr ... --format json` command that may fail: exit status, its JSON (None if it printed
+    none; it may print other lines before it) and everything it printed."""
     out = subprocess.run(
         [str(BIN / "flwr"), *args, "--format", "json"],
         env=env,
@@ -65,8 +66,18 @@ def flwr_json(args: list[str], env: dict, timeout: float = 60) -> dict:
         timeout=timeout,
     )
     start = out.stdout.find("{")
-    assert start >= 0, out.stdout + out.stderr
-    return json.loads(out.stdout[start:])
+    try:
+        parsed = json.loads(out.stdout[start:]) if start >= 0 else None
+    except json.JSONDecodeError:
+        parsed = None
+    return out.returncode, parsed, out.stdout + out.stderr
+
+
+def flwr_json(args: list[str], env: dict, timeout: float = 60) -> dict:
+    """A `flwr ... --format json` command's JSON, which it must print."""
+    _, parsed, text = flwr_try(args, env, timeout)
+    assert parsed is not None, text
+    return parsed
 
 
 def run_status(env: dict, timeout: float = 60) -> dict:

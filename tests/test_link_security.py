@@ -35,11 +35,11 @@ from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
 from flwr.supercore.exit import ExitCode
 
 from tests.test_deploy_loopback import (
-    BIN,
     ROOT,
     Deployment,
     Loopback,
     check_two_device_run,
+    flwr_try,
     make_node_key,
     tiny_deploy_config,
     wait_port,
@@ -89,26 +89,6 @@ def stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-
-
-def flwr_try(args: list[str], env: dict, timeout: float = WAIT_S) -> tuple[int, dict | None, str]:
-    """A `flwr ... --format json` command that may fail: exit status, its JSON (None if it printed
-    none) and everything it printed."""
-    out = subprocess.run(
-        [str(BIN / "flwr"), *args, "--format", "json"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    text = out.stdout + out.stderr
-    start = out.stdout.find("{")
-    try:
-        parsed = json.loads(out.stdout[start:]) if start >= 0 else None
-    except json.JSONDecodeError:
-        parsed = None
-    return out.returncode, parsed, text
 
 
 def refused_by_proxy(parsed: dict | None) -> bool:

@@ -52,7 +52,7 @@ def aggregate(s: ElasticFedAvg, replies: list) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize(
     "change, reason",
     [
-        ({"loss": None}, "metric 'loss' is missing"),
+        ({"steps": None}, "metric 'steps' is missing"),
         ({"loss": float("nan")}, "metric 'loss' must be finite"),
         ({"partition-id": 1.5}, "metric 'partition-id' must be a whole number"),
         ({"bytes-uploaded": -1e12}, "metric 'bytes-uploaded' must be in [0, inf]"),

@@ -303,7 +303,7 @@ def test_bench_end_to_end_prints_one_json_object(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     report = json.loads(out)  # nothing but the JSON object on stdout
     assert "sign_flip" in err  # progress went to stderr
-    assert isinstance(report["clean_final_accuracy"], float) and report["aggregation"] == "mean"
+    assert isinstance(report["clean_final_accuracy"], float) and report["aggregation"] == "trimmed_mean"
     assert not report["clean"]["server_crashed"]
     assert len(report["attacks"]) == 1
     entry = report["attacks"][0]

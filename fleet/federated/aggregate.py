@@ -130,6 +130,7 @@ def round_deadline(
 
 
 def weighted_mean(rows: list[dict], key: str) -> float:
-    """``key`` averaged over rows, weighted by each row's sample count."""
+    """``key`` averaged over the rows that have it, weighted by each row's sample count (NaN: none has it)."""
+    rows = [r for r in rows if key in r]
     total = sum(r[keys.NUM_EXAMPLES] for r in rows)
-    return float(sum(r[key] * r[keys.NUM_EXAMPLES] for r in rows) / total)
+    return float(sum(r[key] * r[keys.NUM_EXAMPLES] for r in rows) / total) if total else float("nan")

@@ -284,6 +284,6 @@ def round_metrics(
         keys.FULL_TIME_S: full_time,
         keys.SPEEDUP: full_time / predicted if predicted > 0 else 0.0,
         keys.BYTES_UPLOADED: int(sum(a.numel() * a.element_size() for a in arrays.values())),
-        keys.LOSS: float(np.mean(losses)) if losses else float("nan"),
         keys.STEPS: len(losses),
+        **({keys.LOSS: float(np.mean(losses))} if losses else {}),  # no step, no loss (never NaN: replies are checked)
     }

@@ -64,7 +64,7 @@ TRAIN = {
     keys.FULL_TIME_S: QUERY[keys.FULL_TIME_S],
     keys.SPEEDUP: Field(True, hi=1e6),
     keys.BYTES_UPLOADED: COUNT,
-    keys.LOSS: Field(True),
+    keys.LOSS: Field(False),  # absent when the device's budget left no step to train
     keys.STEPS: COUNT,
     keys.ROUNDS_TRAINED: Field(False, integer=True, lo=1.0),
     keys.MEMORY_BUDGET_BYTES: Field(False),

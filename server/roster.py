@@ -120,8 +120,8 @@ class Membership:
             if reason is None and (name is None or not DEVICE_NAME.fullmatch(name)):
                 reason = f"query reply without a usable '{keys.DEVICE_NAME}' ({name!r})"
             if reason is None:
-                full, size = float(metrics[keys.FULL_TIME_S]), int(metrics[keys.NUM_EXAMPLES])
-                reason = membership.admit(self.state.roster, node, name, full, connected, size)
+                full = float(metrics[keys.FULL_TIME_S])
+                reason = membership.admit(self.state.roster, node, name, full, connected)
         if reason is not None:
             self.refuse(node, name, reason, server_round)
             return

@@ -28,7 +28,7 @@ PARAMS = ["w"]
 def strategy(**defense) -> ElasticFedAvg:
     s = ElasticFedAvg(ServerState(), param_names=PARAMS, defense=Defense(**defense))
     s.state.replies.sent = {k: v.copy() for k, v in GLOBAL.items()}
-    s.state.roster = {str(n): member(f"pi-{n}", 2.0, 100) for n in range(10, 20)}
+    s.state.roster = {str(n): member(f"pi-{n}", 2.0) for n in range(10, 20)}
     return s
 
 

@@ -27,25 +27,17 @@ import numpy as np
 Roster = dict[str, dict]  # node id (as a string: checkpoint keys) -> member(...)
 
 
-def member(name: str, full_time_s: float, data_size: int = 0) -> dict:
+def member(name: str, full_time_s: float) -> dict:
     """``profile_s``: the full-round time the device joined with; its later reports are clamped
-    around it (fleet.federated.robust.plausible). ``data_size``: the training samples it reported."""
-    return {
-        "name": name,
-        "full_time_s": float(full_time_s),
-        "profile_s": float(full_time_s),
-        "missed": 0,
-        "data_size": int(data_size),
-    }
+    around it (fleet.federated.robust.plausible)."""
+    return {"name": name, "full_time_s": float(full_time_s), "profile_s": float(full_time_s), "missed": 0}
 
 
 def holder_of(roster: Mapping[str, dict], name: str) -> str | None:
     return next((node for node, m in roster.items() if m["name"] == name), None)
 
 
-def admit(
-    roster: Roster, node: str, name: str, full_time_s: float, connected: Iterable[str], data_size: int = 0
-) -> str | None:
+def admit(roster: Roster, node: str, name: str, full_time_s: float, connected: Iterable[str]) -> str | None:
     """Make ``node`` the member called ``name``; the reason it is refused, or None when admitted."""
     holder = holder_of(roster, name)
     if holder is not None and holder != node:
@@ -55,7 +47,7 @@ def admit(
                 "give each SuperNode its own device-name (--node-config \"device-name='pi-2'\")"
             )
         del roster[holder]  # the device restarted as a new node: its name (and state) moves with it
-    roster[node] = member(name, full_time_s, data_size)
+    roster[node] = member(name, full_time_s)
     return None
 
 

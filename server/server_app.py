@@ -22,10 +22,12 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
+from fleet.data import ArrayDataset
 from fleet.experiment import make_model
 from fleet.federated.config import FleetConfig, config_from_run_config, run_dir
 from fleet.federated.membership import full_times, name_of, record_attendance, sample
 from fleet.federated.robust import Defense
+from fleet.federated.server_eval import server_accuracy, server_test_set
 from fleet.federated.split import known_data_sizes
 from fleet.federated.state import (
     RoundReplies,
@@ -80,13 +82,14 @@ def make_strategy(
 ) -> ElasticFedAvg:
     fed = cfg.federation
     defense = Defense(
-        fed.aggregation,
-        fed.trim_fraction,
-        fed.norm_bound,
-        fed.norm_action,
-        fed.max_samples_per_device,
-        fed.time_band,
-        known_data_sizes(cfg) if simulated else {},  # a simulation knows every device's data
+        aggregation=fed.aggregation,
+        trim=fed.trim_fraction,
+        norm_bound=fed.norm_bound,
+        norm_action=fed.norm_action,
+        min_pull=fed.min_pull,
+        max_samples=fed.max_samples_per_device,
+        time_band=fed.time_band,
+        sample_caps=known_data_sizes(cfg) if simulated else {},  # a simulation knows every device's data
     )
     full_upload_s = sum(a.nbytes for a in arrays.values() if a.dtype.kind == "f") / fed.bandwidth_bytes_per_s
     return ElasticFedAvg(
@@ -173,6 +176,8 @@ def run_round(
     ctx.mailbox.forget_old(server_round)
     rec = round_record(state, ctx.cfg.federation.strategy, phase.deadline_s, rt, accuracy, ctx.strategy.param_names)
     rec.update({"round_wall_s": wall, "wall_bound_s": phase.bound_s, **state.replies.attendance.as_dict()})
+    if ctx.server_test is not None:
+        rec["server_accuracy"] = server_accuracy(ctx.cfg, phase.arrays, ctx.server_test)
     return phase.arrays, rec
 
 
@@ -185,6 +190,7 @@ class RoundContext:
     mailbox: Mailbox
     members: Membership
     simulated: bool  # Flower's simulation engine: wall time says nothing about the simulated deadline
+    server_test: ArrayDataset | None = None  # federation.server_eval: the global model is also scored on this
 
 
 def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool, simulated: bool = False) -> dict:
@@ -198,6 +204,8 @@ def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool, simulated: bool = F
     strategy = make_strategy(cfg, state, arrays, simulated)
     mailbox = Mailbox(grid, lambda node: name_of(state.roster, str(node)))
     ctx = RoundContext(cfg, strategy, mailbox, Membership(cfg, state, mailbox), simulated)
+    if fed.server_eval:
+        ctx.server_test = server_test_set(cfg)
     wait_for_devices(grid, cfg)
     for server_round in range(state.round + 1, fed.rounds + 1):
         if out_of_time(cfg, state):

@@ -30,10 +30,13 @@ from fleet.federated.aggregate import (
 from fleet.federated.membership import full_times, name_of
 from fleet.federated.robust import (
     Defense,
+    Screen,
     bound_update,
     plausible,
     plausible_times,
     robust_average,
+    scale_update,
+    screen_devices,
     update_limits,
     upload_problem,
 )
@@ -203,6 +206,7 @@ class ElasticFedAvg(FedAvg):
     def _bound(self, server_round: int, accepted: list[Accepted], current: dict[str, np.ndarray]) -> list[Accepted]:
         """Updates held to ``norm_bound`` x the lower median norm per tensor: clipped, or rejected."""
         d = self.defense
+        accepted = self._screen(server_round, accepted, current)
         if d.norm_bound is None or not accepted:
             return accepted
         limits = update_limits(current, [a.arrays for a in accepted], d.norm_bound)
@@ -218,6 +222,29 @@ class ElasticFedAvg(FedAvg):
             if clipped:
                 self.state.replies.defense.setdefault("clipped", {})[a.row["device"]] = len(clipped)
             a.arrays = bounded
+            kept.append(a)
+        return kept
+
+    def _screen(self, server_round: int, accepted: list[Accepted], current: dict[str, np.ndarray]) -> list[Accepted]:
+        """Each device judged on the tensors others trained too, the verdict applied to its whole
+        reply: pulling against the fleet (``pull`` below ``min_pull``) is rejected; oversized
+        (above ``norm_bound`` x the others') is scaled down as a whole to their size, or rejected."""
+        d = self.defense
+        screens = screen_devices(current, [a.arrays for a in accepted], self.param_names)
+        record = self.state.replies.defense.setdefault("screen", {})
+        kept = []
+        for i, a in enumerate(accepted):
+            sc = screens.get(i)
+            if sc is not None:
+                record[a.row["device"]] = sc.as_dict()
+            reason = None if sc is None else _screen_problem(sc, d)
+            if reason is not None:
+                self._reject(server_round, a.msg, reason)
+                continue
+            if sc is not None and d.norm_bound is not None and sc.norm_ratio > d.norm_bound:
+                # to a typical update's size, not to the bound: inflating an update past the bound buys nothing
+                a.arrays = scale_update(current, a.arrays, 1.0 / sc.norm_ratio, self.param_names)
+                self.state.replies.defense.setdefault("scaled", {})[a.row["device"]] = round(sc.norm_ratio, 3)
             kept.append(a)
         return kept
 
@@ -249,3 +276,13 @@ class ElasticFedAvg(FedAvg):
         if not rows:
             return None
         return MetricRecord({key: weighted_mean(rows, key) for key in (keys.GLOBAL_ACCURACY, keys.PERSONAL_ACCURACY)})
+
+
+def _screen_problem(sc: Screen, d: Defense) -> str | None:
+    """Why a device's screen rejects its reply, or None."""
+    shared = f"over {sc.tensors} tensors other devices trained too"
+    if d.min_pull is not None and sc.pull < d.min_pull:
+        return f"its update pulls against the other devices' ({sc.pull:.2f} typical updates {shared})"
+    if d.norm_bound is not None and d.norm_action == "reject" and sc.norm_ratio > d.norm_bound:
+        return f"its update is {sc.norm_ratio:.1f}x the other devices' (median {shared}; bound {d.norm_bound:g})"
+    return None

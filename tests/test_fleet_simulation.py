@@ -63,7 +63,8 @@ def run_failing(config: str, overrides: dict, timeout: float = 420) -> subproces
 
 def test_device_failing_mid_round_does_not_stop_the_fleet(tmp_path):
     # odd devices: about half a full step's activations
-    res = run_failing(TINY, {"output_dir": str(tmp_path), "federation.memory_budgets_mb": [0, 1.0]})
+    overrides = {"output_dir": str(tmp_path), "federation.memory_budgets_mb": [0, 1.0], "federation.server_eval": True}
+    res = run_failing(TINY, overrides)
     assert res.returncode == 0, res.stdout[-3000:]
     run = tmp_path / "fleet-tiny"
     recs = read_metrics(run)
@@ -103,7 +104,16 @@ def test_device_failing_mid_round_does_not_stop_the_fleet(tmp_path):
     assert summary["rounds"] == 2 and summary["rejections"] == 1
     assert summary["final_accuracy"] == pytest.approx(r2["global_accuracy"])
     assert (run / "accuracy.png").stat().st_size > 1000 and (run / "devices.png").stat().st_size > 1000
-    assert (run / "checkpoint.pt").is_file()
+    # federation.server_eval: the global model scored on the server's test set, the figure the checkpoint gives
+    from fleet.federated.config import load_fleet_config
+    from fleet.federated.server_eval import server_accuracy, server_test_set
+    from fleet.federated.state import load_checkpoint
+
+    cfg = load_fleet_config(run / "fleet-config.yaml")
+    arrays = {k: v.numpy() for k, v in load_checkpoint(run)[0].items()}
+    assert r2["server_accuracy"] == pytest.approx(server_accuracy(cfg, arrays, server_test_set(cfg)))
+    assert 0 <= r1["server_accuracy"] <= 1 and summary["final_server_accuracy"] == r2["server_accuracy"]
+    assert "server " in res.stdout
     assert "round   2/2" in res.stdout and "speedup" in res.stdout  # progress lines and summary table
     out = res.stdout
     assert (

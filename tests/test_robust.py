@@ -9,6 +9,7 @@ import logging
 
 import numpy as np
 import pytest
+from flwr.app import Array
 
 from fleet.federated.membership import member
 from fleet.federated.robust import Defense, plausible_times, robust_average, update_limits
@@ -83,15 +84,43 @@ def test_huge_sample_counts_are_capped_at_what_the_device_holds():
 
 def test_scaled_and_sign_flipped_updates_are_clipped_to_the_median_norm():
     s = strategy(norm_bound=3.0, max_samples=100)  # deployment: every weight capped at max_samples_per_device
-    replies = [honest(n, 1.0) for n in (11, 12, 13)] + [honest(14, 1e3), honest(15, -10.0, samples=1e12)]
-    out = aggregate(s, replies)
-    # the two bad updates are clipped to 3x the honest norm: (3 x 1 + 3000 -> 3 + (-10 -> -3)) / 5
-    np.testing.assert_allclose(out["w"], (3 * 1.0 + 3.0 - 3.0) / 5, rtol=1e-6)
-    assert s.state.replies.defense["clipped"] == {"pi-14": 1, "pi-15": 1}
+    # three senders: too few to screen a device against its peers, so the per-tensor bound acts alone
+    out = aggregate(s, [honest(11, 1.0), honest(12, 1.0), honest(13, 1e3, samples=1e12)])
+    np.testing.assert_allclose(out["w"], (1.0 + 1.0 + 3.0) / 3, rtol=1e-6)  # 1000 clipped to 3x the honest norm
+    assert s.state.replies.defense["clipped"] == {"pi-13": 1}
+    out = aggregate(s, [honest(11, 1.0), honest(12, 1.0), honest(13, -10.0)])
+    np.testing.assert_allclose(out["w"], (1.0 + 1.0 - 3.0) / 3, rtol=1e-6)
     s = strategy(norm_bound=3.0, norm_action="reject")
-    out = aggregate(s, [honest(n, 1.0) for n in (11, 12, 13)] + [honest(14, 1e3)])
+    out = aggregate(s, [honest(n, 1.0) for n in (11, 12)] + [honest(14, 1e3)])
     np.testing.assert_allclose(out["w"], 1.0)
     assert "above 3x the median norm" in s.state.replies.rejections[0].reason
+
+
+def shared_and_own(node: int, shared: float, own: float | None = None) -> object:
+    """A reply whose update is ``shared`` on the tensor every device trains and ``own`` on one only it trains."""
+    msg = honest(node, shared)
+    if own is not None:
+        msg.content.array_records["arrays"]["v"] = Array(np.full(3, own, np.float32))
+        msg.content.metric_records["metrics"]["selected"] = 2
+    return msg
+
+
+def test_a_device_is_judged_on_shared_tensors_and_the_verdict_covers_the_ones_it_alone_trained(caplog):
+    s = ElasticFedAvg(ServerState(), param_names=["w", "v"], defense=Defense(norm_bound=3.0, min_pull=-0.5))
+    s.state.replies.sent = {**{k: v.copy() for k, v in GLOBAL.items()}, "v": np.zeros(3, np.float32)}
+    s.state.roster = {str(n): member(f"pi-{n}", 2.0) for n in range(10, 20)}
+    honest_ones = [shared_and_own(n, 1.0) for n in (11, 12, 13)]
+    # pi-14 scales its whole update x1000, pi-15 flips its sign: each alone trained a tensor nobody can compare
+    with caplog.at_level(logging.WARNING, logger="fleet.server"):
+        record, _ = s.aggregate_train(1, [*honest_ones, shared_and_own(14, 1e3, 1e3), shared_and_own(15, -10.0, -10.0)])
+    out = {k: a.numpy() for k, a in record.items()}
+    rejected = s.state.replies.rejections
+    assert [r.device for r in rejected] == ["pi-15"] and "pulls against the other devices'" in rejected[0].reason
+    assert "(-10.00 typical updates over 1 tensors" in rejected[0].reason
+    # pi-14's whole update was scaled by 1/1000 (its ratio to the others on w), also on v that it alone sent
+    assert s.state.replies.defense["scaled"] == {"pi-14": pytest.approx(1000.0)}
+    np.testing.assert_allclose(out["v"], 1.0, rtol=1e-5)
+    assert s.state.replies.defense["screen"]["pi-11"] == {"norm_ratio": 1.0, "pull": 1.0, "tensors": 1}
 
 
 def test_two_attackers_cannot_lift_the_bound_with_the_lower_median():

@@ -40,7 +40,15 @@ DEFAULT_CONFIG = "simulations/robustness.yaml"
 REPORT_FILE = "robustness.json"
 HONEST_APP = "client.client_app:app"
 ADVERSARY_APP = "fleet.bench.adversary_app:app"
-DEFENSE_FIELDS = ("aggregation", "trim_fraction", "norm_bound", "norm_action", "max_samples_per_device", "time_band")
+DEFENSE_FIELDS = (
+    "aggregation",
+    "trim_fraction",
+    "norm_bound",
+    "norm_action",
+    "min_pull",
+    "max_samples_per_device",
+    "time_band",
+)
 METRICS_FILE = "metrics.jsonl"
 SIMULATE = (  # one simulation, as `fleet simulate` runs it, with the ClientApp named on the command line
     "import sys\n"
@@ -113,6 +121,10 @@ def honest_accuracy(record: dict, honest_from: int) -> float | None:
     return sum(d["global_accuracy"] * d["test_examples"] for d in rows) / total if total else None
 
 
+def _mean(values: list[float]) -> float | None:
+    return _finite(sum(values) / len(values)) if values else None
+
+
 def run_figures(out: Path, error: str | None, honest_from: int) -> dict[str, Any]:
     """A run's figures from the rounds it wrote; a run without its summary.json crashed."""
     records = []
@@ -122,10 +134,12 @@ def run_figures(out: Path, error: str | None, honest_from: int) -> dict[str, Any
                 records.append(json.loads(line))
             except json.JSONDecodeError:
                 continue  # a line cut short by a crash
-    accs = [a for a in (honest_accuracy(r, honest_from) for r in records) if a is not None][-FINAL_ROUNDS:]
+    server = [a for a in (_finite(r.get("server_accuracy")) for r in records) if a is not None][-FINAL_ROUNDS:]
+    honest = [a for a in (honest_accuracy(r, honest_from) for r in records) if a is not None][-FINAL_ROUNDS:]
     crashed = error is not None or not (out / SUMMARY_FILE).is_file()
     figures = {
-        "final_accuracy": _finite(sum(accs) / len(accs)) if accs else None,
+        "final_accuracy": _mean(server),
+        "honest_device_accuracy": _mean(honest),
         "rejected_replies": sum(len(r.get("rejections", [])) for r in records),
         "server_crashed": crashed,
         "rounds": len(records),
@@ -206,6 +220,7 @@ def bench_robustness(
     log: Log = (lambda s: print(s, file=sys.stderr, flush=True)) if quiet else (lambda s: print(s, flush=True))
     shared = shared_start(path, dict(overrides or {}), log)
     common = {**(overrides or {}), "train.profile": shared.train.profile, "model.weights": shared.model.weights}
+    common["federation.server_eval"] = True  # the final accuracy: the global model on a balanced test set
     fed = base.federation
     report: dict[str, Any] = {
         "config": str(path),
@@ -214,8 +229,10 @@ def bench_robustness(
         "strategy": fed.strategy,
         "aggregation": fed.aggregation,
         "defenses": {f: getattr(fed, f) for f in DEFENSE_FIELDS},
-        "final_accuracy_is": f"mean global accuracy of the last {FINAL_ROUNDS} rounds over the devices honest in "
-        f"every run (partitions >= {max(adversaries)})",
+        "final_accuracy_is": f"mean over the last {FINAL_ROUNDS} rounds of the global model's accuracy on the "
+        f"server's test set ({base.data.test_per_class} per class, federation.server_eval)",
+        "honest_device_accuracy_is": f"the same mean of the global accuracy on the test splits of the devices "
+        f"honest in every run (partitions >= {max(adversaries)})",
         "clean_final_accuracy": None,
         "clean": None,
         "attacks": [],

@@ -71,10 +71,20 @@ class FederationConfig:
     # or two of 8 devices adversarial it lost 2.0-2.6 points to a scaled update where mean lost 7-12 (docs/fleet.md)
     aggregation: str = "trimmed_mean"
     trim_fraction: float = 0.25  # trimmed_mean: drop this share of the values at each end, per coordinate
-    norm_bound: float | None = 3.0  # an update's norm may be this multiple of the median norm per tensor; null: off
+    # an update's norm may be this multiple of the median norm per tensor (else clipped to it), and a device's
+    # whole update this multiple of the others' on the tensors they share (else scaled to their size); null: off
+    norm_bound: float | None = 3.0
     norm_action: str = "clip"  # clip (scale it down to the bound) or reject the reply
+    # a device whose update pulls against the others' median by more than this many typical update lengths (median
+    # over the tensors it shares with at least 3 others) is rejected whole: the only guard for tensors that
+    # attackers alone trained. On the robustness bench honest pulls were -0.2..0.5, a x-10 sign flip's -0.9..-3.4
+    min_pull: float | None = -0.5
     max_samples_per_device: int = 100_000  # cap on a reply's sample weight (simulation: the device's data size)
     time_band: float = 4.0  # a reported full-round time is clamped to [known / band, known * band]
+    # also score the global model each round on the data's test split held by the server (data.test_per_class per
+    # class; no device's data): balanced and low-noise, where the devices' small skewed splits are not. A deployed
+    # server usually holds no data, hence off by default
+    server_eval: bool = False
     client_cpus: float = 1.0  # simulation: CPUs reserved per ClientApp
     client_threads: int = 1  # torch threads inside a ClientApp
     pretrained_samples: int = 0  # bench: samples held out from the devices to pretrain the start model
@@ -130,6 +140,7 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "federation.trim_fraction": (lambda v: 0 <= v < 0.5, "a number in [0, 0.5)"),
     "federation.norm_bound": (lambda v: v is None or v >= 1, "a multiple >= 1 of the median update norm, or null"),
     "federation.norm_action": (lambda v: v in NORM_ACTIONS, "clip or reject"),
+    "federation.min_pull": (lambda v: v is None or v <= 0, "a number <= 0 (typical update lengths), or null"),
     "federation.max_samples_per_device": (lambda v: v >= 1, "an integer >= 1"),
     "federation.time_band": (lambda v: v >= 1, "a factor >= 1"),
     "federation.client_cpus": (lambda v: v > 0, "a number > 0"),

@@ -30,7 +30,8 @@ _DATA: dict[str, tuple[ArrayDataset, ArrayDataset]] = {}  # a simulation actor s
 _OWNED: dict[str, DeviceData] = {}  # the last device-owned tree read in this process
 
 
-def _dataset(cfg: FleetConfig) -> tuple[ArrayDataset, ArrayDataset]:
+def datasets(cfg: FleetConfig) -> tuple[ArrayDataset, ArrayDataset]:
+    """The data's (train, test) splits, loaded once per process."""
     key = repr((cfg.data, cfg.train.seed))
     if key not in _DATA:
         _DATA.clear()
@@ -57,7 +58,7 @@ def fleet_indices(cfg: FleetConfig, labels: np.ndarray) -> tuple[np.ndarray, lis
 
 def device_data(cfg: FleetConfig, partition_id: int) -> DeviceData:
     """The device's own training data and held-out split."""
-    train, _ = _dataset(cfg)
+    train, _ = datasets(cfg)
     _, parts = fleet_indices(cfg, train.labels.numpy())
     tr, te = split_train_test(parts[partition_id], cfg.federation.test_fraction, seed=cfg.train.seed + partition_id)
     return DeviceData(train.subset(tr), train.subset(te))
@@ -79,7 +80,7 @@ def known_data_sizes(cfg: FleetConfig) -> dict[str, int]:
     the sample weight a reply may claim. Device folders: their image count (an upper bound)."""
     if cfg.data.device_roots:
         return {root.name: sum(len(image_files(root / c)) for c in class_dirs(root)) for root in device_roots(cfg)}
-    train, _ = _dataset(cfg)
+    train, _ = datasets(cfg)
     _, parts = fleet_indices(cfg, train.labels.numpy())
     sizes = {}
     for pid, part in enumerate(parts):

@@ -135,6 +135,7 @@ class Tracker:
             "rounds": len(recs),
             "sim_time_s": last.get("sim_time_s", 0.0),
             "final_accuracy": last.get("global_accuracy"),
+            "final_server_accuracy": last.get("server_accuracy"),  # federation.server_eval only
             "personalized_accuracy_mean": float(np.mean(personal)) if personal else None,
             "personalized_accuracy_p10": p10(personal),
             "bytes_uploaded": int(sum(r["bytes_uploaded"] for r in recs)),
@@ -164,6 +165,7 @@ class Tracker:
                         "bytes_uploaded",
                     )
                 }
+                | ({"server_accuracy": r["server_accuracy"]} if "server_accuracy" in r else {})
                 for r in recs
             ],
         }
@@ -179,7 +181,8 @@ def progress_line(rec: dict, rounds: int) -> str:
     return (
         f"round {rec['round']:>3}/{rounds}  sim {rec['sim_time_s']:8.1f}s (+{rec['round_time_s']:.1f}s)  "
         f"global {pct(rec['global_accuracy'])}  personal {pct(rec['personal_accuracy'])}  "
-        f"speedup {min(speedups, default=0):.2f}-{max(speedups, default=0):.2f}x  "
+        + (f"server {pct(rec['server_accuracy'])}  " if "server_accuracy" in rec else "")
+        + f"speedup {min(speedups, default=0):.2f}-{max(speedups, default=0):.2f}x  "
         f"up {rec['bytes_uploaded'] / 1e6:6.2f} MB  devices {len(speedups)}  rejected {len(rec['rejections'])}"
         + attendance_note(rec)
     )

@@ -6,7 +6,7 @@ device to the previous set. Every run shares the seed, the partitions, one measu
 one pretrained start (made once in ``<output_dir>/<name>-shared``, as ``fleet bench fleet`` does), so
 the only difference between a run and the clean one is what the adversaries send.
 
-Each simulation runs in its own process group with a timeout (:func:`launch`): an attack that
+Each simulation runs in its own process group with a timeout (:func:`fleet.bench.launch.launch`): an attack that
 crashes or hangs the server is a finding (``server_crashed``), not the end of the bench.
 
 Figures per run: ``final_accuracy`` is the mean global accuracy of the last 3 rounds, over the
@@ -19,26 +19,21 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import signal
-import subprocess
 import sys
-import threading
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from fleet.bench.adversary_app import ATTACK_FILE, ATTACKS
+from fleet.bench.launch import HONEST_APP, Log, launch, shared_start
 from fleet.errors import ConfigError
-from fleet.federated.config import FleetConfig, load_fleet_config, run_dir
+from fleet.federated.config import load_fleet_config, run_dir
 from fleet.federated.prepare import prepare
 from fleet.federated.tracking import SUMMARY_FILE
 
 DEFAULT_CONFIG = "simulations/robustness.yaml"
 REPORT_FILE = "robustness.json"
-HONEST_APP = "client.client_app:app"
 ADVERSARY_APP = "fleet.bench.adversary_app:app"
 DEFENSE_FIELDS = (
     "aggregation",
@@ -50,54 +45,6 @@ DEFENSE_FIELDS = (
     "time_band",
 )
 METRICS_FILE = "metrics.jsonl"
-SIMULATE = (  # one simulation, as `fleet simulate` runs it, with the ClientApp named on the command line
-    "import sys\n"
-    "from fleet.errors import FleetError\n"
-    "from server.simulation import simulate\n"
-    "try:\n"
-    "    simulate(sys.argv[1], None, client_app=sys.argv[2])\n"
-    "except FleetError as exc:\n"
-    "    print(f'error: {exc}', flush=True)\n"
-    "    sys.exit(2)\n"
-)
-
-Log = Callable[[str], None]
-
-
-def launch(config_path: Path, client_app: str, timeout_s: float, echo: Log) -> str | None:
-    """Run one simulation in a new process group; None when it exited 0, else why not.
-
-    Its output is echoed line by line. On a timeout the whole group (Ray's workers included) is
-    killed; it is also cleared after a normal exit, so no simulation outlives its turn."""
-    cmd = [sys.executable, "-c", SIMULATE, str(config_path), client_app]
-    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
-    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, **pipes)
-    tail: deque[str] = deque(maxlen=5)
-
-    def pump() -> None:
-        for line in proc.stdout:
-            tail.append(line.rstrip())
-            echo(line.rstrip())
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        code = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        code = None
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-        reader.join(timeout=10)
-    if code is None:
-        return f"timed out after {timeout_s:.0f}s"
-    if code != 0:
-        return f"exit {code}" + (f": {tail[-1]}" if tail else "")
-    return None
 
 
 def _finite(value: Any) -> float | None:
@@ -147,13 +94,6 @@ def run_figures(out: Path, error: str | None, honest_from: int) -> dict[str, Any
     if crashed:
         figures["error"] = error or f"no {SUMMARY_FILE} in {out}"
     return figures
-
-
-def shared_start(path: str, overrides: dict[str, Any], log: Log) -> FleetConfig:
-    """Profile and pretrain once, in ``<name>-shared``; every run of the bench starts from these."""
-    base = load_fleet_config(path, overrides)
-    shared, _ = prepare(load_fleet_config(path, {**overrides, "name": f"{base.name}-shared"}), resume=False, log=log)
-    return shared
 
 
 def run_one(

@@ -1,0 +1,173 @@
+"""``fleet bench scale``: what a round costs in wall time and memory as the simulated fleet grows.
+
+Each fleet size runs as ``fleet simulate`` would (:func:`fleet.bench.launch.launch`), from one
+shared profile and pretrained start, with a :class:`~fleet.bench.launch.MemoryWatch` on its
+processes. Per fleet it reports, over the rounds after the first (the first also starts Ray's
+actors and loads the data):
+
+* ``wall_s_per_round``: the server's wall time from sampling a round to its last evaluation
+  reply, aggregation included (median);
+* ``overhead_ratio``: that wall time over the devices' own work, the sampled devices' measured
+  training and evaluation seconds divided by the parallel ClientApp workers (median). 1.0 would
+  mean the round is nothing but training and evaluation; the rest is messaging, process and
+  state overhead;
+* ``peak_rss_bytes``: the driver's (ServerApp), the largest ClientApp worker's, and the largest
+  sum over all of the simulation's processes;
+* ``sim_s_per_round``: the simulated clock's advance per round (median).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fleet.bench.launch import HONEST_APP, Log, MemoryWatch, launch, shared_start
+from fleet.errors import ConfigError
+from fleet.federated.config import load_fleet_config, run_dir
+from fleet.federated.prepare import prepare
+
+DEFAULT_CONFIG = "simulations/scale.yaml"
+REPORT_FILE = "scale.json"
+PLOT_FILE = "scale.png"
+FLEETS = ((8, 8), (64, 16), (256, 16))  # (devices, sampled per round)
+
+
+def parse_fleets(specs: Sequence[str]) -> list[tuple[int, int]]:
+    """``["8:8", "256:16"]`` -> [(8, 8), (256, 16)], each checked."""
+    fleets = []
+    for spec in specs:
+        try:
+            devices, per_round = (int(x) for x in spec.split(":"))
+        except ValueError:
+            raise ConfigError(f"--fleets: {spec!r} is not DEVICES:PER_ROUND; use e.g. 256:16") from None
+        if not 1 <= per_round <= devices:
+            raise ConfigError(f"--fleets: {spec!r} samples {per_round} of {devices}; use 1 <= PER_ROUND <= DEVICES")
+        fleets.append((devices, per_round))
+    return fleets
+
+
+def workers(client_cpus: float) -> int:
+    """ClientApp actors running at once: Flower's Ray backend packs one per ``client_cpus`` CPUs."""
+    return max(1, int((os.cpu_count() or 1) // client_cpus))
+
+
+def round_figures(records: list[dict], parallel: int) -> dict[str, Any]:
+    """Medians over the rounds after the first (all of them when there is only one)."""
+    steady = records[1:] or records
+    if not steady:
+        return {"wall_s_per_round": None, "overhead_ratio": None, "sim_s_per_round": None}
+    ratios = []
+    for r in steady:
+        work = sum(d.get("measured_time_s", 0.0) + d.get("eval_time_s", 0.0) for d in r["devices"])
+        if work > 0:
+            ratios.append(r["round_wall_s"] / (work / parallel))
+    return {
+        "first_round_wall_s": records[0]["round_wall_s"],
+        "wall_s_per_round": statistics.median(r["round_wall_s"] for r in steady),
+        "overhead_ratio": statistics.median(ratios) if ratios else None,
+        "sim_s_per_round": statistics.median(r["round_time_s"] for r in steady),
+        "device_work_s_per_round": statistics.median(
+            sum(d.get("measured_time_s", 0.0) + d.get("eval_time_s", 0.0) for d in r["devices"]) for r in steady
+        ),
+    }
+
+
+def run_size(path: str, common: dict, devices: int, per_round: int, timeout_s: float, log: Log) -> dict[str, Any]:
+    """One fleet size: its simulation, launched and watched, and its figures."""
+    name = load_fleet_config(path, common).name
+    overrides = {
+        **common,
+        "name": f"{name}-{devices}",
+        "federation.num_devices": devices,
+        "federation.devices_per_round": per_round,
+    }
+    cfg, config_path = prepare(load_fleet_config(path, overrides), resume=False, log=log)
+    log(f"--- {cfg.name}: {devices} devices, {per_round} per round, {cfg.federation.rounds} rounds ---")
+    watch = MemoryWatch()
+    started = time.monotonic()
+    error = launch(config_path, HONEST_APP, timeout_s, log, watch)
+    metrics = run_dir(cfg) / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    parallel = workers(cfg.federation.client_cpus)
+    entry = {
+        "devices": devices,
+        "per_round": per_round,
+        "rounds": len(records),
+        "workers": parallel,
+        "run_wall_s": time.monotonic() - started,
+        **round_figures(records, parallel),
+        "peak_rss_bytes": watch.as_dict(),
+        "run_dir": str(run_dir(cfg)),
+    }
+    if error is not None:
+        entry["error"] = error
+    return entry
+
+
+def bench_scale(
+    path: str = DEFAULT_CONFIG,
+    overrides: dict[str, Any] | None = None,
+    *,
+    fleets: Sequence[tuple[int, int]] = FLEETS,
+    timeout_s: float = 1800.0,
+    quiet: bool = False,
+) -> dict[str, Any]:
+    """Every fleet size in turn; the report is rewritten after each, so a killed bench keeps what it measured."""
+    log: Log = (lambda s: print(s, file=sys.stderr, flush=True)) if quiet else (lambda s: print(s, flush=True))
+    overrides = dict(overrides or {})
+    base = load_fleet_config(path, overrides)
+    shared = shared_start(path, overrides, log)
+    common = {**overrides, "train.profile": shared.train.profile, "model.weights": shared.model.weights}
+    out = Path(base.output_dir).expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"config": str(path), "cpus": os.cpu_count(), "fleets": []}
+    for devices, per_round in fleets:
+        report["fleets"].append(run_size(path, common, devices, per_round, timeout_s, log))
+        (out / REPORT_FILE).write_text(json.dumps(report, indent=2))
+    report["plot"] = str(plot_scale(out / PLOT_FILE, report["fleets"]))
+    report["report"] = str(out / REPORT_FILE)
+    (out / REPORT_FILE).write_text(json.dumps(report, indent=2))
+    return report
+
+
+def plot_scale(path: Path, fleets: list[dict]) -> Path:
+    """Wall time per round and peak memory against fleet size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [f["devices"] for f in fleets]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    axes[0].plot(sizes, [f["wall_s_per_round"] or 0 for f in fleets], marker="o", label="wall s / round")
+    axes[0].plot(sizes, [f["device_work_s_per_round"] or 0 for f in fleets], marker="s", label="device work s / round")
+    axes[0].set_ylabel("seconds")
+    for key, label in (("total", "whole simulation"), ("server", "server (driver)"), ("worker", "largest worker")):
+        axes[1].plot(sizes, [f["peak_rss_bytes"][key] / 2**30 for f in fleets], marker="o", label=label)
+    axes[1].set_ylabel("peak resident memory (GiB)")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("devices in the fleet")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def scale_table(report: dict[str, Any]) -> str:
+    lines = [f"{'devices':>7} {'per rnd':>7} {'wall s/rnd':>10} {'overhead':>8} {'sim s/rnd':>9} {'peak GiB':>8}"]
+    for f in report["fleets"]:
+        wall, ratio, sim = f.get("wall_s_per_round"), f.get("overhead_ratio"), f.get("sim_s_per_round")
+        lines.append(
+            f"{f['devices']:>7} {f['per_round']:>7} {wall or 0:>10.1f} {ratio or 0:>8.2f} {sim or 0:>9.1f} "
+            f"{f['peak_rss_bytes']['total'] / 2**30:>8.2f}" + (f"  {f['error']}" if f.get("error") else "")
+        )
+    return "\n".join(lines)

@@ -1,0 +1,38 @@
+"""``fleet bench scale``: wall time, overhead and memory of the simulation at 8, 64 and 256 devices."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # devices have no internet; flwr reads this on import
+
+DEFAULT_CONFIG = "simulations/scale.yaml"
+
+
+def register_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("scale", help="wall time per round, overhead ratio and peak memory as the fleet grows")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"fleet YAML (default: {DEFAULT_CONFIG})")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a config field")
+    p.add_argument(
+        "--fleets", nargs="+", default=["8:8", "64:16", "256:16"], metavar="DEVICES:PER_ROUND", help="fleet sizes"
+    )
+    p.add_argument("--output-dir")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="a fleet still running after this is stopped")
+    p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
+    p.set_defaults(func=run_scale)
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    from fleet.bench.scale import bench_scale, parse_fleets, scale_table
+    from fleet.config import parse_override
+
+    overrides = dict(parse_override(s) for s in args.set)
+    if args.output_dir is not None:
+        overrides["output_dir"] = args.output_dir
+    report = bench_scale(
+        args.config, overrides, fleets=parse_fleets(args.fleets), timeout_s=args.timeout_s, quiet=args.json
+    )
+    print(json.dumps(report, indent=2) if args.json else scale_table(report))
+    return 0

@@ -1,0 +1,65 @@
+"""`fleet bench scale`: fleet specs, per-round figures, the memory watch, and one small end-to-end run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fleet.bench.launch import MemoryWatch
+from fleet.bench.scale import parse_fleets, round_figures
+from fleet.errors import ConfigError
+from tests.test_fleet_simulation import TINY, run_fleet
+
+
+def test_fleet_specs_are_checked():
+    assert parse_fleets(["8:8", "256:16"]) == [(8, 8), (256, 16)]
+    with pytest.raises(ConfigError, match="'8' is not DEVICES:PER_ROUND"):
+        parse_fleets(["8"])
+    with pytest.raises(ConfigError, match="samples 16 of 8"):
+        parse_fleets(["8:16"])
+
+
+def test_round_figures_leave_out_the_first_round_and_divide_work_by_the_workers():
+    def rec(wall: float, sim: float, work: list[tuple[float, float]]) -> dict:
+        devices = [{"measured_time_s": t, "eval_time_s": e} for t, e in work]
+        return {"round_wall_s": wall, "round_time_s": sim, "devices": devices}
+
+    records = [rec(30.0, 9.0, [(1.0, 0.5)]), rec(6.0, 4.0, [(2.0, 1.0), (2.0, 1.0)]), rec(9.0, 5.0, [(3.0, 0.0)] * 2)]
+    fig = round_figures(records, parallel=2)
+    assert fig["first_round_wall_s"] == 30.0
+    assert fig["wall_s_per_round"] == 7.5 and fig["sim_s_per_round"] == 4.5
+    assert fig["overhead_ratio"] == pytest.approx((6.0 / 3.0 + 9.0 / 3.0) / 2)  # 6 s of work on 2 workers: 3 s
+    assert round_figures([], 2)["wall_s_per_round"] is None
+
+
+def test_the_memory_watch_sees_a_process_session():
+    code = "import time; x = bytearray(300 * 2**20); x[::4096] = b'1' * len(x[::4096]); time.sleep(3)"
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    watch = MemoryWatch(interval_s=0.2)
+    thread = watch.run(proc.pid)
+    time.sleep(2)
+    watch.stop(thread)
+    proc.wait()
+    assert watch.server >= 300 * 2**20 and watch.total >= watch.server  # its own peak, and the session's sum
+    assert watch.worker == 0  # no ClientApp actor in that session
+
+
+@pytest.mark.slow
+def test_the_scale_bench_prints_its_figures_for_each_fleet(tmp_path):
+    res = run_fleet(
+        ["bench", "scale", "--json", "--config", TINY, "--fleets", "4:2", "6:3", "--output-dir", str(tmp_path)],
+        timeout=900,
+    )
+    assert res.returncode == 0, res.stdout[-3000:]
+    report = json.loads(res.stdout[res.stdout.index("{") :])
+    assert [(f["devices"], f["per_round"]) for f in report["fleets"]] == [(4, 2), (6, 3)]
+    for f in report["fleets"]:
+        assert f["rounds"] == 2 and "error" not in f
+        assert f["wall_s_per_round"] > 0 and f["overhead_ratio"] >= 1.0 and f["sim_s_per_round"] > 0
+        assert f["peak_rss_bytes"]["server"] > 100 * 2**20 and f["peak_rss_bytes"]["worker"] > 100 * 2**20
+        assert f["peak_rss_bytes"]["total"] >= f["peak_rss_bytes"]["server"] + f["peak_rss_bytes"]["worker"] / 2
+    assert (tmp_path / "scale.png").stat().st_size > 1000 and (tmp_path / "scale.json").is_file()

@@ -172,6 +172,8 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             except ConfigError:
                 continue
         raise ConfigError(f"{path}: {value!r} is not {_type_name(tp)}")
+    if dataclasses.is_dataclass(tp):  # e.g. one of a list of sections
+        return build_dataclass(tp, value, path)
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):

@@ -24,8 +24,10 @@ from flwr.serverapp import Grid, ServerApp
 
 from fleet.data import ArrayDataset
 from fleet.experiment import make_model
+from fleet.federated.classes import FleetClasses
 from fleet.federated.config import FleetConfig, config_from_run_config, run_dir
-from fleet.federated.membership import full_times, name_of, record_attendance, sample
+from fleet.federated.device import simulated_names
+from fleet.federated.membership import EVAL_STREAM, full_times, name_of, record_attendance, sample
 from fleet.federated.robust import Defense
 from fleet.federated.server_eval import server_accuracy, server_test_set
 from fleet.federated.split import known_data_sizes
@@ -78,7 +80,11 @@ def start_state(cfg: FleetConfig, out: Path, resume: bool) -> tuple[dict[str, np
 
 
 def make_strategy(
-    cfg: FleetConfig, state: ServerState, arrays: dict[str, np.ndarray], simulated: bool = False
+    cfg: FleetConfig,
+    state: ServerState,
+    arrays: dict[str, np.ndarray],
+    simulated: bool = False,
+    classes: FleetClasses | None = None,
 ) -> ElasticFedAvg:
     fed = cfg.federation
     defense = Defense(
@@ -91,7 +97,11 @@ def make_strategy(
         time_band=fed.time_band,
         sample_caps=known_data_sizes(cfg) if simulated else {},  # a simulation knows every device's data
     )
-    full_upload_s = sum(a.nbytes for a in arrays.values() if a.dtype.kind == "f") / fed.bandwidth_bytes_per_s
+    full_bytes = sum(a.nbytes for a in arrays.values() if a.dtype.kind == "f")
+    full_upload_s = full_bytes / fed.bandwidth_bytes_per_s
+    upload_s_of = None  # device classes: each device's full upload over its own uplink sets its full round
+    if classes is not None and classes.partitions and fed.device_classes and fed.deadline_includes_upload:
+        upload_s_of = lambda name: full_bytes / classes.bandwidth(name)  # noqa: E731
     return ElasticFedAvg(
         state,
         method=fed.strategy,
@@ -102,6 +112,7 @@ def make_strategy(
         lr=cfg.train.lr,
         blend=fed.strategy == "fleet" and fed.blend_beta is not None,
         defense=defense,
+        upload_s_of=upload_s_of,
     )
 
 
@@ -136,10 +147,12 @@ def train_phase(grid: Grid, ctx: RoundContext, arrays: dict[str, np.ndarray], se
     strategy, state, fed = ctx.strategy, ctx.strategy.state, ctx.cfg.federation
     att = state.replies.attendance
     eligible = ctx.members.open_round(grid, server_round, fed.timeout_s)
-    nodes = sample(eligible, fed.devices_per_round, ctx.cfg.train.seed, server_round)
+    online = [n for n in eligible if ctx.classes.online(state.roster[n]["name"], server_round, state.sim_time_s)]
+    att.offline = [state.roster[n]["name"] for n in eligible if n not in online]
+    nodes = sample(online, fed.devices_per_round, ctx.cfg.train.seed, server_round)
     att.sampled = [state.roster[n]["name"] for n in nodes]
-    log.info("round %d: sampled %d of %d eligible devices: %s", server_round, len(nodes), len(eligible), att.sampled)
-    deadline = strategy.round_deadline(eligible)
+    log.info("round %d: sampled %d of %d online devices: %s", server_round, len(nodes), len(online), att.sampled)
+    deadline = strategy.round_deadline(online)
     bound, eval_bound = round_bounds(ctx, deadline, nodes)
     record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
     messages = strategy.train_messages(server_round, record, [int(n) for n in nodes], deadline)
@@ -156,6 +169,27 @@ def train_phase(grid: Grid, ctx: RoundContext, arrays: dict[str, np.ndarray], se
     return TrainPhase(arrays, record, ok, deadline, bound, eval_bound)
 
 
+def evaluates(cfg: FleetConfig, server_round: int, sim_time_after_s: float) -> bool:
+    """Whether this round evaluates: every ``eval_every`` rounds, and always the run's last round
+    (the one at ``rounds``, or the one that takes the simulated clock to ``time_budget_s``)."""
+    fed = cfg.federation
+    last = server_round >= fed.rounds or (fed.time_budget_s is not None and sim_time_after_s >= fed.time_budget_s)
+    return last or server_round % fed.eval_every == 0
+
+
+def evaluate_phase(grid: Grid, ctx: RoundContext, phase: TrainPhase, server_round: int) -> dict | None:
+    """Ask a seeded sample (``eval_devices``, else all) of the round's trained devices to score the new
+    global model and their own; their weighted accuracies, or None when nobody answered in time."""
+    fed = ctx.cfg.federation
+    nodes = sample(phase.answered, fed.eval_devices, ctx.cfg.train.seed, server_round, EVAL_STREAM)
+    messages = ctx.strategy.evaluate_messages(server_round, phase.record, [int(n) for n in nodes])
+    ids = ctx.mailbox.push(messages, "evaluate", server_round)
+    pulled = ctx.mailbox.collect(ids, phase.eval_bound_s, server_round, "evaluate")
+    replies = ctx.members.take(pulled, connected_nodes(grid), server_round)
+    accuracy = ctx.strategy.aggregate_evaluate(server_round, replies)
+    return None if accuracy is None else dict(accuracy)
+
+
 def run_round(
     grid: Grid, ctx: RoundContext, arrays: dict[str, np.ndarray], server_round: int
 ) -> tuple[dict[str, np.ndarray], dict]:
@@ -164,18 +198,18 @@ def run_round(
     state.replies = RoundReplies()
     started = time.perf_counter()
     phase = train_phase(grid, ctx, arrays, server_round)
-    messages = ctx.strategy.evaluate_messages(server_round, phase.record, [int(n) for n in phase.answered])
-    ids = ctx.mailbox.push(messages, "evaluate", server_round)
-    pulled = ctx.mailbox.collect(ids, phase.eval_bound_s, server_round, "evaluate")
-    replies = ctx.members.take(pulled, connected_nodes(grid), server_round)
-    accuracy = ctx.strategy.aggregate_evaluate(server_round, replies)
-    accuracy = None if accuracy is None else dict(accuracy)
-    rt = round_time(state.replies.train, ctx.cfg.federation.bandwidth_bytes_per_s)
+    rt = round_time(state.replies.train, ctx.classes.bandwidth)
+    accuracy = None
+    if evaluates(ctx.cfg, server_round, state.sim_time_s + rt):
+        accuracy = evaluate_phase(grid, ctx, phase, server_round)
     wall = time.perf_counter() - started
     state.finish_round(server_round, rt, wall)
     ctx.mailbox.forget_old(server_round)
     rec = round_record(state, ctx.cfg.federation.strategy, phase.deadline_s, rt, accuracy, ctx.strategy.param_names)
     rec.update({"round_wall_s": wall, "wall_bound_s": phase.bound_s, **state.replies.attendance.as_dict()})
+    for d in rec["devices"]:
+        if ctx.classes.class_name(d.get("device")) is not None:
+            d["class"] = ctx.classes.class_name(d.get("device"))
     if ctx.server_test is not None:
         rec["server_accuracy"] = server_accuracy(ctx.cfg, phase.arrays, ctx.server_test)
     return phase.arrays, rec
@@ -190,6 +224,7 @@ class RoundContext:
     mailbox: Mailbox
     members: Membership
     simulated: bool  # Flower's simulation engine: wall time says nothing about the simulated deadline
+    classes: FleetClasses  # simulated device classes: who is online, at what uplink, in which class
     server_test: ArrayDataset | None = None  # federation.server_eval: the global model is also scored on this
 
 
@@ -201,9 +236,10 @@ def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool, simulated: bool = F
     arrays, state = start_state(cfg, out, resume)
     out.mkdir(parents=True, exist_ok=True)
     tracker = Tracker(out, resume_round=state.round if resume else None)
-    strategy = make_strategy(cfg, state, arrays, simulated)
+    classes = FleetClasses(cfg, simulated_names(cfg) if simulated else {})
+    strategy = make_strategy(cfg, state, arrays, simulated, classes)
     mailbox = Mailbox(grid, lambda node: name_of(state.roster, str(node)))
-    ctx = RoundContext(cfg, strategy, mailbox, Membership(cfg, state, mailbox), simulated)
+    ctx = RoundContext(cfg, strategy, mailbox, Membership(cfg, state, mailbox), simulated, classes)
     if fed.server_eval:
         ctx.server_test = server_test_set(cfg)
     wait_for_devices(grid, cfg)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,30 @@ def _flower_run(config_path: Path, resume: bool) -> tuple[Any, dict]:
     return run, fused
 
 
+def ray_init_args(address: str | None) -> dict[str, Any]:
+    """What Flower's Ray backend passes to ``ray.init``: the cluster at ``address``, else a new local Ray.
+
+    "local" is explicit because ``ray.init()`` without an address joins any cluster that
+    ``ray start`` left running on this machine. Ray's driver logs at INFO into flower.log
+    (flower_output keeps its terminal handler at WARNING); the actors' own stdout/stderr still
+    reach the terminal, as Flower sets it up."""
+    return {"address": address or "local", "logging_level": "INFO", "log_to_driver": True}
+
+
+def check_ray_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A one-line error, before anything is launched, when no Ray head answers at ``address``."""
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise FleetError(
+            f"federation.ray_address: no Ray cluster answers at {address} ({exc.strerror or exc}); start one with "
+            f"`ray start --head --port {port}` on that machine and `ray start --address {address}` on the others "
+            "(docs/fleet.md, 'A Ray cluster'), or drop --ray-address to simulate on this machine alone"
+        ) from None
+
+
 def run_simulation(
     cfg: FleetConfig, config_path: Path, *, resume: bool, verbose: bool = False, client_app: str = CLIENT_APP
 ) -> dict:
@@ -86,13 +111,13 @@ def run_simulation(
     from flwr.simulation.run_simulation import _run_simulation
     from flwr.supercore.telemetry import EventType
 
-    run, fused = _flower_run(config_path, resume)
     fed = cfg.federation
+    if fed.ray_address is not None:
+        check_ray_reachable(fed.ray_address)
+    run, fused = _flower_run(config_path, resume)
     backend = {
         "client_resources": {"num_cpus": fed.client_cpus, "num_gpus": 0.0},
-        # Ray's driver logs at INFO into flower.log (flower_output keeps its terminal handler at
-        # WARNING); the actors' own stdout/stderr still reach the terminal, as Flower sets it up.
-        "init_args": {"logging_level": "INFO", "log_to_driver": True},
+        "init_args": ray_init_args(fed.ray_address),
     }
     log_path = run_dir(cfg) / FLOWER_LOG
     context = Context(run_id=run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config=fused)
@@ -126,6 +151,8 @@ def simulate(
     client_app: str = CLIENT_APP,
 ) -> dict:
     cfg = load_fleet_config(path, overrides)
+    if cfg.federation.ray_address is not None:
+        check_ray_reachable(cfg.federation.ray_address)  # before anything is measured
     if resume:
         check_resumable(run_dir(cfg))  # before anything is measured, moved or launched
     cfg, config_path = prepare(cfg, resume=resume, log=log)

@@ -10,7 +10,7 @@ into the one :class:`~fleet.federated.state.ServerState` the round loop owns.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,6 +99,7 @@ class ElasticFedAvg(FedAvg):
         lr: float = 0.01,
         blend: bool = True,
         defense: Defense | None = None,
+        upload_s_of: Callable[[str | None], float] | None = None,
         **kwargs,
     ) -> None:
         kwargs.setdefault("weighted_by_key", keys.NUM_EXAMPLES)
@@ -114,12 +115,17 @@ class ElasticFedAvg(FedAvg):
         self.lr = lr
         self.blend = blend
         self.defense = defense or Defense()
+        self.upload_s_of = upload_s_of  # a device's full upload by name, when devices' uplinks differ
 
     def round_deadline(self, nodes: Iterable[str]) -> float:
         """The round's deadline from the full-round times of ``nodes`` (the devices eligible now),
         each held to a band around the fleet's median, so one device cannot set it alone."""
         times = plausible_times(full_times(self.state.roster, nodes), self.defense.time_band)
-        return round_deadline(self.method, self.deadline_s, self.deadline_factor, times, self.full_upload_s)
+        if self.upload_s_of is None:
+            return round_deadline(self.method, self.deadline_s, self.deadline_factor, times, self.full_upload_s)
+        roster = self.state.roster
+        times = {n: t + self.upload_s_of(name_of(roster, n)) for n, t in times.items()}
+        return round_deadline(self.method, self.deadline_s, self.deadline_factor, times, 0.0)
 
     def device_of(self, msg: Message) -> str | None:
         """The name the roster has for the reply's node (else what the reply claims)."""

@@ -219,6 +219,71 @@ def test_resume_after_killed_server_loses_nothing(tmp_path):
     assert ckpt["meta"]["round"] == 4
 
 
+def test_eval_every_and_eval_devices_ask_fewer_devices_less_often(tmp_path):
+    """federation.eval_every=2 over 3 rounds: rounds 2 and 3 (the last) evaluate; eval_devices=2: a seeded
+    2 of the 3 devices trained that round are asked, and only they carry accuracies."""
+    args = ["simulate", TINY, "--output-dir", str(tmp_path), "--rounds", "3"]
+    for s in ("federation.devices_per_round=3", "federation.eval_every=2", "federation.eval_devices=2"):
+        args += ["--set", s]
+    res = run_fleet(args)
+    assert res.returncode == 0, res.stdout[-3000:]
+    r1, r2, r3 = read_metrics(tmp_path / "fleet-tiny")
+    assert r1["global_accuracy"] is None and r1["personal_accuracy"] is None
+    assert not any("global_accuracy" in d for d in r1["devices"]) and len(r1["devices"]) == 3
+    for r in (r2, r3):
+        scored = [d["device"] for d in r["devices"] if "global_accuracy" in d]
+        assert len(scored) == 2 and set(scored) <= set(r["sampled"]) and len(r["sampled"]) == 3
+        assert 0 <= r["global_accuracy"] <= 1
+    summary = json.loads((tmp_path / "fleet-tiny" / "summary.json").read_text())
+    assert summary["final_accuracy"] == r3["global_accuracy"]
+    assert "round   1/3" in res.stdout and "global   n/a" in res.stdout
+    assert (tmp_path / "fleet-tiny" / "accuracy.png").stat().st_size > 1000
+
+
+def test_device_classes_set_each_devices_speed_uplink_and_availability(tmp_path):
+    """Two classes over 6 devices: "slow" (tier 2, 20 Mbit/s, online by a trace) and "fast" (tier 1, a
+    lognormal uplink, online half the rounds). Offline devices are never sampled, each device's upload
+    counts at its own uplink, and rows, summary.json and classes.png break results down per class."""
+    import yaml
+
+    from fleet.federated.classes import bandwidth_of, online
+    from fleet.federated.config import load_fleet_config
+
+    (tmp_path / "trace.yaml").write_text("period_s: 1000000\ndevices:\n  - [[0, 1000000]]\n  - [[0, 1]]\n")
+    classes = [
+        {"name": "slow", "share": 0.5, "tier": 2, "bandwidth_mbps": 20, "trace": str(tmp_path / "trace.yaml")},
+        {"name": "fast", "share": 0.5, "bandwidth_mbps": 100, "bandwidth_sigma": 0.5, "availability": 0.5},
+    ]
+    cfg = yaml.safe_load((ROOT / TINY).read_text())
+    cfg["federation"].update(num_devices=6, rounds=3, devices_per_round=3, device_classes=classes)
+    cfg["output_dir"] = str(tmp_path / "runs")
+    (tmp_path / "classes.yaml").write_text(yaml.safe_dump(cfg))
+    res = run_fleet(["simulate", str(tmp_path / "classes.yaml")])
+    assert res.returncode == 0, res.stdout[-3000:]
+    run = tmp_path / "runs" / "fleet-tiny"
+    eff = load_fleet_config(run / "fleet-config.yaml")
+    for r in read_metrics(run):
+        for d in r["devices"]:
+            pid = d["partition_id"]
+            assert online(eff, pid, r["round"], r["sim_time_s"] - r["round_time_s"]), (r["round"], d["device"])
+            assert d["class"] == ("slow" if d["tier"] == 2.0 else "fast")
+        offline = {
+            f"device-{p}" for p in range(6) if not online(eff, p, r["round"], r["sim_time_s"] - r["round_time_s"])
+        }
+        assert set(r["offline"]) == offline and not offline & set(r["sampled"])
+        assert r["round_time_s"] == pytest.approx(
+            max(
+                d["predicted_time_s"] + d["bytes_uploaded"] / bandwidth_of(eff, d["partition_id"]) for d in r["devices"]
+            )
+        )
+    summary = json.loads((run / "summary.json").read_text())
+    assert set(summary["classes"]) <= {"slow", "fast"} and summary["classes"]
+    for name, c in summary["classes"].items():
+        assert c["devices_trained"] >= 1 and c["speedup_mean"] > 0 and c["bytes_uploaded"] > 0, name
+    assert {d.get("class") for d in summary["devices"].values()} <= {"slow", "fast"}
+    assert (run / "classes.png").stat().st_size > 1000
+
+
 def test_device_roots_train_each_device_on_exactly_its_own_files(tmp_path):
     """data.device_roots: one folder per device, named for it (a natural split, as LEAF's per-writer
     FEMNIST); 2 of the 4 sampled per round, seeded; each trains and is evaluated on its own PNGs only."""

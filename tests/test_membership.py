@@ -133,3 +133,15 @@ def test_a_run_whose_rounds_trained_nobody_says_so(tmp_path):
         )
     summary = tracker.summary({"name": "x", "strategy": "fleet", "run_dir": str(tmp_path)})
     assert summary["rounds_without_training"] == [1] and summary["first_rejection"] == rejection["reason"]
+
+
+def test_a_round_evaluates_every_eval_every_rounds_and_always_last():
+    from fleet.federated.config import load_fleet_config
+    from server.server_app import evaluates
+
+    cfg = load_fleet_config(None, {"federation.rounds": 10, "federation.eval_every": 4})
+    assert [r for r in range(1, 11) if evaluates(cfg, r, 0.0)] == [4, 8, 10]
+    timed = load_fleet_config(
+        None, {"federation.rounds": 10, "federation.eval_every": 4, "federation.time_budget_s": 30}
+    )
+    assert not evaluates(timed, 5, 29.9) and evaluates(timed, 5, 30.0)  # the round that reaches the horizon is last

@@ -433,6 +433,7 @@ def plot_bench(report: dict, path: Path) -> Path:
     for ax, (seed, rep) in zip(axes.flat, seeds.items()):
         for method, entry in rep["methods"].items():
             history = json.loads((Path(entry["run_dir"]) / "summary.json").read_text())["history"]
+            history = [r for r in history if r["global_accuracy"] is not None]  # rounds without evaluation
             xs = [r["sim_time_s"] for r in history]
             ys = [100 * r["global_accuracy"] for r in history]
             sp = entry.get("speedup_vs_fedavg")

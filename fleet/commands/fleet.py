@@ -21,6 +21,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         ("rounds", "federation.rounds"),
         ("strategy", "federation.strategy"),
         ("output_dir", "output_dir"),
+        ("ray_address", "federation.ray_address"),
     ):
         value = getattr(args, flag, None)
         if value is not None:
@@ -39,6 +40,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int)
     p.add_argument("--strategy", help="fleet, naive or fedavg")
     p.add_argument("--resume", action="store_true", help="continue from runs/<name>/checkpoint.pt")
+    p.add_argument(
+        "--ray-address",
+        metavar="HOST:PORT",
+        help="run on this existing Ray cluster (`ray start --head` prints the address); default: a local Ray",
+    )
     p.add_argument(
         "--verbose",
         "-v",

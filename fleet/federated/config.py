@@ -8,6 +8,7 @@ and the benchmark. Every field is validated on load; a bad one raises
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +20,24 @@ from fleet.errors import ConfigError
 STRATEGIES = ("fleet", "naive", "fedavg")
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
 NORM_ACTIONS = ("clip", "reject")
+RAY_ADDRESS = re.compile(r"[A-Za-z0-9.\-]+:[0-9]{1,5}")  # host:port of a Ray head (its GCS)
 PARTITIONS = ("iid", "dirichlet", "shards")
 RUN_ONLY_KEYS = ("config", "resume", "simulation")  # run-config keys that are not fields of the YAML
 APP_ROOT = Path(__file__).resolve().parents[2]  # holds pyproject.toml and simulations/
+
+
+@dataclass
+class DeviceClassConfig:
+    """One kind of device in a simulated fleet (``federation.device_classes``; fleet/federated/classes.py)."""
+
+    name: str = "device"
+    share: float = 1.0  # of the fleet; the classes' shares sum to 1
+    tier: float = 1.0  # slow-down on train.profile: an assumption until someone profiles the hardware
+    profile: str | None = None  # a profile measured on this hardware (`fleet profile --out`): replaces tier
+    bandwidth_mbps: float = 100.0  # median uplink in Mbit/s
+    bandwidth_sigma: float = 0.0  # lognormal spread of the uplink over the class's devices; 0: all at the median
+    availability: float = 1.0  # per-round probability that a device of the class is online
+    trace: str | None = None  # online intervals instead (period_s, devices: [[[start, end], ...], ...])
 
 
 @dataclass
@@ -58,6 +74,9 @@ class FederationConfig:
     memory_budgets_mb: list[float] = field(
         default_factory=list
     )  # device i: [i % len] MB of activation memory, 0 = unlimited
+    # kinds of simulated devices, each a share of the fleet with its speed, uplink and availability; empty: tiers in
+    # turn, bandwidth_bytes_per_s, always online (simulations/fleet.yaml ships three example classes)
+    device_classes: list[DeviceClassConfig] = field(default_factory=list)
     bandwidth_bytes_per_s: float = 12.5e6  # uplink of a simulated device (100 Mbit/s Wi-Fi)
     min_rho_margin: float = 0.02  # rho is clamped to the device floor plus this
     timeout_s: float = 600.0  # bounds waiting for min_devices, and a simulated round (its wall time is not the clock's)
@@ -81,10 +100,16 @@ class FederationConfig:
     min_pull: float | None = -0.5
     max_samples_per_device: int = 100_000  # cap on a reply's sample weight (simulation: the device's data size)
     time_band: float = 4.0  # a reported full-round time is clamped to [known / band, known * band]
+    # Evaluation is a round trip to every evaluated device: at hundreds of devices, ask fewer, less often
+    eval_every: int = 1  # evaluate every this many rounds (and always the run's last round)
+    eval_devices: int | None = None  # evaluate a seeded sample of this many of the round's trained devices; null: all
     # also score the global model each round on the data's test split held by the server (data.test_per_class per
     # class; no device's data): balanced and low-noise, where the devices' small skewed splits are not. A deployed
     # server usually holds no data, hence off by default
     server_eval: bool = False
+    # simulation on an existing Ray cluster (host:port of its head, as `ray start --head` prints it); every
+    # machine of the cluster needs this repo and its venv at the same path, and the data. null: a local Ray
+    ray_address: str | None = None
     client_cpus: float = 1.0  # simulation: CPUs reserved per ClientApp
     client_threads: int = 1  # torch threads inside a ClientApp
     pretrained_samples: int = 0  # bench: samples held out from the devices to pretrain the start model
@@ -143,6 +168,12 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "federation.min_pull": (lambda v: v is None or v <= 0, "a number <= 0 (typical update lengths), or null"),
     "federation.max_samples_per_device": (lambda v: v >= 1, "an integer >= 1"),
     "federation.time_band": (lambda v: v >= 1, "a factor >= 1"),
+    "federation.ray_address": (
+        lambda v: v is None or RAY_ADDRESS.fullmatch(v) is not None,
+        "the Ray head's host:port, as `ray start --head` prints it (e.g. 192.168.1.10:6379), or null (a local Ray)",
+    ),
+    "federation.eval_every": (lambda v: v >= 1, "an integer >= 1 (rounds)"),
+    "federation.eval_devices": (lambda v: v is None or v >= 1, "an integer >= 1, or null (every trained device)"),
     "federation.client_cpus": (lambda v: v > 0, "a number > 0"),
     "federation.client_threads": (lambda v: v >= 1, "an integer >= 1"),
     "federation.pretrained_samples": (lambda v: v >= 0, "an integer >= 0"),
@@ -158,6 +189,9 @@ def _check_rules(cfg: FleetConfig) -> None:
         if path in RULES and not RULES[path][0](value):
             raise ConfigError(f"{path}: {value!r} is not allowed; use {RULES[path][1]}")
     fed = cfg.federation
+    from fleet.federated.classes import check_classes  # it reads this module's dataclasses
+
+    check_classes(cfg)
     if fed.window_blocks > fed.num_blocks:
         raise ConfigError(
             f"federation.window_blocks: {fed.window_blocks} exceeds federation.num_blocks={fed.num_blocks}; "

@@ -19,6 +19,7 @@ from fleet.device_profile import DeviceProfile
 from fleet.errors import ConfigError
 from fleet.experiment import check_profile, make_model, obtain_profile
 from fleet.federated import keys
+from fleet.federated.classes import class_of
 from fleet.federated.config import FleetConfig, resolve_path, run_dir
 from fleet.federated.owned import device_roots
 from fleet.memory.budgeted import MemoryBudget
@@ -39,6 +40,9 @@ def tier_of(cfg: FleetConfig, partition_id: int | None, node_config: dict[str, A
         return tier
     if partition_id is None:
         return 1.0
+    cls = class_of(cfg, partition_id)
+    if cls is not None:
+        return 1.0 if cls.profile is not None else cls.tier  # a class's own profile is its real speed
     tiers = cfg.federation.tiers
     return float(tiers[partition_id % len(tiers)])
 
@@ -92,6 +96,11 @@ def device_name_of(cfg: FleetConfig, node_config: dict[str, Any], partition_id: 
     return check_device_name(socket.gethostname(), "the host name (node config device-name unset)")
 
 
+def simulated_names(cfg: FleetConfig) -> dict[str, int]:
+    """Every simulated device's name and partition, as the devices name themselves."""
+    return {device_name_of(cfg, {}, pid): pid for pid in range(cfg.federation.num_devices)}
+
+
 def data_root_of(cfg: FleetConfig, node_config: dict[str, Any], partition_id: int | None) -> tuple[Path, str] | None:
     """Where the device's own files are, and the field that said so; None: a slice of the shared dataset."""
     if node_config.get(keys.NODE_DATA_ROOT):
@@ -108,17 +117,25 @@ def data_root_of(cfg: FleetConfig, node_config: dict[str, Any], partition_id: in
 
 
 def device_profile(
-    cfg: FleetConfig, model: nn.Module | None, node_config: dict[str, Any], state_dir: Path
+    cfg: FleetConfig,
+    model: nn.Module | None,
+    node_config: dict[str, Any],
+    state_dir: Path,
+    partition_id: int | None = None,
 ) -> DeviceProfile:
-    """This device's measured profile (node config ``profile`` or the config's), before its tier.
+    """This device's measured profile (node config ``profile``, its class's, or the config's), before its tier.
 
-    A device with neither measures itself once and keeps the result in its state directory.
+    A device with none measures itself once and keeps the result in its state directory.
     """
-    path = node_config.get(keys.NODE_PROFILE) or cfg.train.profile
+    cls = None if partition_id is None else class_of(cfg, partition_id)
+    class_profile = None if cls is None else cls.profile
+    path = node_config.get(keys.NODE_PROFILE) or class_profile or cfg.train.profile
     if path:
         base = DeviceProfile.load(resolve_path(str(path)))
         if model is not None:
             where = "node config profile" if node_config.get(keys.NODE_PROFILE) else "train.profile"
+            if not node_config.get(keys.NODE_PROFILE) and class_profile:
+                where = f"federation.device_classes ({cls.name})"
             check_profile(base, model, cfg.train.batch_size, cfg.data.input_size, f"profile {path} ({where})")
     else:
         if model is None:

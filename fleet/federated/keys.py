@@ -47,6 +47,7 @@ MEMORY_PEAK_BYTES = "memory-peak-bytes"  # measured activation peak (only under 
 MEMORY_ADDED_S = "memory-added-s"  # seconds the memory plan adds per step (only under a budget)
 GLOBAL_ACCURACY = "global-accuracy"  # the global model on the device's held-out split
 PERSONAL_ACCURACY = "personal-accuracy"  # the device's personalized model on the same split
+EVAL_TIME_S = "eval-time-s"  # wall time of the evaluation on the host (the scale bench's overhead ratio)
 
 # --- operator -> device: a SuperNode's --node-config ---------------------------------------
 NODE_PARTITION_ID = "partition-id"  # which slice of the shared dataset this device trains on (simulation-style)

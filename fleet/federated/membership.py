@@ -64,11 +64,14 @@ def benched(roster: Mapping[str, dict], connected: Iterable[str], max_missed: in
     return sorted(n for n, m in roster.items() if n in here and m["missed"] >= max_missed)
 
 
-def sample(nodes: list[str], k: int | None, seed: int, server_round: int) -> list[str]:
+TRAIN_STREAM, EVAL_STREAM = 13, 17  # independent seeded draws: who trains, and who of them is evaluated
+
+
+def sample(nodes: list[str], k: int | None, seed: int, server_round: int, stream: int = TRAIN_STREAM) -> list[str]:
     """Up to ``k`` of ``nodes`` (all when k is None or covers them), the same for the same seed and round."""
     if k is None or k >= len(nodes):
         return list(nodes)
-    rng = np.random.default_rng([seed, 13, server_round])
+    rng = np.random.default_rng([seed, stream, server_round])
     picked = rng.choice(len(nodes), size=k, replace=False)
     return [nodes[i] for i in sorted(picked)]
 
@@ -108,6 +111,7 @@ class Attendance:
     joined: list[str] = field(default_factory=list)
     refused: list[dict] = field(default_factory=list)  # {"node_id", "reason"}
     benched: list[str] = field(default_factory=list)
+    offline: list[str] = field(default_factory=list)  # simulated device classes: eligible, but not online
 
     def as_dict(self) -> dict:
         return {
@@ -117,4 +121,5 @@ class Attendance:
             "joined": self.joined,
             "refused": self.refused,
             "benched": self.benched,
+            "offline": self.offline,
         }

@@ -40,6 +40,7 @@ class RoundPlan:
     strategy: str  # fleet, naive or fedavg
     deadline_s: float  # <= 0: no deadline, train fully
     global_importance: dict[str, float] = field(default_factory=dict)
+    bandwidth_bytes_per_s: float | None = None  # the device's own uplink (its class); None: the fleet's
 
 
 @dataclass
@@ -73,9 +74,9 @@ def step_budget(cfg: FleetConfig, profile: DeviceProfile, round_budget_s: float)
     return max(per_step, floor)
 
 
-def tensor_upload_s(cfg: FleetConfig, params: list[torch.Tensor]) -> list[float]:
+def tensor_upload_s(params: list[torch.Tensor], bandwidth_bytes_per_s: float) -> list[float]:
     """Seconds to upload each trainable tensor over the device's uplink."""
-    return [p.numel() * p.element_size() / cfg.federation.bandwidth_bytes_per_s for p in params]
+    return [p.numel() * p.element_size() / bandwidth_bytes_per_s for p in params]
 
 
 def float_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -124,7 +125,8 @@ def round_budget(cfg: FleetConfig, trainer: Trainer, plan: RoundPlan) -> RoundBu
     if not fed.deadline_includes_upload:
         return RoundBudget(deadline, full, [0.0] * len(trainer.names), 0.0)
     buffers = sum(b.numel() * b.element_size() for b in float_buffers(trainer.model).values())
-    return RoundBudget(deadline, full, tensor_upload_s(cfg, trainer.params), buffers / fed.bandwidth_bytes_per_s)
+    bandwidth = plan.bandwidth_bytes_per_s or fed.bandwidth_bytes_per_s
+    return RoundBudget(deadline, full, tensor_upload_s(trainer.params, bandwidth), buffers / bandwidth)
 
 
 def round_trainer(

@@ -76,6 +76,7 @@ EVALUATE = {
     keys.NUM_EXAMPLES: Field(True, lo=0.0, lo_open=True),
     keys.GLOBAL_ACCURACY: FRACTION,
     keys.PERSONAL_ACCURACY: FRACTION,
+    keys.EVAL_TIME_S: Field(False, hi=1e6),
 }
 
 

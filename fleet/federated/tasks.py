@@ -10,6 +10,8 @@ message, so nothing in memory survives.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ from torch import nn
 from fleet.device_profile import DeviceProfile
 from fleet.experiment import make_model
 from fleet.federated import keys
+from fleet.federated.classes import bandwidth_of
 from fleet.federated.config import FleetConfig
 from fleet.federated.device import (
     data_root_of,
@@ -74,13 +77,18 @@ class Device:
 
     def profile(self, model: nn.Module | None = None) -> DeviceProfile:
         """Its measured profile times its tier (checked against ``model`` when given)."""
-        base = device_profile(self.cfg, model, self.node_config, self.state_dir)
+        base = device_profile(self.cfg, model, self.node_config, self.state_dir, self.partition_id)
         return base.scaled(tier_of(self.cfg, self.partition_id, self.node_config))
 
     def model(self, weights: Mapping[str, torch.Tensor]) -> nn.Module:
         model = make_model(self.cfg.model, self.cfg.train.seed)
         model.load_state_dict(weights, strict=True)
         return model
+
+    @property
+    def bandwidth(self) -> float:
+        """Its uplink in bytes/s: its class's (a simulated device), else the fleet's."""
+        return bandwidth_of(self.cfg, self.partition_id)
 
     def identity(self) -> dict[str, int]:
         """The partition a simulation-style device trains on, for its metrics (nothing for the others)."""
@@ -115,7 +123,7 @@ def round_plan(config: Mapping[str, Any], default_strategy: str) -> RoundPlan:
 def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> RoundResult:
     """Train elastically from the global ``weights`` within this device's budget; keep its state."""
     cfg = device.cfg
-    plan = round_plan(config, cfg.federation.strategy)
+    plan = dataclasses.replace(round_plan(config, cfg.federation.strategy), bandwidth_bytes_per_s=device.bandwidth)
     model = device.model(weights)
     profile = device.profile(model)
     budget_mb = memory_budget_of(cfg, device.partition_id, device.node_config, profile)
@@ -133,6 +141,7 @@ def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[s
 def evaluate(device: Device, weights: Mapping[str, torch.Tensor], run_tag: str | None) -> dict[str, float | int]:
     """Accuracy of the global model and of this device's personalized model on its held-out split."""
     cfg = device.cfg
+    started = time.perf_counter()
     data = device.data()
     model = device.model(weights)
     global_acc = accuracy(model, data.test, cfg.data.input_size)
@@ -146,4 +155,5 @@ def evaluate(device: Device, weights: Mapping[str, torch.Tensor], run_tag: str |
         keys.NUM_EXAMPLES: len(data.test),
         keys.GLOBAL_ACCURACY: global_acc,
         keys.PERSONAL_ACCURACY: personal_acc,
+        keys.EVAL_TIME_S: time.perf_counter() - started,
     }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +22,13 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 
 
-def round_time(devices: list[dict], bandwidth: float) -> float:
-    """The slowest device's simulated training time plus its upload time."""
-    return max((d[keys.PREDICTED_TIME_S] + d.get(keys.BYTES_UPLOADED, 0) / bandwidth for d in devices), default=0.0)
+def round_time(devices: list[dict], bandwidth: Callable[[str | None], float]) -> float:
+    """The slowest device's simulated training time plus its upload time over its own uplink
+    (``bandwidth`` of its name, in bytes/s)."""
+    return max(
+        (d[keys.PREDICTED_TIME_S] + d.get(keys.BYTES_UPLOADED, 0) / bandwidth(d.get("device")) for d in devices),
+        default=0.0,
+    )
 
 
 def device_key(row: dict) -> str:
@@ -41,7 +46,7 @@ def device_rows(train: list[dict], evaluation: list[dict]) -> list[dict]:
         by_name.setdefault(device_key(r), {}).update(r)
     for r in evaluation:
         row = by_name.setdefault(device_key(r), {})
-        shown = ("node_id", "device", keys.PARTITION_ID, keys.GLOBAL_ACCURACY, keys.PERSONAL_ACCURACY)
+        shown = ("node_id", "device", keys.PARTITION_ID, keys.GLOBAL_ACCURACY, keys.PERSONAL_ACCURACY, keys.EVAL_TIME_S)
         row.update({k: r[k] for k in shown if k in r})
         row["test-examples"] = r[keys.NUM_EXAMPLES]
     rows = []
@@ -142,8 +147,10 @@ class Tracker:
             "rejections": sum(len(r["rejections"]) for r in recs),
             "rounds_without_training": [r["round"] for r in recs if not any("speedup" in d for d in r["devices"])],
             "first_rejection": next((j["reason"] for r in recs for j in r["rejections"]), None),
+            "classes": class_summary(recs),
             "devices": {
                 name: {
+                    **({"class": rows[-1]["class"]} if "class" in rows[-1] else {}),
                     "tier": rows[-1]["tier"],
                     "rounds_trained": len(rows),
                     "speedup_mean": float(np.mean([r["speedup"] for r in rows])),
@@ -173,6 +180,34 @@ class Tracker:
         return summary
 
 
+def class_summary(records: list[dict]) -> dict[str, dict]:
+    """Per device class (federation.device_classes): what its devices' trained rounds did, and their
+    personalized accuracy when last evaluated; empty without classes."""
+    trained: dict[str, list[dict]] = {}
+    last_eval: dict[str, dict] = {}
+    for rec in records:
+        for d in rec["devices"]:
+            if "class" not in d:
+                continue
+            if "speedup" in d:
+                trained.setdefault(d["class"], []).append(d)
+            if "personal_accuracy" in d:
+                last_eval[device_key(d)] = d
+    out = {}
+    for cls, rows in sorted(trained.items()):
+        personal = [d["personal_accuracy"] for d in last_eval.values() if d["class"] == cls]
+        out[cls] = {
+            "devices_trained": len({device_key(d) for d in rows}),
+            "device_rounds": len(rows),
+            "speedup_mean": float(np.mean([d["speedup"] for d in rows])),
+            "trained_fraction_mean": float(np.mean([d["trained_fraction"] for d in rows])),
+            "round_time_s_mean": float(np.mean([d["predicted_time_s"] for d in rows])),
+            "bytes_uploaded": int(sum(d.get("bytes_uploaded", 0) for d in rows)),
+            "personalized_accuracy_mean": float(np.mean(personal)) if personal else None,
+        }
+    return out
+
+
 def progress_line(rec: dict, rounds: int) -> str:
     def pct(v):
         return f"{100 * v:5.1f}%" if isinstance(v, (int, float)) else "  n/a "
@@ -195,8 +230,9 @@ def _names(names: list[str]) -> str:
 def attendance_note(rec: dict) -> str:
     """Who missed, joined or was refused this round: said on the progress line only when it happened."""
     parts = [f"{key} {_names(rec[key])}" for key in ("missed", "joined") if rec.get(key)]
-    if rec.get("refused"):
-        parts.append(f"refused {len(rec['refused'])}")
+    for key in ("refused", "offline"):
+        if rec.get(key):
+            parts.append(f"{key} {len(rec[key])}")
     return ("  " + "  ".join(parts)) if parts else ""
 
 
@@ -210,12 +246,13 @@ def plot_run(out: Path, records: list[dict], title: str) -> list[Path]:
     if not records:
         return []
     rounds = [r["round"] for r in records]
-    sim = [r["sim_time_s"] for r in records]
-    g = [r["global_accuracy"] for r in records]
-    p = [r["personal_accuracy"] for r in records]
+    evaluated = [r for r in records if r["global_accuracy"] is not None]  # federation.eval_every skips rounds
+    sim = [r["sim_time_s"] for r in evaluated]
+    g = [r["global_accuracy"] for r in evaluated]
+    p = [r["personal_accuracy"] for r in evaluated]
     paths = []
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, x, label in ((axes[0], sim, "simulated time (s)"), (axes[1], rounds, "round")):
+    for ax, x, label in ((axes[0], sim, "simulated time (s)"), (axes[1], [r["round"] for r in evaluated], "round")):
         ax.plot(x, g, marker="o", label="global")
         ax.plot(x, p, marker="s", label="personalized (mean)")
         ax.set_xlabel(label)
@@ -245,4 +282,28 @@ def plot_run(out: Path, records: list[dict], title: str) -> list[Path]:
     paths.append(out / "devices.png")
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
+    classes = class_summary(records)
+    if classes:
+        paths.append(plot_classes(out / "classes.png", classes, title))
     return paths
+
+
+def plot_classes(path: Path, classes: dict[str, dict], title: str) -> Path:
+    """Per device class: mean speedup, trained fraction and personalized accuracy, side by side."""
+    import matplotlib.pyplot as plt
+
+    names = list(classes)
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    for ax, key, label in (
+        (axes[0], "speedup_mean", "speedup vs full training"),
+        (axes[1], "trained_fraction_mean", "trained fraction of weights"),
+        (axes[2], "personalized_accuracy_mean", "personalized accuracy (last evaluation)"),
+    ):
+        ax.bar(names, [classes[n][key] or 0.0 for n in names])
+        ax.set_title(label)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"{title}: per device class")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,110 @@
+"""Device classes: shares, speeds, uplinks and availability of a simulated fleet, and their bad input."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from fleet.errors import ConfigError
+from fleet.federated.classes import (
+    FleetClasses,
+    bandwidth_of,
+    class_counts,
+    class_of,
+    load_trace,
+    online,
+)
+from fleet.federated.config import load_fleet_config
+from fleet.federated.device import simulated_names, tier_of
+
+EXAMPLE = "simulations/classes.yaml"
+
+
+def fleet(classes: list[dict], num_devices: int = 20, **fed) -> object:
+    return load_fleet_config(None, {"federation.num_devices": num_devices, "federation.device_classes": classes, **fed})
+
+
+def test_shares_become_exact_counts_spread_over_the_fleet():
+    assert class_counts([0.5, 0.3, 0.2], 16) == [8, 5, 3] and class_counts([1 / 3] * 3, 8) == [3, 3, 2]
+    cfg = load_fleet_config(EXAMPLE)
+    names = [class_of(cfg, i).name for i in range(16)]
+    assert names.count("pi4-like") == 8 and names.count("pi5-like") == 5 and names.count("jetson-like") == 3
+    assert names[:8] != ["pi4-like"] * 8  # seeded spread, not blocks
+    assert names == [class_of(load_fleet_config(EXAMPLE), i).name for i in range(16)]  # the same everywhere
+    assert class_of(load_fleet_config(None), 0) is None  # no classes: tiers in turn, as before
+
+
+def test_a_class_sets_tier_bandwidth_and_availability():
+    cfg = fleet(
+        [
+            {"name": "slow", "share": 0.5, "tier": 8, "bandwidth_mbps": 20, "availability": 0.5},
+            {"name": "fast", "share": 0.5, "tier": 2, "bandwidth_mbps": 100, "bandwidth_sigma": 0.5},
+        ]
+    )
+    slow = [i for i in range(20) if class_of(cfg, i).name == "slow"]
+    fast = [i for i in range(20) if class_of(cfg, i).name == "fast"]
+    assert {tier_of(cfg, i, {}) for i in slow} == {8.0} and {tier_of(cfg, i, {}) for i in fast} == {2.0}
+    assert {bandwidth_of(cfg, i) for i in slow} == {20e6 / 8}  # no spread: every device at the median
+    spread = [bandwidth_of(cfg, i) * 8 / 1e6 for i in fast]
+    assert len(set(spread)) == len(fast) and 30 < math.exp(sum(map(math.log, spread)) / len(spread)) < 300
+    always = [online(cfg, i, r, 0.0) for i in fast for r in range(1, 21)]
+    assert all(always)
+    halves = [online(cfg, i, r, 0.0) for i in slow for r in range(1, 41)]
+    assert 0.35 < sum(halves) / len(halves) < 0.65  # availability 0.5, seeded per device and round
+    view = FleetClasses(cfg, simulated_names(cfg))
+    first_slow = f"device-{slow[0]}"
+    assert view.class_name(first_slow) == "slow" and view.bandwidth(first_slow) == 20e6 / 8
+    assert view.class_name("pi-in-the-field") is None and view.online("pi-in-the-field", 3, 0.0)  # deployment
+
+
+def test_a_trace_sets_who_is_online_by_the_simulated_clock(tmp_path):
+    trace = tmp_path / "trace.yaml"
+    trace.write_text("period_s: 100\ndevices:\n  - [[0, 50]]\n  - [[50, 100]]\n")
+    cfg = fleet([{"name": "traced", "share": 1.0, "trace": str(trace)}], num_devices=2)
+    assert [online(cfg, 0, 1, t) for t in (0, 49.9, 50, 120)] == [True, True, False, True]
+    assert [online(cfg, 1, 1, t) for t in (0, 49.9, 50, 199)] == [False, False, True, True]
+    assert load_trace(str(trace)).period_s == 100
+
+
+@pytest.mark.parametrize(
+    "classes, error",
+    [
+        (
+            [{"name": "a", "share": 0.5}, {"name": "b", "share": 0.4}],
+            "federation.device_classes: the shares sum to 0.9 (a 0.5, b 0.4); make them sum to 1",
+        ),
+        (
+            [{"name": "a", "share": 1.0, "profile": "/nonexistent/pi4.yaml"}],
+            "federation.device_classes (a): profile /nonexistent/pi4.yaml is not a file; measure one",
+        ),
+        (
+            [{"name": "a", "share": 0.5, "availability": 0}, {"name": "b", "share": 0.5, "availability": 0}],
+            "every class has availability 0, so no device is ever online",
+        ),
+        ([{"name": "a", "share": 1.0, "availability": 1.5}], "device_classes[0] (a).availability: 1.5 is not allowed"),
+        ([{"name": "a", "share": 1.0, "speed": 3}], "federation.device_classes[0].speed: unknown field"),
+        ([{"name": "a", "share": 0.5}, {"name": "a", "share": 0.5}], "class names repeat (a, a)"),
+    ],
+)
+def test_bad_classes_are_one_line_errors(classes, error):
+    with pytest.raises(ConfigError) as exc:
+        fleet(classes)
+    assert error in str(exc.value) and "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ("period_s: 0\ndevices: [[[0, 1]]]\n", "period_s 0 is not allowed"),
+        ("period_s: 10\ndevices: [[[5, 20]]]\n", "devices[0] has an interval outside"),
+        ("period_s: 10\ndevices: [[]]\n", "no device is ever online"),
+        ("period_s: 10\ndevices: [[[0, 'x']]]\n", "devices[0] must be a list of [start, end] pairs"),
+    ],
+)
+def test_bad_traces_are_one_line_errors(tmp_path, text, error):
+    trace = tmp_path / "t.yaml"
+    trace.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(error)):
+        fleet([{"name": "a", "share": 1.0, "trace": str(trace)}])

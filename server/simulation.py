@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from fleet.errors import FleetError
-from fleet.federated.config import APP_ROOT, FleetConfig, load_fleet_config, run_dir
+from fleet.federated.config import FleetConfig, load_fleet_config, run_dir
+from fleet.federated.paths import APP_ROOT
 from fleet.federated.prepare import prepare
 from fleet.federated.state import check_resumable
 from fleet.federated.tracking import SUMMARY_FILE

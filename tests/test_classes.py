@@ -8,12 +8,12 @@ import re
 import pytest
 
 from fleet.errors import ConfigError
+from fleet.federated.class_config import load_trace
 from fleet.federated.classes import (
     FleetClasses,
     bandwidth_of,
     class_counts,
     class_of,
-    load_trace,
     online,
 )
 from fleet.federated.config import load_fleet_config

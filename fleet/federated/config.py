@@ -16,6 +16,8 @@ from typing import Any
 
 from fleet.config import LABELS_RULE, ExperimentConfig, apply_overrides, build_dataclass, read_yaml_mapping
 from fleet.errors import ConfigError
+from fleet.federated.class_config import DeviceClassConfig, check_classes
+from fleet.federated.paths import resolve_path
 
 STRATEGIES = ("fleet", "naive", "fedavg")
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
@@ -23,21 +25,6 @@ NORM_ACTIONS = ("clip", "reject")
 RAY_ADDRESS = re.compile(r"[A-Za-z0-9.\-]+:[0-9]{1,5}")  # host:port of a Ray head (its GCS)
 PARTITIONS = ("iid", "dirichlet", "shards")
 RUN_ONLY_KEYS = ("config", "resume", "simulation")  # run-config keys that are not fields of the YAML
-APP_ROOT = Path(__file__).resolve().parents[2]  # holds pyproject.toml and simulations/
-
-
-@dataclass
-class DeviceClassConfig:
-    """One kind of device in a simulated fleet (``federation.device_classes``; fleet/federated/classes.py)."""
-
-    name: str = "device"
-    share: float = 1.0  # of the fleet; the classes' shares sum to 1
-    tier: float = 1.0  # slow-down on train.profile: an assumption until someone profiles the hardware
-    profile: str | None = None  # a profile measured on this hardware (`fleet profile --out`): replaces tier
-    bandwidth_mbps: float = 100.0  # median uplink in Mbit/s
-    bandwidth_sigma: float = 0.0  # lognormal spread of the uplink over the class's devices; 0: all at the median
-    availability: float = 1.0  # per-round probability that a device of the class is online
-    trace: str | None = None  # online intervals instead (period_s, devices: [[[start, end], ...], ...])
 
 
 @dataclass
@@ -189,9 +176,7 @@ def _check_rules(cfg: FleetConfig) -> None:
         if path in RULES and not RULES[path][0](value):
             raise ConfigError(f"{path}: {value!r} is not allowed; use {RULES[path][1]}")
     fed = cfg.federation
-    from fleet.federated.classes import check_classes  # it reads this module's dataclasses
-
-    check_classes(cfg)
+    check_classes(cfg.federation.device_classes)
     if fed.window_blocks > fed.num_blocks:
         raise ConfigError(
             f"federation.window_blocks: {fed.window_blocks} exceeds federation.num_blocks={fed.num_blocks}; "
@@ -210,14 +195,6 @@ def fleet_config_from_dict(data: dict | None, overrides: dict[str, Any] | None =
     cfg = build_dataclass(FleetConfig, data, "")
     _check_rules(cfg)
     return cfg
-
-
-def resolve_path(path: str | Path) -> Path:
-    """Relative config paths are looked up in the working directory, then the app root."""
-    p = Path(path).expanduser()
-    if p.is_absolute() or p.exists():
-        return p
-    return APP_ROOT / p
 
 
 def load_fleet_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> FleetConfig:

@@ -20,8 +20,9 @@ from fleet.errors import ConfigError
 from fleet.experiment import check_profile, make_model, obtain_profile
 from fleet.federated import keys
 from fleet.federated.classes import class_of
-from fleet.federated.config import FleetConfig, resolve_path, run_dir
+from fleet.federated.config import FleetConfig, run_dir
 from fleet.federated.owned import device_roots
+from fleet.federated.paths import resolve_path
 from fleet.memory.budgeted import MemoryBudget
 
 DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # safe as a file name and a plot label

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from fleet.data import norm_stats
 from fleet.errors import ConfigError, DataError
-from fleet.federated.config import FleetConfig, resolve_path
+from fleet.federated.config import FleetConfig
+from fleet.federated.paths import resolve_path
 from fleet.folders import OwnedData, load_owned
 
 

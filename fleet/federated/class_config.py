@@ -1,0 +1,105 @@
+"""The ``federation.device_classes`` section: its fields, its checks and its trace files.
+
+Kept apart from :mod:`fleet.federated.classes` (what a class means for a device, a pure function
+of the whole config) so that the config can check its classes when it is loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from fleet.config import read_yaml_mapping
+from fleet.errors import ConfigError
+from fleet.federated.paths import resolve_path
+
+
+@dataclass
+class DeviceClassConfig:
+    """One kind of device in a simulated fleet (``federation.device_classes``; fleet/federated/classes.py)."""
+
+    name: str = "device"
+    share: float = 1.0  # of the fleet; the classes' shares sum to 1
+    tier: float = 1.0  # slow-down on train.profile: an assumption until someone profiles the hardware
+    profile: str | None = None  # a profile measured on this hardware (`fleet profile --out`): replaces tier
+    bandwidth_mbps: float = 100.0  # median uplink in Mbit/s
+    bandwidth_sigma: float = 0.0  # lognormal spread of the uplink over the class's devices; 0: all at the median
+    availability: float = 1.0  # per-round probability that a device of the class is online
+    trace: str | None = None  # online intervals instead (period_s, devices: [[[start, end], ...], ...])
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Online intervals [start, end) in seconds, per device, repeating every ``period_s``; the device
+    with partition k follows ``devices[k % len]``."""
+
+    period_s: float
+    devices: tuple[tuple[tuple[float, float], ...], ...]
+
+    def online(self, index: int, t: float) -> bool:
+        intervals = self.devices[index % len(self.devices)]
+        phase = t % self.period_s
+        return any(start <= phase < end for start, end in intervals)
+
+
+@lru_cache(maxsize=16)
+def load_trace(path: str) -> Trace:
+    """A trace file: ``period_s`` and ``devices``, a list of per-device lists of [start, end] pairs."""
+    where = f"device_classes trace {path}"
+    data = read_yaml_mapping(resolve_path(path), shown=path)
+    period = data.get("period_s")
+    devices = data.get("devices")
+    if not isinstance(period, (int, float)) or isinstance(period, bool) or not period > 0:
+        raise ConfigError(f"{where}: period_s {period!r} is not allowed; use the trace's length in seconds (> 0)")
+    if not isinstance(devices, list) or not devices:
+        raise ConfigError(f"{where}: devices must be a non-empty list of per-device [[start, end], ...] lists")
+    parsed = []
+    for i, intervals in enumerate(devices):
+        try:
+            pairs = tuple((float(a), float(b)) for a, b in intervals)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: devices[{i}] must be a list of [start, end] pairs in seconds") from None
+        if any(not (0 <= a < b <= period) for a, b in pairs):
+            raise ConfigError(f"{where}: devices[{i}] has an interval outside 0 <= start < end <= period_s")
+        parsed.append(pairs)
+    if not any(parsed):
+        raise ConfigError(f"{where}: no device is ever online; give some device an online interval")
+    return Trace(float(period), tuple(parsed))
+
+
+def check_classes(classes: list[DeviceClassConfig]) -> None:
+    """One-line errors for classes that cannot describe a fleet."""
+    if not classes:
+        return
+    for i, c in enumerate(classes):
+        where = f"federation.device_classes[{i}] ({c.name})"
+        for field_name, ok, use in (
+            ("share", 0 < c.share <= 1, "a fraction of the fleet in (0, 1]"),
+            ("tier", c.tier > 0, "a slow-down factor > 0 (1 = as profiled)"),
+            ("bandwidth_mbps", c.bandwidth_mbps > 0, "a median uplink in Mbit/s > 0"),
+            ("bandwidth_sigma", 0 <= c.bandwidth_sigma <= 3, "a lognormal spread in [0, 3]"),
+            ("availability", 0 <= c.availability <= 1, "a per-round probability in [0, 1]"),
+        ):
+            if not ok:
+                raise ConfigError(f"{where}.{field_name}: {getattr(c, field_name)!r} is not allowed; use {use}")
+    total = sum(c.share for c in classes)
+    if abs(total - 1) > 1e-6:
+        shares = ", ".join(f"{c.name} {c.share:g}" for c in classes)
+        raise ConfigError(f"federation.device_classes: the shares sum to {total:g} ({shares}); make them sum to 1")
+    names = [c.name for c in classes]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"federation.device_classes: class names repeat ({', '.join(names)}); name each once")
+    for c in classes:
+        if c.profile is not None and not resolve_path(c.profile).is_file():
+            raise ConfigError(
+                f"federation.device_classes ({c.name}): profile {c.profile} is not a file; measure one on that "
+                f"hardware with `fleet profile --out {Path(c.profile).name}`, or give the class a tier instead"
+            )
+        if c.trace is not None:
+            load_trace(c.trace)
+    if all(c.trace is None and c.availability == 0 for c in classes):
+        raise ConfigError(
+            "federation.device_classes: every class has availability 0, so no device is ever online; "
+            "give some class an availability > 0"
+        )

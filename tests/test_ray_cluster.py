@@ -107,3 +107,15 @@ def test_a_simulation_runs_on_a_two_node_ray_cluster(tmp_path):
         for proc in (worker, head):
             if proc is not None:
                 stop_node(proc)
+        forget_cluster(port)
+
+
+def forget_cluster(port: int) -> None:
+    """Drop Ray's note of this cluster (`ray stop` would; killing the nodes does not), so that a later
+    `ray.init()` without an address on this machine does not try to join the dead cluster."""
+    note = Path("/tmp/ray/ray_current_cluster")
+    try:
+        if note.read_text().strip().endswith(f":{port}"):
+            note.unlink()
+    except OSError:
+        pass

@@ -199,9 +199,21 @@ class Trainer:
         return self.memory.runner(self.model) if self.memory is not None else contextlib.nullcontext()
 
     def shuffled_batches(self, data: ArrayDataset) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """One pass over ``data`` in this trainer's batch size and input size, shuffled by its generator."""
+        """One pass over ``data`` in this trainer's batch size and input size, shuffled by its generator.
+
+        A last batch of a single sample is left out of the pass (another sample each pass): BatchNorm
+        cannot train on one sample, and a device whose data size is one more than a multiple of the
+        batch size would fail its round on it."""
         opts = self.options
-        return batches(data, opts.batch_size, shuffle=True, generator=self.generator, input_size=opts.input_size)
+        single_last = len(data) > opts.batch_size and len(data) % opts.batch_size == 1
+        return batches(
+            data,
+            opts.batch_size,
+            shuffle=True,
+            generator=self.generator,
+            input_size=opts.input_size,
+            drop_last=single_last,
+        )
 
     def probe_batch(self, data: ArrayDataset) -> tuple[torch.Tensor, torch.Tensor]:
         """A freshly shuffled batch, so importance is not judged on the same images each time."""

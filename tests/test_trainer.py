@@ -177,3 +177,15 @@ def test_memory_budget_plans_per_selection_and_keeps_results(tmp_path, synthetic
     budgeted.train_step(x, y)
     assert len(budgeted.memory.plans) == 2
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # spill files are cleaned up
+
+
+def test_a_pass_leaves_out_a_last_batch_of_one_sample(synthetic, size_profile):
+    """BatchNorm cannot train on one sample: a device holding one more than a multiple of the batch size
+    trains its full batches and leaves a different sample out each pass, instead of failing its round."""
+    t = make(profile=size_profile)
+    data = synthetic[0].subset(list(range(2 * BATCH + 1)))
+    sizes = [len(y) for _, y in t.shuffled_batches(data)]
+    assert sizes == [BATCH, BATCH]
+    for x, y in t.shuffled_batches(data):
+        t.train_step(x, y)  # no "Expected more than 1 value per channel"
+    assert [len(y) for _, y in t.shuffled_batches(synthetic[0].subset(list(range(BATCH + 2))))] == [BATCH, 2]

@@ -26,6 +26,7 @@ class DeviceData:
     test: ArrayDataset
 
 
+MIN_PARTITION = 4  # a device holds out one test sample and trains on at least 2 (BatchNorm needs 2 per batch)
 _DATA: dict[str, tuple[ArrayDataset, ArrayDataset]] = {}  # a simulation actor serves many devices
 _OWNED: dict[str, DeviceData] = {}  # the last device-owned tree read in this process
 
@@ -47,7 +48,12 @@ def fleet_indices(cfg: FleetConfig, labels: np.ndarray) -> tuple[np.ndarray, lis
     pre = np.sort(pool[: fed.pretrained_samples])  # a start from other classes is held out from those alone
     rest = np.setdiff1d(order, pre)  # sorted
     parts = partition_indices(
-        labels[rest], fed.num_devices, fed.partition, alpha=fed.alpha, seed=cfg.train.seed, min_partition_size=2
+        labels[rest],
+        fed.num_devices,
+        fed.partition,
+        alpha=fed.alpha,
+        seed=cfg.train.seed,
+        min_partition_size=MIN_PARTITION,
     )
     parts = [rest[p] for p in parts]
     if fed.samples_per_device is not None:

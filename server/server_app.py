@@ -145,8 +145,9 @@ class TrainPhase:
 def train_phase(grid: Grid, ctx: RoundContext, arrays: dict[str, np.ndarray], server_round: int) -> TrainPhase:
     """Admit, sample, send the train messages, wait until they are in or the round closes, aggregate."""
     strategy, state, fed = ctx.strategy, ctx.strategy.state, ctx.cfg.federation
-    att = state.replies.attendance
+    att, t = state.replies.attendance, time.perf_counter()
     eligible = ctx.members.open_round(grid, server_round, fed.timeout_s)
+    t = state.replies.lap("open_s", t)
     online = [n for n in eligible if ctx.classes.online(state.roster[n]["name"], server_round, state.sim_time_s)]
     att.offline = [state.roster[n]["name"] for n in eligible if n not in online]
     nodes = sample(online, fed.devices_per_round, ctx.cfg.train.seed, server_round)
@@ -156,7 +157,10 @@ def train_phase(grid: Grid, ctx: RoundContext, arrays: dict[str, np.ndarray], se
     bound, eval_bound = round_bounds(ctx, deadline, nodes)
     record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
     messages = strategy.train_messages(server_round, record, [int(n) for n in nodes], deadline)
-    pulled = ctx.mailbox.collect(ctx.mailbox.push(messages, "train", server_round), bound, server_round, "train")
+    ids = ctx.mailbox.push(messages, "train", server_round)
+    t = state.replies.lap("push_train_s", t)
+    pulled = ctx.mailbox.collect(ids, bound, server_round, "train")
+    t = state.replies.lap("wait_train_s", t)
     replies = ctx.members.take(pulled, connected_nodes(grid), server_round)
     answered = sorted({str(m.metadata.src_node_id) for m in replies})
     att.missed = record_attendance(state.roster, nodes, answered)
@@ -165,6 +169,7 @@ def train_phase(grid: Grid, ctx: RoundContext, arrays: dict[str, np.ndarray], se
     new_record, _ = strategy.aggregate_train(server_round, replies)
     if new_record is not None:
         arrays, record = {k: a.numpy() for k, a in new_record.items()}, new_record
+    state.replies.lap("aggregate_s", t)
     ok = sorted({str(m.metadata.src_node_id) for m in replies if not m.has_error()})
     return TrainPhase(arrays, record, ok, deadline, bound, eval_bound)
 
@@ -199,9 +204,10 @@ def run_round(
     started = time.perf_counter()
     phase = train_phase(grid, ctx, arrays, server_round)
     rt = round_time(state.replies.train, ctx.classes.bandwidth)
-    accuracy = None
+    accuracy, t = None, time.perf_counter()
     if evaluates(ctx.cfg, server_round, state.sim_time_s + rt):
         accuracy = evaluate_phase(grid, ctx, phase, server_round)
+        state.replies.lap("evaluate_s", t)
     wall = time.perf_counter() - started
     state.finish_round(server_round, rt, wall)
     ctx.mailbox.forget_old(server_round)
@@ -211,7 +217,9 @@ def run_round(
         if ctx.classes.class_name(d.get("device")) is not None:
             d["class"] = ctx.classes.class_name(d.get("device"))
     if ctx.server_test is not None:
+        t = time.perf_counter()
         rec["server_accuracy"] = server_accuracy(ctx.cfg, phase.arrays, ctx.server_test)
+        state.replies.lap("server_eval_s", t)
     return phase.arrays, rec
 
 

@@ -44,7 +44,8 @@ def test_the_memory_watch_sees_a_process_session():
     time.sleep(2)
     watch.stop(thread)
     proc.wait()
-    assert watch.server >= 300 * 2**20 and watch.total >= watch.server  # its own peak, and the session's sum
+    assert watch.server >= 300 * 2**20  # its own peak (RSS)
+    assert 300 * 2**20 <= watch.total <= watch.server + 50 * 2**20  # the session's PSS: one process, its pages
     assert watch.worker == 0  # no ClientApp actor in that session
 
 
@@ -61,5 +62,5 @@ def test_the_scale_bench_prints_its_figures_for_each_fleet(tmp_path):
         assert f["rounds"] == 2 and "error" not in f
         assert f["wall_s_per_round"] > 0 and f["overhead_ratio"] >= 1.0 and f["sim_s_per_round"] > 0
         assert f["peak_rss_bytes"]["server"] > 100 * 2**20 and f["peak_rss_bytes"]["worker"] > 100 * 2**20
-        assert f["peak_rss_bytes"]["total"] >= f["peak_rss_bytes"]["server"] + f["peak_rss_bytes"]["worker"] / 2
+        assert f["peak_rss_bytes"]["total"] >= f["peak_rss_bytes"]["server"] / 2  # PSS: shared pages split
     assert (tmp_path / "scale.png").stat().st_size > 1000 and (tmp_path / "scale.json").is_file()

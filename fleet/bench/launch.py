@@ -45,8 +45,10 @@ class MemoryWatch:
     """Peak resident memory of one process session, sampled from /proc every ``interval_s``.
 
     ``server``: the driver's own peak (VmHWM); ``worker``: the largest ClientApp actor's peak;
-    ``total``: the largest sum of every process's current RSS at one sample (shared pages are
-    counted once per process, so this is an upper bound)."""
+    ``total``: the largest sum over the session's processes of their proportional set size (PSS)
+    at one sample. PSS splits a page shared by k processes (torch's libraries, Ray's object
+    store) k ways, so the sum is the memory the simulation really holds; summing RSS would count
+    every shared page once per process."""
 
     interval_s: float = 0.5
     server: int = 0
@@ -71,8 +73,8 @@ class MemoryWatch:
     def sample(self, session: int) -> None:
         total = 0
         for pid, status, cmdline in _session_processes(session):
-            rss, hwm = _kib(status, "VmRSS:") * 1024, _kib(status, "VmHWM:") * 1024
-            total += rss
+            hwm = _kib(status, "VmHWM:") * 1024
+            total += _pss(pid)
             if pid == session:
                 self.server = max(self.server, hwm)
             elif ACTOR in cmdline:
@@ -96,6 +98,14 @@ def _session_processes(session: int):
         except (OSError, ValueError, IndexError):
             continue  # gone between listing and reading
         yield int(entry.name), status, cmdline
+
+
+def _pss(pid: int) -> int:
+    """A process's proportional set size in bytes (0 when it is gone or unreadable)."""
+    try:
+        return _kib(Path(f"/proc/{pid}/smaps_rollup").read_text(), "Pss:") * 1024
+    except (OSError, ValueError):
+        return 0
 
 
 def _kib(status: str, key: str) -> int:

@@ -202,7 +202,31 @@ def load_fleet_config(path: str | Path | None, overrides: dict[str, Any] | None 
     return fleet_config_from_dict(data, overrides)
 
 
+_FROM_RUN_CONFIG: dict[tuple, FleetConfig] = {}  # a simulation worker reads the same run config for every message
+
+
 def config_from_run_config(run_config: dict[str, Any]) -> FleetConfig:
+    """The run's config, parsed once per process for the same run config and unchanged file (see
+    :func:`parse_run_config`). Nothing may change the returned config: it is shared."""
+    path = run_config.get("config") or None
+    stat = None
+    if path is not None:
+        try:
+            st = resolve_path(str(path)).stat()
+            stat = (st.st_mtime_ns, st.st_size)
+        except OSError:
+            stat = None  # parse_run_config names the missing file
+    key = (tuple(sorted((k, repr(v)) for k, v in run_config.items())), stat)
+    if stat is None or key not in _FROM_RUN_CONFIG:
+        cfg = parse_run_config(run_config)
+        if stat is None:
+            return cfg
+        _FROM_RUN_CONFIG.clear()
+        _FROM_RUN_CONFIG[key] = cfg
+    return _FROM_RUN_CONFIG[key]
+
+
+def parse_run_config(run_config: dict[str, Any]) -> FleetConfig:
     """Flower's run config (``[tool.flwr.app.config]`` plus ``--run-config``) to a validated config.
 
     ``config`` names the YAML file; every other key is a dotted override

@@ -39,6 +39,13 @@ class RoundReplies:
     senders: dict[str, int] = field(default_factory=dict)  # tensor -> devices that trained it this round
     attendance: Attendance = field(default_factory=Attendance)  # who was here, sampled, missed, joined
     defense: dict = field(default_factory=dict)  # what robust aggregation did: "capped" devices, "clipped" tensors
+    timings: dict[str, float] = field(default_factory=dict)  # the server's wall seconds per part of the round
+
+    def lap(self, key: str, started: float) -> float:
+        """Record the seconds since ``started`` under ``key``; returns now, the next part's start."""
+        now = time.perf_counter()
+        self.timings[key] = round(now - started, 4)
+        return now
 
 
 @dataclass

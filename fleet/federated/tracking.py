@@ -84,6 +84,7 @@ def round_record(
         "tensors_trained_by_nobody": sum(1 for k in param_names if k not in state.replies.senders),
         "rejections": [r.as_dict() for r in state.replies.rejections],
         "defense": state.replies.defense,
+        "server_s": state.replies.timings,  # the server's wall seconds per part of the round
         "devices": devices,
     }
 

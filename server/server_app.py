@@ -39,7 +39,7 @@ from fleet.federated.state import (
     load_checkpoint,
     save_checkpoint,
 )
-from fleet.federated.tracking import Tracker, plot_run, progress_line, round_record, round_time
+from fleet.federated.tracking import Tracker, plot_run, progress_line, round_record, round_speedup, round_time
 from server.mailbox import Mailbox
 from server.roster import Membership, connected_nodes, wait_for_devices
 from server.strategy import ElasticFedAvg
@@ -213,9 +213,12 @@ def run_round(
     ctx.mailbox.forget_old(server_round)
     rec = round_record(state, ctx.cfg.federation.strategy, phase.deadline_s, rt, accuracy, ctx.strategy.param_names)
     rec.update({"round_wall_s": wall, "wall_bound_s": phase.bound_s, **state.replies.attendance.as_dict()})
+    full_bytes = sum(a.nbytes for a in state.replies.sent.values() if a.dtype.kind == "f")
     for d in rec["devices"]:
         if ctx.classes.class_name(d.get("device")) is not None:
             d["class"] = ctx.classes.class_name(d.get("device"))
+        if "predicted_time_s" in d:
+            d["round_speedup"] = round_speedup(d, full_bytes, ctx.classes.bandwidth(d.get("device")))
     if ctx.server_test is not None:
         t = time.perf_counter()
         rec["server_accuracy"] = server_accuracy(ctx.cfg, phase.arrays, ctx.server_test)

@@ -304,3 +304,12 @@ def test_bad_federation_field_is_one_clear_line(data, field):
     with pytest.raises(ConfigError) as exc:
         fleet_config_from_dict(data)
     assert str(exc.value).startswith(field) and "\n" not in str(exc.value)
+
+
+def test_a_probe_is_skipped_when_it_would_cost_more_than_the_round_must_shed():
+    from fleet.federated.round import RoundBudget, probe_pays
+
+    nearly = RoundBudget(deadline_s=9.5, full_time_s=9.0, upload_s=[0.5, 0.5], buffers_s=0.1)  # 0.6 s short
+    assert not probe_pays(nearly, probe_s=1.8)  # a 2-step probe costs more than the whole cut
+    tight = RoundBudget(deadline_s=5.0, full_time_s=9.0, upload_s=[0.5, 0.5], buffers_s=0.1)  # 5.1 s short
+    assert probe_pays(tight, probe_s=1.8)

@@ -83,13 +83,16 @@ def summary_table(summary: dict) -> str:
         f"{100 * (summary['personalized_accuracy_mean'] or 0):.2f}%  p10 "
         f"{100 * (summary['personalized_accuracy_p10'] or 0):.2f}%"
         f"   uploaded {summary['bytes_uploaded'] / 1e6:.1f} MB   rejected replies {summary['rejections']}",
-        f"  {'device':>10} {'tier':>5} {'rounds':>6} {'rho':>6} {'speedup':>8} {'trained':>8} {'MB up':>8}",
+        f"  {'device':>10} {'class':>11} {'tier':>5} {'rounds':>6} {'rho':>6} {'compute':>8} {'round':>7} "
+        f"{'trained':>8} {'MB up':>8}",
     ]
     for name, d in summary["devices"].items():
         lines.append(
-            f"  {name:>10} {d['tier']:>4g}x {d['rounds_trained']:>6} {d['rho_mean']:>6.2f} {d['speedup_mean']:>7.2f}x "
+            f"  {name:>10} {d.get('class', '-'):>11} {d['tier']:>4g}x {d['rounds_trained']:>6} {d['rho_mean']:>6.2f} "
+            f"{d['speedup_mean']:>7.2f}x {d.get('round_speedup_mean', d['speedup_mean']):>6.2f}x "
             f"{100 * d['trained_fraction_mean']:>7.1f}% {d['bytes_uploaded'] / 1e6:>8.1f}"
         )
+    lines.append("  speedup over training fully: compute alone, and the whole round with the upload")
     lines.append(f"  metrics, summary, plots and Flower's log (flower.log): {summary['run_dir']}")
     return "\n".join(lines)
 

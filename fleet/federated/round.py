@@ -184,6 +184,15 @@ def round_policy(
     )
 
 
+def probe_pays(budget: RoundBudget, probe_s: float) -> bool:
+    """Whether an importance probe can pay for itself: only when the round must shed more time than the
+    probe costs. A device whose budget covers nearly everything (a fast one, short only of part of its
+    upload) would spend more on the probe than any selection saves, and end slower than training fully
+    (0.92x on the main job's probe rounds); it reuses its last importance instead."""
+    shortfall = budget.full_time_s + sum(budget.upload_s) + budget.buffers_s - budget.deadline_s
+    return shortfall > probe_s
+
+
 def select_for_round(
     cfg: FleetConfig, trainer: Trainer, train: ArrayDataset, plan: RoundPlan, prev_state: dict
 ) -> tuple[float, list[float], int]:
@@ -195,10 +204,14 @@ def select_for_round(
     if budget.trains_fully:  # the round's trainer starts with every tensor selected (method "full")
         return 0.0, importance, imp_round
     probe_cost = 0.0
-    if len(importance) != len(trainer.names) or plan.server_round - imp_round >= cfg.federation.importance_interval:
+    known = len(importance) == len(trainer.names)
+    due = not known or plan.server_round - imp_round >= cfg.federation.importance_interval
+    if due and probe_pays(budget, PROBE_STEPS * (trainer.profile.full_step_time + trainer.memory_added_s())):
         importance = trainer.probe_importance(trainer.probe_batch(train))
         imp_round = plan.server_round
         probe_cost = PROBE_STEPS * (trainer.profile.full_step_time + trainer.memory_added_s())
+    elif not known:
+        importance = [1.0] * len(trainer.names)  # no probe yet: the DP keeps as many tensors as fit
     trainer.reselect(importance=importance, policy=round_policy(cfg, trainer, plan, budget, probe_cost))
     return probe_cost, importance, imp_round
 

@@ -84,3 +84,11 @@ def require_counts(args: argparse.Namespace, *flags: str) -> None:
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')}: {value} is not allowed; use an integer >= 1")
+
+
+def set_overrides(args: argparse.Namespace) -> dict:
+    """A bench's ``--set FIELD=VALUE`` overrides, plus ``--output-dir`` when given."""
+    overrides = dict(parse_override(s) for s in args.set)
+    if args.output_dir is not None:
+        overrides["output_dir"] = args.output_dir
+    return overrides

@@ -37,13 +37,11 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> dict:
-    from fleet.config import parse_override
+    from fleet.commands.common import set_overrides
 
-    overrides = dict(parse_override(s) for s in args.set)
+    overrides = set_overrides(args)
     if args.aggregation is not None:
         overrides["federation.aggregation"] = args.aggregation
-    if args.output_dir is not None:
-        overrides["output_dir"] = args.output_dir
     return overrides
 
 

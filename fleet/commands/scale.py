@@ -26,13 +26,10 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
 
 def run_scale(args: argparse.Namespace) -> int:
     from fleet.bench.scale import bench_scale, parse_fleets, scale_table
-    from fleet.config import parse_override
+    from fleet.commands.common import set_overrides
 
-    overrides = dict(parse_override(s) for s in args.set)
-    if args.output_dir is not None:
-        overrides["output_dir"] = args.output_dir
     report = bench_scale(
-        args.config, overrides, fleets=parse_fleets(args.fleets), timeout_s=args.timeout_s, quiet=args.json
+        args.config, set_overrides(args), fleets=parse_fleets(args.fleets), timeout_s=args.timeout_s, quiet=args.json
     )
     print(json.dumps(report, indent=2) if args.json else scale_table(report))
     return 0

@@ -195,6 +195,18 @@ def evaluate_phase(grid: Grid, ctx: RoundContext, phase: TrainPhase, server_roun
     return None if accuracy is None else dict(accuracy)
 
 
+def annotate_devices(rows: list[dict], classes: FleetClasses, sent: dict[str, np.ndarray]) -> None:
+    """Each device row's class (simulated device classes) and round speedup (compute plus upload,
+    against training and uploading every tensor of ``sent``, the global arrays the round started from)."""
+    full_bytes = sum(a.nbytes for a in sent.values() if a.dtype.kind == "f")
+    for d in rows:
+        name = d.get("device")
+        if classes.class_name(name) is not None:
+            d["class"] = classes.class_name(name)
+        if "predicted_time_s" in d:
+            d["round_speedup"] = round_speedup(d, full_bytes, classes.bandwidth(name))
+
+
 def run_round(
     grid: Grid, ctx: RoundContext, arrays: dict[str, np.ndarray], server_round: int
 ) -> tuple[dict[str, np.ndarray], dict]:
@@ -213,12 +225,7 @@ def run_round(
     ctx.mailbox.forget_old(server_round)
     rec = round_record(state, ctx.cfg.federation.strategy, phase.deadline_s, rt, accuracy, ctx.strategy.param_names)
     rec.update({"round_wall_s": wall, "wall_bound_s": phase.bound_s, **state.replies.attendance.as_dict()})
-    full_bytes = sum(a.nbytes for a in state.replies.sent.values() if a.dtype.kind == "f")
-    for d in rec["devices"]:
-        if ctx.classes.class_name(d.get("device")) is not None:
-            d["class"] = ctx.classes.class_name(d.get("device"))
-        if "predicted_time_s" in d:
-            d["round_speedup"] = round_speedup(d, full_bytes, ctx.classes.bandwidth(d.get("device")))
+    annotate_devices(rec["devices"], ctx.classes, state.replies.sent)
     if ctx.server_test is not None:
         t = time.perf_counter()
         rec["server_accuracy"] = server_accuracy(ctx.cfg, phase.arrays, ctx.server_test)

@@ -307,7 +307,7 @@ def plot_classes(path: Path, classes: dict[str, dict], title: str) -> Path:
     names = list(classes)
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
     for ax, key, label in (
-        (axes[0], "speedup_mean", "speedup vs full training"),
+        (axes[0], "round_speedup_mean", "round speedup vs training fully"),
         (axes[1], "trained_fraction_mean", "trained fraction of weights"),
         (axes[2], "personalized_accuracy_mean", "personalized accuracy (last evaluation)"),
     ):

@@ -10,6 +10,7 @@ into the one :class:`~fleet.federated.state.ServerState` the round loop owns.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -236,7 +237,8 @@ class ElasticFedAvg(FedAvg):
         reply: pulling against the fleet (``pull`` below ``min_pull``) is rejected; oversized
         (above ``norm_bound`` x the others') is scaled down as a whole to their size, or rejected."""
         d = self.defense
-        screens = screen_devices(current, [a.arrays for a in accepted], self.param_names)
+        cap = d.norm_bound if d.norm_bound is not None else math.inf
+        screens = screen_devices(current, [a.arrays for a in accepted], self.param_names, size_cap=cap)
         record = self.state.replies.defense.setdefault("screen", {})
         kept = []
         for i, a in enumerate(accepted):

@@ -12,7 +12,7 @@ import pytest
 from flwr.app import Array
 
 from fleet.federated.membership import member
-from fleet.federated.robust import Defense, plausible_times, robust_average, update_limits
+from fleet.federated.robust import Defense, plausible_times, robust_average, screen_devices, update_limits
 from fleet.federated.schema import TRAIN, metric_problem
 from fleet.federated.state import ServerState
 from server.strategy import ElasticFedAvg
@@ -116,7 +116,7 @@ def test_a_device_is_judged_on_shared_tensors_and_the_verdict_covers_the_ones_it
     out = {k: a.numpy() for k, a in record.items()}
     rejected = s.state.replies.rejections
     assert [r.device for r in rejected] == ["pi-15"] and "pulls against the other devices'" in rejected[0].reason
-    assert "(-10.00 typical updates over 1 tensors" in rejected[0].reason
+    assert "(-3.00 typical updates over 1 tensors" in rejected[0].reason  # its size counts up to the bound
     # pi-14's whole update was scaled by 1/1000 (its ratio to the others on w), also on v that it alone sent
     assert s.state.replies.defense["scaled"] == {"pi-14": pytest.approx(1000.0)}
     np.testing.assert_allclose(out["v"], 1.0, rtol=1e-5)
@@ -188,3 +188,15 @@ def test_two_senders_take_the_smaller_step_per_coordinate():
         np.testing.assert_allclose(out["w"], honest_up)
     mean, _ = robust_average(cur, [({"w": honest_up}, 1.0), ({"w": flipped}, 1.0)], "mean")
     np.testing.assert_allclose(mean["w"], -honest_up)  # the plain mean is dragged backwards
+
+
+def test_a_huge_update_a_few_degrees_off_the_others_is_scaled_not_rejected():
+    """Late in training honest updates are nearly orthogonal; a x1000 update only slightly against the
+    others' median would read as pulling back by dozens of typical lengths. Its size counts only up to
+    the bound, so it is scaled down like any oversized update instead of rejected."""
+    ref = {"w": np.zeros(4, np.float32)}
+    honest_ones = [{"w": np.ones(4, np.float32)} for _ in range(3)]
+    huge = {"w": 1000 * np.array([1.0, -1.0, -1.0, 0.9], np.float32)}  # cosine -0.03 with the others
+    uncapped = screen_devices(ref, [*honest_ones, huge], ["w"])[3]
+    capped = screen_devices(ref, [*honest_ones, huge], ["w"], size_cap=3.0)[3]
+    assert uncapped.pull < -20 and -0.5 < capped.pull < 0 and capped.norm_ratio > 900

@@ -21,6 +21,7 @@ global model anywhere. Here, per tensor and over only the devices that trained i
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -91,7 +92,11 @@ class Screen:
 
 
 def screen_devices(
-    current: Mapping[str, np.ndarray], arrays: list[dict[str, np.ndarray]], names: list[str], peers: int = MIN_PEERS
+    current: Mapping[str, np.ndarray],
+    arrays: list[dict[str, np.ndarray]],
+    names: list[str],
+    peers: int = MIN_PEERS,
+    size_cap: float = math.inf,
 ) -> dict[int, Screen]:
     """Per device (index into ``arrays``): its update's size and direction against the others'.
 
@@ -104,7 +109,13 @@ def screen_devices(
     Direction is measured as *pull*, not cosine: honest non-IID updates are nearly orthogonal
     late in training (median cosines of -0.18..0.4 were measured on the robustness bench), so
     a cosine threshold rejects honest devices; honest pulls stayed in -0.2..0.5 typical update
-    lengths, a x-10 sign flip pulled back by 0.9-3.4 of them."""
+    lengths, a x-10 sign flip pulled back by 0.9-3.4 of them.
+
+    A pull counts the update's size only up to ``size_cap`` (the norm bound): an oversized update is
+    scaled down anyway, and a x1000 update in an honest direction, a few degrees off the others'
+    median late in training, would otherwise read as pulling back by dozens of typical lengths and be
+    rejected in the one round it is nearly orthogonal (which cost the robustness bench 7 points in
+    that round)."""
     ratios: dict[int, list[float]] = {}
     pulls: dict[int, list[float]] = {}
     for name in names:
@@ -123,7 +134,7 @@ def screen_devices(
             if typical > 0 and denom > 0:
                 ratio = float(norms[j]) / typical
                 ratios.setdefault(i, []).append(ratio)
-                pulls.setdefault(i, []).append(ratio * float(deltas[j] @ median) / denom)
+                pulls.setdefault(i, []).append(min(ratio, size_cap) * float(deltas[j] @ median) / denom)
     return {i: Screen(statistics.median(ratios[i]), statistics.median(pulls[i]), len(ratios[i])) for i in ratios}
 
 

@@ -235,8 +235,14 @@ class ElasticFedAvg(FedAvg):
     def _screen(self, server_round: int, accepted: list[Accepted], current: dict[str, np.ndarray]) -> list[Accepted]:
         """Each device judged on the tensors others trained too, the verdict applied to its whole
         reply: pulling against the fleet (``pull`` below ``min_pull``) is rejected; oversized
-        (above ``norm_bound`` x the others') is scaled down as a whole to their size, or rejected."""
+        (above ``norm_bound`` x the others') is scaled down as a whole to their size, or rejected,
+        and always rejected from a device caught pulling back in an earlier round (a suspect).
+
+        The suspects' memory is for late rounds: honest updates grow nearly orthogonal, so a
+        x-10 sign flip's pull, measured at most at the bound's size, can read as little as -0.2
+        and pass once, scaled down but still reversed; two such devices cost 4.8 points."""
         d = self.defense
+        suspects = self.state.suspects
         cap = d.norm_bound if d.norm_bound is not None else math.inf
         screens = screen_devices(current, [a.arrays for a in accepted], self.param_names, size_cap=cap)
         record = self.state.replies.defense.setdefault("screen", {})
@@ -245,11 +251,15 @@ class ElasticFedAvg(FedAvg):
             sc = screens.get(i)
             if sc is not None:
                 record[a.row["device"]] = sc.as_dict()
-            reason = None if sc is None else _screen_problem(sc, d)
+            name = a.row["device"]
+            reason = None if sc is None else _screen_problem(sc, d, suspects.get(name))
             if reason is not None:
+                suspects.setdefault(name, server_round)
                 self._reject(server_round, a.msg, reason)
                 continue
-            if sc is not None and d.norm_bound is not None and sc.norm_ratio > d.norm_bound:
+            if sc is not None and not _oversized(sc, d):
+                suspects.pop(name, None)  # back to an ordinary size: trusted again
+            if sc is not None and _oversized(sc, d):
                 # to a typical update's size, not to the bound: inflating an update past the bound buys nothing
                 a.arrays = scale_update(current, a.arrays, 1.0 / sc.norm_ratio, self.param_names)
                 self.state.replies.defense.setdefault("scaled", {})[a.row["device"]] = round(sc.norm_ratio, 3)
@@ -286,11 +296,17 @@ class ElasticFedAvg(FedAvg):
         return MetricRecord({key: weighted_mean(rows, key) for key in (keys.GLOBAL_ACCURACY, keys.PERSONAL_ACCURACY)})
 
 
-def _screen_problem(sc: Screen, d: Defense) -> str | None:
-    """Why a device's screen rejects its reply, or None."""
+def _oversized(sc: Screen, d: Defense) -> bool:
+    return d.norm_bound is not None and sc.norm_ratio > d.norm_bound
+
+
+def _screen_problem(sc: Screen, d: Defense, suspect_since: int | None = None) -> str | None:
+    """Why a device's screen rejects its reply, or None; ``suspect_since``: the round it was last
+    caught pulling back, if it was."""
     shared = f"over {sc.tensors} tensors other devices trained too"
     if d.min_pull is not None and sc.pull < d.min_pull:
         return f"its update pulls against the other devices' ({sc.pull:.2f} typical updates {shared})"
-    if d.norm_bound is not None and d.norm_action == "reject" and sc.norm_ratio > d.norm_bound:
-        return f"its update is {sc.norm_ratio:.1f}x the other devices' (median {shared}; bound {d.norm_bound:g})"
+    oversized = f"its update is {sc.norm_ratio:.1f}x the other devices' (median {shared}; bound {d.norm_bound:g})"
+    if _oversized(sc, d) and (d.norm_action == "reject" or suspect_since is not None):
+        return oversized + ("" if suspect_since is None else f", and it pulled back in round {suspect_since}")
     return None

@@ -200,3 +200,21 @@ def test_a_huge_update_a_few_degrees_off_the_others_is_scaled_not_rejected():
     uncapped = screen_devices(ref, [*honest_ones, huge], ["w"])[3]
     capped = screen_devices(ref, [*honest_ones, huge], ["w"], size_cap=3.0)[3]
     assert uncapped.pull < -20 and -0.5 < capped.pull < 0 and capped.norm_ratio > 900
+
+
+def test_a_device_caught_pulling_back_is_not_trusted_while_its_updates_stay_oversized():
+    s = strategy(norm_bound=3.0, min_pull=-0.5)
+    honest_ones = [honest(n, 1.0) for n in (11, 12, 13, 14)]
+    s.aggregate_train(1, [*honest_ones, honest(15, -10.0)])  # caught: pulls back by 3 typical updates
+    assert s.state.suspects == {"pi-15": 1}
+    for r, step in ((2, 10.0), (3, 1.0)):
+        s.state.replies = type(s.state.replies)(sent={k: v.copy() for k, v in GLOBAL.items()})
+        s.aggregate_train(r, [*[honest(n, 1.0) for n in (11, 12, 13, 14)], honest(15, step)])
+        rejected = [j.reason for j in s.state.replies.rejections]
+        if r == 2:  # oversized, though in the others' direction: a suspect is not scaled down but rejected
+            assert rejected == [
+                "its update is 10.0x the other devices' (median over 1 tensors other devices "
+                "trained too; bound 3), and it pulled back in round 1"
+            ]
+        else:  # an ordinary update again: accepted, and trusted from now on
+            assert rejected == [] and s.state.suspects == {}

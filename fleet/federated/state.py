@@ -58,6 +58,9 @@ class ServerState:
     run_tag: str = ""
     roster: Roster = field(default_factory=dict)  # node id -> member (fleet.federated.membership)
     global_importance: dict[str, float] = field(default_factory=dict)
+    # device name -> the round its update was rejected for pulling the model back: while its updates stay
+    # oversized it is not trusted again (an honest device is never oversized), back to ordinary size it is
+    suspects: dict[str, int] = field(default_factory=dict)
     replies: RoundReplies = field(default_factory=RoundReplies)
 
     def finish_round(self, server_round: int, round_time_s: float, wall_s: float) -> None:

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -64,3 +65,4 @@ def test_the_scale_bench_prints_its_figures_for_each_fleet(tmp_path):
         assert f["peak_rss_bytes"]["server"] > 100 * 2**20 and f["peak_rss_bytes"]["worker"] > 100 * 2**20
         assert f["peak_rss_bytes"]["total"] >= f["peak_rss_bytes"]["server"] / 2  # PSS: shared pages split
     assert (tmp_path / "scale.png").stat().st_size > 1000 and (tmp_path / "scale.json").is_file()
+    assert not any((Path(f["run_dir"]) / "devices").exists() for f in report["fleets"])  # state deleted: GBs

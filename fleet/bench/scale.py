@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -107,6 +108,7 @@ def run_size(path: str, common: dict, devices: int, per_round: int, timeout_s: f
     }
     if error is not None:
         entry["error"] = error
+    shutil.rmtree(run_dir(cfg) / "devices", ignore_errors=True)  # every device's state: 7 GB at 256 devices
     return entry
 
 

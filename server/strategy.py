@@ -238,9 +238,9 @@ class ElasticFedAvg(FedAvg):
         (above ``norm_bound`` x the others') is scaled down as a whole to their size, or rejected,
         and always rejected from a device caught pulling back in an earlier round (a suspect).
 
-        The suspects' memory is for late rounds: honest updates grow nearly orthogonal, so a
-        x-10 sign flip's pull, measured at most at the bound's size, can read as little as -0.2
-        and pass once, scaled down but still reversed; two such devices cost 4.8 points."""
+        The suspects' memory is for late rounds: honest updates grow nearly orthogonal, so an
+        amplified sign flip's pull, its size counted only up to the bound, can read small and pass,
+        scaled down but still reversed. An honest device is never oversized, so it never meets it."""
         d = self.defense
         suspects = self.state.suspects
         cap = d.norm_bound if d.norm_bound is not None else math.inf

@@ -83,7 +83,7 @@ class FederationConfig:
     norm_action: str = "clip"  # clip (scale it down to the bound) or reject the reply
     # a device whose update pulls against the others' median by more than this many typical update lengths (median
     # over the tensors it shares with at least 3 others) is rejected whole: the only guard for tensors that
-    # attackers alone trained. On the robustness bench honest pulls were -0.2..0.5, a x-10 sign flip's -0.9..-3.4
+    # attackers alone trained. Honest pulls stay well above it (docs/fleet.md: the measured ranges); null: off
     min_pull: float | None = -0.5
     max_samples_per_device: int = 100_000  # cap on a reply's sample weight (simulation: the device's data size)
     time_band: float = 4.0  # a reported full-round time is clamped to [known / band, known * band]

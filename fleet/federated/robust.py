@@ -107,15 +107,13 @@ def screen_devices(
     trainable tensors ``names`` count (normalization statistics are not steps).
 
     Direction is measured as *pull*, not cosine: honest non-IID updates are nearly orthogonal
-    late in training (median cosines of -0.18..0.4 were measured on the robustness bench), so
-    a cosine threshold rejects honest devices; honest pulls stayed in -0.2..0.5 typical update
-    lengths, a x-10 sign flip pulled back by 0.9-3.4 of them.
+    late in training, so a cosine threshold rejects honest devices, while a pull (the update's
+    length along the others' median, in typical update lengths) stays small for them and is
+    large and negative for an amplified sign flip (docs/fleet.md, robustness benchmark).
 
     A pull counts the update's size only up to ``size_cap`` (the norm bound): an oversized update is
-    scaled down anyway, and a x1000 update in an honest direction, a few degrees off the others'
-    median late in training, would otherwise read as pulling back by dozens of typical lengths and be
-    rejected in the one round it is nearly orthogonal (which cost the robustness bench 7 points in
-    that round)."""
+    scaled down anyway, and a huge update in an honest direction, a few degrees off the others'
+    median late in training, would otherwise read as pulling back by dozens of typical lengths."""
     ratios: dict[int, list[float]] = {}
     pulls: dict[int, list[float]] = {}
     for name in names:
@@ -143,9 +141,9 @@ SCREEN_COORDINATES = 4096  # a direction is judged on this many coordinates of a
 
 def _coordinates(size: int) -> np.ndarray:
     """The coordinates a tensor's directions are compared on: all of a small tensor, else a fixed
-    seeded sample. The leave-one-out medians cost (senders^2 x coordinates): on every coordinate of
-    16 full ResNet-18 replies they took 44 s a round; a cosine from 4,096 coordinates is within about
-    0.02 of the full one, and the norms (the sizes) are still taken in full."""
+    seeded sample. The leave-one-out medians cost senders^2 x coordinates, which on every coordinate
+    of a ResNet-18 outlasts the round; a cosine from 4,096 coordinates is within about 0.02 of the
+    full one, and the norms (the sizes) are still taken in full."""
     if size <= SCREEN_COORDINATES:
         return np.arange(size)
     return np.sort(np.random.default_rng([size, 31]).choice(size, SCREEN_COORDINATES, replace=False))
@@ -184,8 +182,7 @@ def robust_average(
         if count == 2:
             new[name] = _smaller_step(current[name], values[0], values[1])
             continue
-        # sorted in the tensors' own precision (5x faster than float64 on a ResNet-18: 0.6 s, not 3.5 s,
-        # for 8 replies), summed in float64
+        # sorted in the tensors' own precision (several times faster than float64), summed in float64
         stack = np.sort(np.stack(values), axis=0)
         if method == "median":
             agg = np.median(stack, axis=0)

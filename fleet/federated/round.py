@@ -187,8 +187,7 @@ def round_policy(
 def probe_pays(budget: RoundBudget, probe_s: float) -> bool:
     """Whether an importance probe can pay for itself: only when the round must shed more time than the
     probe costs. A device whose budget covers nearly everything (a fast one, short only of part of its
-    upload) would spend more on the probe than any selection saves, and end slower than training fully
-    (0.92x on the main job's probe rounds); it reuses its last importance instead."""
+    upload) would spend more on the probe than any selection saves; it reuses its last importance instead."""
     shortfall = budget.full_time_s + sum(budget.upload_s) + budget.buffers_s - budget.deadline_s
     return shortfall > probe_s
 

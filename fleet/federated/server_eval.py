@@ -1,8 +1,8 @@
 """The global model scored by the server on a balanced test set it holds.
 
 Devices score the global model on their own held-out splits: tens of samples each, with
-their label skew, so one round's figure moves by points from test noise alone (300
-samples at 80% have a standard error of 2.3 points). When the server holds the dataset,
+their label skew, so one round's figure moves by points from test noise alone (a few hundred
+samples give a standard error of about 2 points). When the server holds the dataset,
 as every simulation does, the data's own test split (``data.test_per_class`` per class,
 never part of any device's data or of pretraining) gives the global model a balanced,
 low-noise figure for benchmarks to compare. A deployed server usually holds no data, so

@@ -34,8 +34,8 @@ def round_time(devices: list[dict], bandwidth: Callable[[str | None], float]) ->
 def round_speedup(row: dict, full_bytes: int, bandwidth: float) -> float:
     """A device's whole round against training and uploading everything: (full compute + full upload) /
     (its compute + its upload). ``speedup`` compares compute alone, which hides what selection saves on
-    the uplink and what a probe costs: a fast device short only of part of its upload reads 0.92x there
-    (its probe), while its round, uploading 35 of 45 MB, was 1.18x shorter."""
+    the uplink: a fast device short only of part of its upload reads below 1x there (its probe), while
+    its round, uploading less, is shorter."""
     used = row["predicted_time_s"] + row.get("bytes_uploaded", 0) / bandwidth
     return (row["full_time_s"] + full_bytes / bandwidth) / used if used > 0 else 0.0
 

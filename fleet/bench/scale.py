@@ -11,8 +11,9 @@ actors and loads the data):
   training and evaluation seconds divided by the parallel ClientApp workers (median). 1.0 would
   mean the round is nothing but training and evaluation; the rest is messaging, process and
   state overhead;
-* ``peak_rss_bytes``: the driver's (ServerApp), the largest ClientApp worker's, and the largest
-  sum over all of the simulation's processes;
+* ``peak_rss_bytes``: the whole simulation's peak (the largest sum of its processes' proportional
+  set sizes), and ``peak_rss_bytes_by_process``: the driver's (ServerApp) and the largest ClientApp
+  worker's own peaks;
 * ``sim_s_per_round``: the simulated clock's advance per round (median).
 """
 
@@ -103,7 +104,8 @@ def run_size(path: str, common: dict, devices: int, per_round: int, timeout_s: f
         "workers": parallel,
         "run_wall_s": time.monotonic() - started,
         **round_figures(records, parallel),
-        "peak_rss_bytes": watch.as_dict(),
+        "peak_rss_bytes": watch.total,
+        "peak_rss_bytes_by_process": {"server": watch.server, "worker": watch.worker},
         "run_dir": str(run_dir(cfg)),
     }
     if error is not None:
@@ -150,8 +152,9 @@ def plot_scale(path: Path, fleets: list[dict]) -> Path:
     axes[0].plot(sizes, [f["wall_s_per_round"] or 0 for f in fleets], marker="o", label="wall s / round")
     axes[0].plot(sizes, [f["device_work_s_per_round"] or 0 for f in fleets], marker="s", label="device work s / round")
     axes[0].set_ylabel("seconds")
-    for key, label in (("total", "whole simulation"), ("server", "server (driver)"), ("worker", "largest worker")):
-        axes[1].plot(sizes, [f["peak_rss_bytes"][key] / 2**30 for f in fleets], marker="o", label=label)
+    axes[1].plot(sizes, [f["peak_rss_bytes"] / 2**30 for f in fleets], marker="o", label="whole simulation (PSS)")
+    for key, label in (("server", "server (driver)"), ("worker", "largest worker")):
+        axes[1].plot(sizes, [f["peak_rss_bytes_by_process"][key] / 2**30 for f in fleets], marker="o", label=label)
     axes[1].set_ylabel("peak resident memory (GiB)")
     for ax in axes:
         ax.set_xscale("log", base=2)
@@ -170,6 +173,6 @@ def scale_table(report: dict[str, Any]) -> str:
         wall, ratio, sim = f.get("wall_s_per_round"), f.get("overhead_ratio"), f.get("sim_s_per_round")
         lines.append(
             f"{f['devices']:>7} {f['per_round']:>7} {wall or 0:>10.1f} {ratio or 0:>8.2f} {sim or 0:>9.1f} "
-            f"{f['peak_rss_bytes']['total'] / 2**30:>8.2f}" + (f"  {f['error']}" if f.get("error") else "")
+            f"{f['peak_rss_bytes'] / 2**30:>8.2f}" + (f"  {f['error']}" if f.get("error") else "")
         )
     return "\n".join(lines)

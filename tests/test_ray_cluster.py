@@ -9,6 +9,7 @@ another Ray on this machine (`ray stop` would stop every one).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -96,7 +97,7 @@ def test_a_simulation_runs_on_a_two_node_ray_cluster(tmp_path):
         worker = start_node(["--address", address], tmp_path / "worker.log")
         wait_for_nodes(address, 2)
         overrides = {"output_dir": str(tmp_path / "runs"), "federation.ray_address": address}
-        res = run_bounded([sys.executable, "-c", SIMULATE_ON, TINY, __import__("json").dumps(overrides)], 420)
+        res = run_bounded([sys.executable, "-c", SIMULATE_ON, TINY, json.dumps(overrides)], 420)
         assert res.returncode == 0 and "rounds 2" in res.stdout, res.stdout[-3000:]
         nodes = (tmp_path / "runs" / "ray-nodes.txt").read_text().split()
         assert len(nodes) == 8  # 4 devices x 2 rounds

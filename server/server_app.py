@@ -201,8 +201,9 @@ def annotate_devices(rows: list[dict], classes: FleetClasses, sent: dict[str, np
     full_bytes = sum(a.nbytes for a in sent.values() if a.dtype.kind == "f")
     for d in rows:
         name = d.get("device")
-        if classes.class_name(name) is not None:
-            d["class"] = classes.class_name(name)
+        class_name = classes.class_name(name)
+        if class_name is not None:
+            d["class"] = class_name
         if "predicted_time_s" in d:
             d["round_speedup"] = round_speedup(d, full_bytes, classes.bandwidth(name))
 

@@ -113,8 +113,6 @@ def run_simulation(
     from flwr.supercore.telemetry import EventType
 
     fed = cfg.federation
-    if fed.ray_address is not None:
-        check_ray_reachable(fed.ray_address)
     run, fused = _flower_run(config_path, resume)
     backend = {
         "client_resources": {"num_cpus": fed.client_cpus, "num_gpus": 0.0},

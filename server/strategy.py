@@ -248,21 +248,22 @@ class ElasticFedAvg(FedAvg):
         record = self.state.replies.defense.setdefault("screen", {})
         kept = []
         for i, a in enumerate(accepted):
-            sc = screens.get(i)
-            if sc is not None:
-                record[a.row["device"]] = sc.as_dict()
-            name = a.row["device"]
-            reason = None if sc is None else _screen_problem(sc, d, suspects.get(name))
+            name, sc = a.row["device"], screens.get(i)
+            if sc is None:  # it shares no tensor with enough others to be judged
+                kept.append(a)
+                continue
+            record[name] = sc.as_dict()
+            reason = _screen_problem(sc, d, suspects.get(name))
             if reason is not None:
                 suspects.setdefault(name, server_round)
                 self._reject(server_round, a.msg, reason)
                 continue
-            if sc is not None and not _oversized(sc, d):
-                suspects.pop(name, None)  # back to an ordinary size: trusted again
-            if sc is not None and _oversized(sc, d):
+            if _oversized(sc, d):
                 # to a typical update's size, not to the bound: inflating an update past the bound buys nothing
                 a.arrays = scale_update(current, a.arrays, 1.0 / sc.norm_ratio, self.param_names)
-                self.state.replies.defense.setdefault("scaled", {})[a.row["device"]] = round(sc.norm_ratio, 3)
+                self.state.replies.defense.setdefault("scaled", {})[name] = round(sc.norm_ratio, 3)
+            else:
+                suspects.pop(name, None)  # back to an ordinary size: trusted again
             kept.append(a)
         return kept
 
@@ -301,8 +302,8 @@ def _oversized(sc: Screen, d: Defense) -> bool:
 
 
 def _screen_problem(sc: Screen, d: Defense, suspect_since: int | None = None) -> str | None:
-    """Why a device's screen rejects its reply, or None; ``suspect_since``: the round it was last
-    caught pulling back, if it was."""
+    """Why a device's screen rejects its reply, or None; ``suspect_since``: the round the screen first
+    rejected it, while it has stayed a suspect."""
     shared = f"over {sc.tensors} tensors other devices trained too"
     if d.min_pull is not None and sc.pull < d.min_pull:
         return f"its update pulls against the other devices' ({sc.pull:.2f} typical updates {shared})"

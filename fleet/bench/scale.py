@@ -60,23 +60,21 @@ def workers(client_cpus: float) -> int:
 
 
 def round_figures(records: list[dict], parallel: int) -> dict[str, Any]:
-    """Medians over the rounds after the first (all of them when there is only one)."""
+    """Medians over the rounds after the first (all of them when there is only one); None for a fleet
+    that recorded no round."""
     steady = records[1:] or records
-    if not steady:
-        return {"wall_s_per_round": None, "overhead_ratio": None, "sim_s_per_round": None}
-    ratios = []
-    for r in steady:
-        work = sum(d.get("measured_time_s", 0.0) + d.get("eval_time_s", 0.0) for d in r["devices"])
-        if work > 0:
-            ratios.append(r["round_wall_s"] / (work / parallel))
+    work = [sum(d.get("measured_time_s", 0.0) + d.get("eval_time_s", 0.0) for d in r["devices"]) for r in steady]
+    ratios = [r["round_wall_s"] / (w / parallel) for r, w in zip(steady, work) if w > 0]
+
+    def median(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
     return {
-        "first_round_wall_s": records[0]["round_wall_s"],
-        "wall_s_per_round": statistics.median(r["round_wall_s"] for r in steady),
-        "overhead_ratio": statistics.median(ratios) if ratios else None,
-        "sim_s_per_round": statistics.median(r["round_time_s"] for r in steady),
-        "device_work_s_per_round": statistics.median(
-            sum(d.get("measured_time_s", 0.0) + d.get("eval_time_s", 0.0) for d in r["devices"]) for r in steady
-        ),
+        "first_round_wall_s": records[0]["round_wall_s"] if records else None,
+        "wall_s_per_round": median([r["round_wall_s"] for r in steady]),
+        "overhead_ratio": median(ratios),
+        "sim_s_per_round": median([r["round_time_s"] for r in steady]),
+        "device_work_s_per_round": median(work),
     }
 
 

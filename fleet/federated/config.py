@@ -216,13 +216,12 @@ def config_from_run_config(run_config: dict[str, Any]) -> FleetConfig:
             stat = (st.st_mtime_ns, st.st_size)
         except OSError:
             stat = None  # parse_run_config names the missing file
+    if stat is None:
+        return parse_run_config(run_config)
     key = (tuple(sorted((k, repr(v)) for k, v in run_config.items())), stat)
-    if stat is None or key not in _FROM_RUN_CONFIG:
-        cfg = parse_run_config(run_config)
-        if stat is None:
-            return cfg
+    if key not in _FROM_RUN_CONFIG:
         _FROM_RUN_CONFIG.clear()
-        _FROM_RUN_CONFIG[key] = cfg
+        _FROM_RUN_CONFIG[key] = parse_run_config(run_config)
     return _FROM_RUN_CONFIG[key]
 
 

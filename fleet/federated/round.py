@@ -205,10 +205,11 @@ def select_for_round(
     probe_cost = 0.0
     known = len(importance) == len(trainer.names)
     due = not known or plan.server_round - imp_round >= cfg.federation.importance_interval
-    if due and probe_pays(budget, PROBE_STEPS * (trainer.profile.full_step_time + trainer.memory_added_s())):
+    probe_s = PROBE_STEPS * (trainer.profile.full_step_time + trainer.memory_added_s())
+    if due and probe_pays(budget, probe_s):
         importance = trainer.probe_importance(trainer.probe_batch(train))
         imp_round = plan.server_round
-        probe_cost = PROBE_STEPS * (trainer.profile.full_step_time + trainer.memory_added_s())
+        probe_cost = probe_s
     elif not known:
         importance = [1.0] * len(trainer.names)  # no probe yet: the DP keeps as many tensors as fit
     trainer.reselect(importance=importance, policy=round_policy(cfg, trainer, plan, budget, probe_cost))

@@ -163,11 +163,8 @@ class Tracker:
                     **({"class": rows[-1]["class"]} if "class" in rows[-1] else {}),
                     "tier": rows[-1]["tier"],
                     "rounds_trained": len(rows),
-                    "speedup_mean": float(np.mean([r["speedup"] for r in rows])),
-                    "round_speedup_mean": float(np.mean([r.get("round_speedup", r["speedup"]) for r in rows])),
-                    "trained_fraction_mean": float(np.mean([r["trained_fraction"] for r in rows])),
+                    **trained_means(rows),
                     "rho_mean": float(np.mean([r["rho"] for r in rows])),
-                    "bytes_uploaded": int(sum(r["bytes_uploaded"] for r in rows)),
                 }
                 for name, rows in sorted(per_device.items())
             },
@@ -191,6 +188,16 @@ class Tracker:
         return summary
 
 
+def trained_means(rows: list[dict]) -> dict:
+    """What trained rows (one device's, or one class's) did on average, and the bytes they uploaded."""
+    return {
+        "speedup_mean": float(np.mean([r["speedup"] for r in rows])),
+        "round_speedup_mean": float(np.mean([r.get("round_speedup", r["speedup"]) for r in rows])),
+        "trained_fraction_mean": float(np.mean([r["trained_fraction"] for r in rows])),
+        "bytes_uploaded": int(sum(r.get("bytes_uploaded", 0) for r in rows)),
+    }
+
+
 def class_summary(records: list[dict]) -> dict[str, dict]:
     """Per device class (federation.device_classes): what its devices' trained rounds did, and their
     personalized accuracy when last evaluated; empty without classes."""
@@ -210,11 +217,8 @@ def class_summary(records: list[dict]) -> dict[str, dict]:
         out[cls] = {
             "devices_trained": len({device_key(d) for d in rows}),
             "device_rounds": len(rows),
-            "speedup_mean": float(np.mean([d["speedup"] for d in rows])),
-            "round_speedup_mean": float(np.mean([d.get("round_speedup", d["speedup"]) for d in rows])),
-            "trained_fraction_mean": float(np.mean([d["trained_fraction"] for d in rows])),
+            **trained_means(rows),
             "round_time_s_mean": float(np.mean([d["predicted_time_s"] for d in rows])),
-            "bytes_uploaded": int(sum(d.get("bytes_uploaded", 0) for d in rows)),
             "personalized_accuracy_mean": float(np.mean(personal)) if personal else None,
         }
     return out

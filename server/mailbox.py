@@ -20,7 +20,8 @@ from flwr.serverapp import Grid
 
 log = logging.getLogger("fleet.server")
 
-POLL_S = 0.25  # between pulls: a reply is picked up within this of its arrival
+POLL_S = 0.1  # the longest pause between pulls: a reply is picked up within this of its arrival
+FIRST_POLL_S = 0.02  # the pause after a push or a reply, doubled while nothing comes, up to POLL_S
 FORGET_ROUNDS = 3  # a message unanswered this many rounds later is no longer pulled (a query is then sent again)
 
 
@@ -59,6 +60,7 @@ class Mailbox:
         end = time.monotonic() + max(0.0, timeout_s)
         replies: list[tuple[Sent, Message]] = []
         waiting = set(wait_for)
+        pause = FIRST_POLL_S  # replies come in bursts (a simulation's workers finish together): look again soon
         while True:
             for reply in self._pull():
                 msg_id = reply.metadata.reply_to_message_id
@@ -70,9 +72,11 @@ class Mailbox:
                     self._late(sent, server_round)
                     continue
                 replies.append((sent, reply))
+                pause = FIRST_POLL_S
             if not waiting or time.monotonic() >= end:
                 return replies
-            time.sleep(POLL_S)
+            time.sleep(min(pause, max(0.0, end - time.monotonic())))
+            pause = min(2 * pause, POLL_S)
 
     def _pull(self) -> list[Message]:
         if not self.sent:

@@ -313,3 +313,20 @@ def test_a_probe_is_skipped_when_it_would_cost_more_than_the_round_must_shed():
     assert not probe_pays(nearly, probe_s=1.8)  # a 2-step probe costs more than the whole cut
     tight = RoundBudget(deadline_s=5.0, full_time_s=9.0, upload_s=[0.5, 0.5], buffers_s=0.1)  # 5.1 s short
     assert probe_pays(tight, probe_s=1.8)
+
+
+def test_a_profile_file_is_read_once_per_process_until_it_changes(setup, tmp_path):
+    """A simulation worker serves every device's messages from one profile file: it is parsed and
+    checked once, and a rewritten file (a re-profiled device) is read again."""
+    from fleet.federated.device import device_profile
+
+    cfg, profile = setup
+    path = tmp_path / "profile.yaml"
+    profile.save(path)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, profile=str(path)))
+    model = make_model(cfg.model, 0)
+    first = device_profile(cfg, model, {}, tmp_path)
+    assert device_profile(cfg, model, {}, tmp_path) is first
+    dataclasses.replace(profile, t_fw=profile.t_fw * 3).save(path)
+    again = device_profile(cfg, model, {}, tmp_path)
+    assert again is not first and again.full_step_time > first.full_step_time

@@ -224,3 +224,23 @@ def test_model_meta_rebuilds_the_model() -> None:
         meta["name"], meta["num_classes"], in_channels=meta["in_channels"], small_input=meta["small_input"]
     )
     assert input_channels(model) == 1
+
+
+def test_a_model_with_given_weights_holds_them_exactly_and_trains(tmp_path) -> None:
+    """Built on the meta device: the configured start file is not read (here it does not exist) and
+    every tensor is the given one, cast to the model's dtype."""
+    from fleet.config import ModelConfig
+    from fleet.experiment import model_with_weights
+
+    source = build_model("resnet18", 10, in_channels=1, small_input=True)
+    weights = {k: v.clone().double() if v.is_floating_point() else v.clone() for k, v in source.state_dict().items()}
+    cfg = ModelConfig(name="resnet18", num_classes=10, in_channels=1, small_input=True, weights=str(tmp_path / "gone.pt"))
+    model = model_with_weights(cfg, weights)
+    for name, value in model.state_dict().items():
+        assert not value.is_meta and value.dtype == source.state_dict()[name].dtype
+        assert torch.equal(value, source.state_dict()[name])
+    assert all(p.requires_grad for p in model.parameters())
+    model(torch.randn(2, 1, 16, 16)).sum().backward()
+    assert model.fc.weight.grad is not None
+    with pytest.raises(RuntimeError, match="fc.weight"):
+        model_with_weights(cfg, {**weights, "fc.weight": torch.zeros(3, 3)})

@@ -218,3 +218,18 @@ def test_a_device_caught_pulling_back_is_not_trusted_while_its_updates_stay_over
             ]
         else:  # an ordinary update again: accepted, and trusted from now on
             assert rejected == [] and s.state.suspects == {}
+
+
+@pytest.mark.parametrize("senders", [3, 5, 8, 11])
+def test_trimmed_mean_is_the_mean_of_the_sorted_middle_over_many_tensors(senders):
+    """Tensors are aggregated on several threads: every one must still come out as its own sorted middle."""
+    rng = np.random.default_rng(senders)
+    cur = {f"t{i}": np.zeros((4, 7), np.float32) for i in range(12)}
+    ups = [({k: rng.normal(size=(4, 7)).astype(np.float32) for k in cur}, 1.0) for _ in range(senders)]
+    ups[0][0]["t3"][0, 0] = 3e38  # an outlier sorts to the end and is cut (or, with cut 0, counted)
+    out, senders_of = robust_average(cur, ups, "trimmed_mean", trim=0.25)
+    cut = int(np.floor(0.25 * senders))
+    for name in cur:
+        stack = np.sort(np.stack([u[name] for u, _ in ups]), axis=0)
+        np.testing.assert_allclose(out[name], stack[cut : senders - cut].mean(axis=0), rtol=1e-5, atol=1e-6)
+        assert out[name].dtype == np.float32 and senders_of[name] == senders

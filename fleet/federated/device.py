@@ -132,17 +132,39 @@ def device_profile(
     class_profile = None if cls is None else cls.profile
     path = node_config.get(keys.NODE_PROFILE) or class_profile or cfg.train.profile
     if path:
-        base = DeviceProfile.load(resolve_path(str(path)))
-        if model is not None:
-            where = "node config profile" if node_config.get(keys.NODE_PROFILE) else "train.profile"
-            if not node_config.get(keys.NODE_PROFILE) and class_profile:
-                where = f"federation.device_classes ({cls.name})"
-            check_profile(base, model, cfg.train.batch_size, cfg.data.input_size, f"profile {path} ({where})")
+        where = "node config profile" if node_config.get(keys.NODE_PROFILE) else "train.profile"
+        if not node_config.get(keys.NODE_PROFILE) and class_profile:
+            where = f"federation.device_classes ({cls.name})"
+        base = _checked_profile(resolve_path(str(path)), cfg, model, f"profile {path} ({where})")
     else:
         if model is None:
             model = make_model(cfg.model, cfg.train.seed)
         base = obtain_profile(cfg, model, state_dir / "device-profile.yaml", repeats=5, log=lambda s: None)
     return base
+
+
+_PROFILES: dict[tuple, DeviceProfile] = {}  # (file, its mtime and size, what it was checked against) -> profile
+
+
+def _checked_profile(path: Path, cfg: FleetConfig, model: nn.Module | None, source: str) -> DeviceProfile:
+    """The profile file, loaded and (with ``model``) checked against the model once per process while
+    the file is unchanged: a simulation worker serves every message of hundreds of devices from the
+    same file, and parsing and checking it again took about 60 ms of each. Callers must not change
+    the returned profile (``scaled`` makes a new one)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return DeviceProfile.load(path)  # names the missing file
+    checked = None if model is None else (repr(cfg.model), cfg.train.batch_size, cfg.data.input_size)
+    key = (str(path), st.st_mtime_ns, st.st_size, checked)
+    if key not in _PROFILES:
+        profile = DeviceProfile.load(path)
+        if model is not None:
+            check_profile(profile, model, cfg.train.batch_size, cfg.data.input_size, source)
+        if len(_PROFILES) >= 64:
+            _PROFILES.clear()
+        _PROFILES[key] = profile
+    return _PROFILES[key]
 
 
 def memory_budget_of(

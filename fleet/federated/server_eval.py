@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from fleet.data import ArrayDataset
-from fleet.experiment import make_model
+from fleet.experiment import model_with_weights
 from fleet.federated.config import FleetConfig
 from fleet.federated.split import datasets
 from fleet.trainer import accuracy
@@ -30,7 +30,6 @@ def server_test_set(cfg: FleetConfig) -> ArrayDataset:
 
 def server_accuracy(cfg: FleetConfig, arrays: Mapping[str, np.ndarray], test: ArrayDataset) -> float:
     """Top-1 accuracy of the global model ``arrays`` on ``test``."""
-    model = make_model(cfg.model, cfg.train.seed)
-    model.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}, strict=True)
+    model = model_with_weights(cfg.model, {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()})
     with torch.no_grad():
         return accuracy(model, test, cfg.data.input_size)

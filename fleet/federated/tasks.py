@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fleet.device_profile import DeviceProfile
-from fleet.experiment import make_model
+from fleet.experiment import model_with_weights
 from fleet.federated import keys
 from fleet.federated.classes import bandwidth_of
 from fleet.federated.config import FleetConfig
@@ -81,9 +81,8 @@ class Device:
         return base.scaled(tier_of(self.cfg, self.partition_id, self.node_config))
 
     def model(self, weights: Mapping[str, torch.Tensor]) -> nn.Module:
-        model = make_model(self.cfg.model, self.cfg.train.seed)
-        model.load_state_dict(weights, strict=True)
-        return model
+        """The model holding ``weights`` (the global model a message carries), which it takes over."""
+        return model_with_weights(self.cfg.model, weights)
 
     @property
     def bandwidth(self) -> float:

@@ -234,7 +234,8 @@ def test_a_model_with_given_weights_holds_them_exactly_and_trains(tmp_path) -> N
 
     source = build_model("resnet18", 10, in_channels=1, small_input=True)
     weights = {k: v.clone().double() if v.is_floating_point() else v.clone() for k, v in source.state_dict().items()}
-    cfg = ModelConfig(name="resnet18", num_classes=10, in_channels=1, small_input=True, weights=str(tmp_path / "gone.pt"))
+    gone = str(tmp_path / "gone.pt")
+    cfg = ModelConfig(name="resnet18", num_classes=10, in_channels=1, small_input=True, weights=gone)
     model = model_with_weights(cfg, weights)
     for name, value in model.state_dict().items():
         assert not value.is_meta and value.dtype == source.state_dict()[name].dtype

@@ -287,3 +287,29 @@ def test_bench_carries_elastic_runs_to_the_horizon_past_their_round_cap(tmp_path
         assert done["rounds"] > cap // 2  # ... only until the horizon was reached
     again = bench_fleet("simulations/fleet-tiny.yaml", overrides, quiet=True, reuse=("fedavg", "naive", "fleet"))
     assert again["methods"] == report["methods"]
+
+
+def test_device_classes_are_averaged_over_seeds_tabled_and_plotted(tmp_path):
+    """Each method's per-class figures (summary.json's classes) reach the report, its table and a plot."""
+    from fleet.bench.fleet import plot_bench_classes
+
+    def rep(speedup: float, classes: bool) -> dict:
+        entry = {k: 0.5 for k in ("final_accuracy", "personalized_accuracy_mean", "personalized_accuracy_p10")}
+        entry.update({"time_to_target_s": 1.0, "last_round_accuracy": 0.5, "bytes_uploaded": 1, "rounds": 1})
+        entry.update({"sim_time_s": 1.0, "speedup_vs_fedavg": 1.0})
+        figs = {"round_speedup_mean": speedup, "speedup_mean": 1.0, "trained_fraction_mean": 0.25}
+        figs["personalized_accuracy_mean"] = 0.8
+        entry["classes"] = {"pi4-like": figs, "jetson-like": dict(figs, round_speedup_mean=1.0)} if classes else {}
+        return {"methods": {m: dict(entry) for m in ("fedavg", "naive", "fleet")}}
+
+    out = combine({0: rep(6.0, True), 1: rep(4.0, True)})
+    assert out["fleet"]["classes"]["pi4-like"]["round_speedup_mean"] == pytest.approx(5.0)
+    assert out["fleet"]["classes"]["jetson-like"]["seeds"] == 2
+    assert combine({0: rep(6.0, False)})["fleet"]["classes"] == {}
+    report = {"methods": out, "seeds": [0, 1], "differences": {}}
+    report.update({k: "x" for k in ("final_accuracy_is", "late_accuracy_is", "time_mean_accuracy_is")})
+    report["target_fraction_of_fedavg_final"] = 0.95
+    table = bench_table(report)
+    assert "   fleet       pi4-like         5.00x           1.00x    0.250    80.0%" in table
+    path = plot_bench_classes(report, tmp_path / "classes.png")
+    assert path.stat().st_size > 5000

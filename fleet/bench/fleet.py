@@ -127,6 +127,7 @@ def method_entry(
         "bytes_uploaded": int(sum(r.get("bytes_uploaded", 0) for r in history)),
         "rounds": len(history),
         "sim_time_s": last.get("sim_time_s", 0.0),
+        "classes": summary.get("classes") or {},  # per device class, over the whole run (federation.device_classes)
         "run_dir": summary["run_dir"],
     }
 
@@ -168,8 +169,22 @@ def combine(seeds: dict[int, dict]) -> dict[str, dict]:
         if m != "fedavg":
             agg["speedup_vs_fedavg"] = _mean([e["speedup_vs_fedavg"] for e in entries])
             agg["speedup_per_seed"] = [e["speedup_vs_fedavg"] for e in entries]
+        agg["classes"] = combine_classes([e.get("classes") or {} for e in entries])
         out[m] = agg
     return out
+
+
+CLASS_FIGURES = ("round_speedup_mean", "speedup_mean", "trained_fraction_mean", "personalized_accuracy_mean")
+
+
+def combine_classes(per_seed: list[dict[str, dict]]) -> dict[str, dict]:
+    """Each device class's figures averaged over the seeds that had it (empty without classes)."""
+    names = sorted({c for classes in per_seed for c in classes})
+    return {
+        c: {k: _mean([s[c].get(k) for s in per_seed if c in s]) for k in CLASS_FIGURES}
+        | {"seeds": sum(c in s for s in per_seed)}
+        for c in names
+    }
 
 
 # Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom; beyond 30, the normal's.
@@ -412,6 +427,8 @@ def bench_fleet(
     out = Path(base.output_dir) / f"{base.name}-bench.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     report["plot"] = str(plot_bench(report, out.with_suffix(".png")))
+    if any(entry["classes"] for entry in report["methods"].values()):
+        report["class_plot"] = str(plot_bench_classes(report, out.with_name(f"{out.stem}-classes.png")))
     out.write_text(json.dumps(report, indent=2))
     return report
 
@@ -462,6 +479,58 @@ def plot_bench(report: dict, path: Path) -> Path:
     return path
 
 
+def plot_bench_classes(report: dict, path: Path) -> Path:
+    """Per device class, each method side by side: round speedup, trained fraction and personalized
+    accuracy (means over the seeds): what each kind of device gets from each method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = report["methods"]
+    names = sorted({c for entry in methods.values() for c in entry["classes"]})
+    width = 0.8 / len(methods)
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, key, title in (
+        (axes[0], "round_speedup_mean", "round speedup vs training fully (compute + upload)"),
+        (axes[1], "trained_fraction_mean", "trained fraction of weights"),
+        (axes[2], "personalized_accuracy_mean", "personalized accuracy (last evaluation)"),
+    ):
+        for i, (method, entry) in enumerate(methods.items()):
+            values = [(entry["classes"].get(c) or {}).get(key) or 0.0 for c in names]
+            ax.bar([j + i * width for j in range(len(names))], values, width, label=method)
+        ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(names))], names)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"per device class, mean over seeds {report['seeds']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def class_table(report: dict) -> list[str]:
+    """One line per method and device class (none without classes)."""
+    rows = [(m, c, f) for m, entry in report["methods"].items() for c, f in entry.get("classes", {}).items()]
+    if not rows:
+        return []
+
+    def num(v: float | None, fmt: str, scale: float = 1.0, unit: str = "") -> str:
+        return format(scale * v, fmt) + unit if v is not None else "n/a"
+
+    lines = [
+        f"{'method':>8} {'class':>14} {'round speedup':>13} {'compute speedup':>15} {'trained':>8} {'pers acc':>8}"
+    ]
+    for m, c, f in rows:
+        lines.append(
+            f"{m:>8} {c:>14} {num(f['round_speedup_mean'], '.2f', unit='x'):>13} "
+            f"{num(f['speedup_mean'], '.2f', unit='x'):>15} {num(f['trained_fraction_mean'], '.3f'):>8} "
+            f"{num(f['personalized_accuracy_mean'], '.1f', 100, '%'):>8}"
+        )
+    return lines
+
+
 def bench_table(report: dict) -> str:
     def pct(v):
         return f"{100 * v:6.2f}%" if v is not None else "   n/a "
@@ -499,4 +568,4 @@ def bench_table(report: dict) -> str:
             f"{pair:>13}: final {gap(figs.get('final_accuracy'))}, late {gap(figs.get('late_accuracy'))}, "
             f"time mean {gap(figs.get('time_mean_accuracy'))}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + class_table(report))

@@ -47,6 +47,9 @@ class FederationConfig:
         True  # the deadline bounds compute + upload; each tensor's upload is charged to the device's budget
     )
     importance_interval: int = 2  # re-probe local importance every this many rounds (DP runs every round)
+    # skip a due probe that costs more than the round must shed (a device whose budget covers nearly everything);
+    # false: probe whenever due, as ElasticTrainer does (docs/fleet.md, "The probe rule, measured")
+    probe_only_when_it_pays: bool = True
     # FedEL sliding block window with rollback (fleet strategy only); off by default: it never lifted the
     # benchmark's accuracy (docs/fleet.md)
     window: bool = False

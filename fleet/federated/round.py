@@ -206,7 +206,7 @@ def select_for_round(
     known = len(importance) == len(trainer.names)
     due = not known or plan.server_round - imp_round >= cfg.federation.importance_interval
     probe_s = PROBE_STEPS * (trainer.profile.full_step_time + trainer.memory_added_s())
-    if due and probe_pays(budget, probe_s):
+    if due and (probe_pays(budget, probe_s) or not cfg.federation.probe_only_when_it_pays):
         importance = trainer.probe_importance(trainer.probe_batch(train))
         imp_round = plan.server_round
         probe_cost = probe_s

@@ -18,6 +18,7 @@ from fleet.config import LABELS_RULE, ExperimentConfig, apply_overrides, build_d
 from fleet.errors import ConfigError
 from fleet.federated.class_config import DeviceClassConfig, check_classes
 from fleet.federated.paths import resolve_path
+from fleet.shift import ShiftConfig
 
 STRATEGIES = ("fleet", "naive", "fedavg")
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
@@ -100,6 +101,9 @@ class FederationConfig:
     # simulation on an existing Ray cluster (host:port of its head, as `ray start --head` prints it); every
     # machine of the cluster needs this repo and its venv at the same path, and the data. null: a local Ray
     ray_address: str | None = None
+    # devices whose inputs differ, not only their label mix: each simulated device's images (and optionally
+    # labels) go through its own fixed transform, in training and in its held-out split alike (fleet/shift.py)
+    shift: ShiftConfig = field(default_factory=ShiftConfig)
     client_cpus: float = 1.0  # simulation: CPUs reserved per ClientApp
     client_threads: int = 1  # torch threads inside a ClientApp
     pretrained_samples: int = 0  # bench: samples held out from the devices to pretrain the start model
@@ -180,6 +184,7 @@ def _check_rules(cfg: FleetConfig) -> None:
             raise ConfigError(f"{path}: {value!r} is not allowed; use {RULES[path][1]}")
     fed = cfg.federation
     check_classes(cfg.federation.device_classes)
+    _check_shift(cfg)
     if fed.window_blocks > fed.num_blocks:
         raise ConfigError(
             f"federation.window_blocks: {fed.window_blocks} exceeds federation.num_blocks={fed.num_blocks}; "
@@ -190,6 +195,33 @@ def _check_rules(cfg: FleetConfig) -> None:
             f"federation.pretrain_classes: label {max(fed.pretrain_classes)} is not below "
             f"model.num_classes={cfg.model.num_classes}; "
             "use labels of the model's classes"
+        )
+
+
+SHIFT_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
+    "rotation_deg": (lambda v: 0 <= v <= 180, "an angle in degrees in [0, 180]"),
+    "brightness": (lambda v: 0 <= v < 1, "a number in [0, 1): factors spread over [1 - b, 1 + b]"),
+    "contrast": (lambda v: 0 <= v < 1, "a number in [0, 1): factors spread over [1 - c, 1 + c]"),
+    "domains": (lambda v: v is None or v >= 1, "an integer >= 1, or null (every device its own domain)"),
+}
+
+
+def _check_shift(cfg: FleetConfig) -> None:
+    """The shift's own fields, and whether the data can take it: it transforms slices of a shared dataset,
+    and brightness and contrast need grey or colour images."""
+    shift = cfg.federation.shift
+    for name, (ok, allowed) in SHIFT_RULES.items():
+        if not ok(getattr(shift, name)):
+            raise ConfigError(f"federation.shift.{name}: {getattr(shift, name)!r} is not allowed; use {allowed}")
+    if shift.active and cfg.data.device_roots is not None:
+        raise ConfigError(
+            "federation.shift: the devices read their own folders (data.device_roots), which are already their own "
+            "domains; drop federation.shift, or simulate with a shared dataset split across devices"
+        )
+    if (shift.brightness or shift.contrast) and cfg.model.in_channels not in (1, 3):
+        raise ConfigError(
+            f"federation.shift: brightness and contrast need 1- or 3-channel images, and this data has "
+            f"{cfg.model.in_channels} (model.in_channels); use rotation_deg or label_permutation only"
         )
 
 

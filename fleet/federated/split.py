@@ -14,10 +14,12 @@ from pathlib import Path
 import numpy as np
 
 from fleet.data import ArrayDataset, class_dirs, image_files
+from fleet.errors import ConfigError
 from fleet.experiment import load_data
 from fleet.federated.config import FleetConfig
 from fleet.federated.owned import device_roots, owned_data
 from fleet.partition import partition_indices, split_train_test
+from fleet.shift import device_shift, shift_dataset
 
 
 @dataclass
@@ -67,12 +69,22 @@ def device_data(cfg: FleetConfig, partition_id: int) -> DeviceData:
     train, _ = datasets(cfg)
     _, parts = fleet_indices(cfg, train.labels.numpy())
     tr, te = split_train_test(parts[partition_id], cfg.federation.test_fraction, seed=cfg.train.seed + partition_id)
-    return DeviceData(train.subset(tr), train.subset(te))
+    data = DeviceData(train.subset(tr), train.subset(te))
+    fed = cfg.federation
+    if not fed.shift.active:
+        return data
+    shift = device_shift(fed.shift, partition_id, fed.num_devices, cfg.model.num_classes, cfg.train.seed)
+    return DeviceData(shift_dataset(data.train, shift), shift_dataset(data.test, shift))
 
 
 def own_device_data(cfg: FleetConfig, root: Path, field: str) -> DeviceData:
     """A device's own files (its ImageFolder tree) and the split it holds out of them; read once per
     process for consecutive messages to the same device."""
+    if cfg.federation.shift.active:
+        raise ConfigError(
+            f"federation.shift: this device reads its own files ({field} {root}), which are already its own "
+            "domain; drop federation.shift from the fleet's config"
+        )
     key = repr((str(root), cfg.data, cfg.model.in_channels, cfg.federation.test_fraction, cfg.train.seed))
     if key not in _OWNED:
         _OWNED.clear()

@@ -28,6 +28,7 @@ from fleet.federated.classes import FleetClasses
 from fleet.federated.config import FleetConfig, config_from_run_config, run_dir
 from fleet.federated.device import simulated_names
 from fleet.federated.membership import EVAL_STREAM, full_times, name_of, record_attendance, sample
+from fleet.federated.personal import personal_names
 from fleet.federated.robust import Defense
 from fleet.federated.server_eval import server_accuracy, server_test_set
 from fleet.federated.split import known_data_sizes
@@ -97,7 +98,8 @@ def make_strategy(
         time_band=fed.time_band,
         sample_caps=known_data_sizes(cfg) if simulated else {},  # a simulation knows every device's data
     )
-    full_bytes = sum(a.nbytes for a in arrays.values() if a.dtype.kind == "f")
+    personal = personal_names(make_model(cfg.model, cfg.train.seed), fed.personal)
+    full_bytes = shared_bytes(arrays, personal)
     full_upload_s = full_bytes / fed.bandwidth_bytes_per_s
     upload_s_of = None  # device classes: each device's full upload over its own uplink sets its full round
     if classes is not None and classes.partitions and fed.device_classes and fed.deadline_includes_upload:
@@ -113,7 +115,13 @@ def make_strategy(
         blend=fed.strategy == "fleet" and fed.blend_beta is not None,
         defense=defense,
         upload_s_of=upload_s_of,
+        personal=personal,
     )
+
+
+def shared_bytes(arrays: dict[str, np.ndarray], personal: frozenset[str]) -> int:
+    """Bytes of a full upload: every float tensor but the personal ones, which never leave a device."""
+    return sum(a.nbytes for name, a in arrays.items() if a.dtype.kind == "f" and name not in personal)
 
 
 def round_bounds(ctx: RoundContext, deadline: float, nodes: list[str]) -> tuple[float, float]:
@@ -195,10 +203,12 @@ def evaluate_phase(grid: Grid, ctx: RoundContext, phase: TrainPhase, server_roun
     return None if accuracy is None else dict(accuracy)
 
 
-def annotate_devices(rows: list[dict], classes: FleetClasses, sent: dict[str, np.ndarray]) -> None:
+def annotate_devices(
+    rows: list[dict], classes: FleetClasses, sent: dict[str, np.ndarray], personal: frozenset[str]
+) -> None:
     """Each device row's class (simulated device classes) and round speedup (compute plus upload,
-    against training and uploading every tensor of ``sent``, the global arrays the round started from)."""
-    full_bytes = sum(a.nbytes for a in sent.values() if a.dtype.kind == "f")
+    against training and uploading every shared tensor of ``sent``, the global arrays the round started from)."""
+    full_bytes = shared_bytes(sent, personal)
     for d in rows:
         name = d.get("device")
         class_name = classes.class_name(name)
@@ -226,7 +236,7 @@ def run_round(
     ctx.mailbox.forget_old(server_round)
     rec = round_record(state, ctx.cfg.federation.strategy, phase.deadline_s, rt, accuracy, ctx.strategy.param_names)
     rec.update({"round_wall_s": wall, "wall_bound_s": phase.bound_s, **state.replies.attendance.as_dict()})
-    annotate_devices(rec["devices"], ctx.classes, state.replies.sent)
+    annotate_devices(rec["devices"], ctx.classes, state.replies.sent, ctx.strategy.personal)
     if ctx.server_test is not None:
         t = time.perf_counter()
         rec["server_accuracy"] = server_accuracy(ctx.cfg, phase.arrays, ctx.server_test)

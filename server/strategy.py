@@ -101,6 +101,7 @@ class ElasticFedAvg(FedAvg):
         blend: bool = True,
         defense: Defense | None = None,
         upload_s_of: Callable[[str | None], float] | None = None,
+        personal: Iterable[str] = (),
         **kwargs,
     ) -> None:
         kwargs.setdefault("weighted_by_key", keys.NUM_EXAMPLES)
@@ -117,6 +118,9 @@ class ElasticFedAvg(FedAvg):
         self.blend = blend
         self.defense = defense or Defense()
         self.upload_s_of = upload_s_of  # a device's full upload by name, when devices' uplinks differ
+        self.personal = frozenset(
+            personal
+        )  # tensors the devices keep (federation.personal): never sent, never averaged
 
     def round_deadline(self, nodes: Iterable[str]) -> float:
         """The round's deadline from the full-round times of ``nodes`` (the devices eligible now),
@@ -164,7 +168,8 @@ class ElasticFedAvg(FedAvg):
         updates = [(a.arrays, a.weight) for a in accepted]
         new, state.replies.senders = robust_average(current, updates, d.aggregation, d.trim)
         state.replies.train = rows = [a.row for a in accepted]
-        state.global_importance = global_importance(new, current, self.param_names, self.lr)
+        shared = [n for n in self.param_names if n not in self.personal]  # a personal tensor's signal is local
+        state.global_importance = global_importance(new, current, shared, self.lr)
         record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in new.items()})
         summary = {
             "devices": len(updates),
@@ -184,7 +189,7 @@ class ElasticFedAvg(FedAvg):
         if reason is None:
             record = next(iter(msg.content.array_records.values()))
             arrays = {k: a.numpy() for k, a in record.items()}
-            reason = upload_problem(arrays, metrics[keys.SELECTED], self.param_names)
+            reason = upload_problem(arrays, metrics[keys.SELECTED], self.param_names, self.personal)
         if reason is not None:
             self._reject(server_round, msg, reason)
             return None

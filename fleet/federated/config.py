@@ -18,6 +18,7 @@ from fleet.config import LABELS_RULE, ExperimentConfig, apply_overrides, build_d
 from fleet.errors import ConfigError
 from fleet.federated.class_config import DeviceClassConfig, check_classes
 from fleet.federated.paths import resolve_path
+from fleet.federated.personal import POLICIES as PERSONAL_POLICIES
 from fleet.shift import ShiftConfig
 
 STRATEGIES = ("fleet", "naive", "fedavg")
@@ -101,6 +102,8 @@ class FederationConfig:
     # simulation on an existing Ray cluster (host:port of its head, as `ray start --head` prints it); every
     # machine of the cluster needs this repo and its venv at the same path, and the data. null: a local Ray
     ray_address: str | None = None
+    # tensors each device keeps for itself, never sent nor averaged: none | head (FedPer) | norms (FedBN) | head+norms
+    personal: str = "none"
     # devices whose inputs differ, not only their label mix: each simulated device's images (and optionally
     # labels) go through its own fixed transform, in training and in its held-out split alike (fleet/shift.py)
     shift: ShiftConfig = field(default_factory=ShiftConfig)
@@ -132,6 +135,7 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
         "a non-empty list of slow-down factors >= 1",
     ),
     "federation.partition": (lambda v: v in PARTITIONS, "one of " + ", ".join(PARTITIONS)),
+    "federation.personal": (lambda v: v in PERSONAL_POLICIES, "one of " + ", ".join(PERSONAL_POLICIES)),
     "federation.alpha": (lambda v: v > 0, "a number > 0"),
     "federation.test_fraction": (lambda v: 0 < v < 1, "a number in (0, 1)"),
     "federation.samples_per_device": (lambda v: v is None or v >= 4, "an integer >= 4 or null"),

@@ -230,10 +230,16 @@ def plausible_times(times: Mapping[str, float], band: float) -> dict[str, float]
     return {node: plausible(t, median, band) for node, t in times.items()}
 
 
-def upload_problem(arrays: Mapping[str, np.ndarray], selected: float, param_names: list[str]) -> str | None:
-    """Why an upload cannot be what the device says it trained, or None: its normalization
-    statistics must be plausible, and it may carry exactly the ``selected`` trainable tensors
-    (a device that sends every tensor while claiming few would pass off untrained ones)."""
+def upload_problem(
+    arrays: Mapping[str, np.ndarray], selected: float, param_names: list[str], personal: frozenset[str] = frozenset()
+) -> str | None:
+    """Why an upload cannot be what the device says it trained, or None: it may carry no ``personal``
+    tensor (those stay on the device), its normalization statistics must be plausible, and it may
+    carry exactly the ``selected`` trainable tensors (a device that sends every tensor while claiming
+    few would pass off untrained ones)."""
+    for name in arrays:
+        if name in personal:
+            return f"uploads tensor {name!r}, which federation.personal keeps on the device"
     for name, values in arrays.items():
         problem = bn_problem(name, values)
         if problem is not None:

@@ -118,15 +118,19 @@ class RoundBudget:
         return self.deadline_s <= 0 or self.deadline_s >= total * (1 - 1e-9)
 
 
-def round_budget(cfg: FleetConfig, trainer: Trainer, plan: RoundPlan) -> RoundBudget:
+def round_budget(
+    cfg: FleetConfig, trainer: Trainer, plan: RoundPlan, personal: frozenset[str] = frozenset()
+) -> RoundBudget:
+    """A personal tensor costs compute like any other but no upload: it never leaves the device."""
     fed = cfg.federation
     full = full_round_time(cfg, trainer.profile)
     deadline = plan.deadline_s if plan.strategy != "fedavg" else 0.0
     if not fed.deadline_includes_upload:
         return RoundBudget(deadline, full, [0.0] * len(trainer.names), 0.0)
-    buffers = sum(b.numel() * b.element_size() for b in float_buffers(trainer.model).values())
+    buffers = sum(b.numel() * b.element_size() for n, b in float_buffers(trainer.model).items() if n not in personal)
     bandwidth = plan.bandwidth_bytes_per_s or fed.bandwidth_bytes_per_s
-    return RoundBudget(deadline, full, tensor_upload_s(trainer.params, bandwidth), buffers / bandwidth)
+    upload = [0.0 if n in personal else s for n, s in zip(trainer.names, tensor_upload_s(trainer.params, bandwidth))]
+    return RoundBudget(deadline, full, upload, buffers / bandwidth)
 
 
 def round_trainer(
@@ -193,11 +197,16 @@ def probe_pays(budget: RoundBudget, probe_s: float) -> bool:
 
 
 def select_for_round(
-    cfg: FleetConfig, trainer: Trainer, train: ArrayDataset, plan: RoundPlan, prev_state: dict
+    cfg: FleetConfig,
+    trainer: Trainer,
+    train: ArrayDataset,
+    plan: RoundPlan,
+    prev_state: dict,
+    personal: frozenset[str] = frozenset(),
 ) -> tuple[float, list[float], int]:
     """Select this round's tensors through :meth:`Trainer.reselect`; returns (probe cost in
     simulated seconds, the local importance, the round it was probed in)."""
-    budget = round_budget(cfg, trainer, plan)
+    budget = round_budget(cfg, trainer, plan, personal)
     importance = [float(v) for v in prev_state.get("importance", [])]
     imp_round = int(prev_state.get("importance_round", -(10**9)))
     if budget.trains_fully:  # the round's trainer starts with every tensor selected (method "full")
@@ -231,8 +240,10 @@ def local_round(
     plan: RoundPlan,
     device_seed: int,
     memory: MemoryBudget | None = None,
+    personal: frozenset[str] = frozenset(),
 ) -> RoundResult:
-    """Train ``model`` (already holding the global weights) for ``federation.local_steps`` batches.
+    """Train ``model`` (already holding the global weights, and the device's own ``personal`` tensors)
+    for ``federation.local_steps`` batches; the reply's arrays leave the personal tensors out.
 
     With ``memory``, every step (and the importance probe) follows a keep/recompute/page
     plan for the device's activation budget, and the time the plan adds counts against
@@ -241,17 +252,20 @@ def local_round(
     prev_state = prev_state or {}
     trainer = round_trainer(cfg, model, profile, memory, plan, device_seed, prev_state)
     started = time.perf_counter()
-    probe_cost, importance, imp_round = select_for_round(cfg, trainer, train, plan, prev_state)
+    probe_cost, importance, imp_round = select_for_round(cfg, trainer, train, plan, prev_state, personal)
     mask = trainer.mask
     added_s = trainer.memory_added_s()  # raises BudgetError (one line) if no plan fits
     steps = cfg.federation.local_steps if any(mask) else 0
     losses = train_steps(trainer, train, steps)
     measured = time.perf_counter() - started
     predicted = steps * (profile.step_time(mask) + added_s) + probe_cost
-    arrays = {n: p.detach().clone() for n, p, m in zip(trainer.names, trainer.params, mask) if m}
+    arrays = {n: p.detach().clone() for n, p, m in zip(trainer.names, trainer.params, mask) if m and n not in personal}
     if steps:
-        arrays.update({n: b.detach().clone() for n, b in float_buffers(model).items()})
+        arrays.update({n: b.detach().clone() for n, b in float_buffers(model).items() if n not in personal})
     metrics = round_metrics(cfg, trainer, len(train), arrays, losses, predicted, measured)
+    metrics[keys.SELECTED] = sum(1 for n, m in zip(trainer.names, mask) if m and n not in personal)
+    if personal:
+        metrics[keys.PERSONAL_SELECTED] = sum(1 for n, m in zip(trainer.names, mask) if m and n in personal)
     if memory is not None:
         metrics.update(
             {

@@ -56,6 +56,7 @@ TRAIN = {
     keys.NUM_EXAMPLES: Field(True, lo=0.0, lo_open=True),
     keys.TIER: QUERY[keys.TIER],
     keys.SELECTED: COUNT,
+    keys.PERSONAL_SELECTED: Field(False, integer=True),
     keys.NUM_TENSORS: COUNT,
     keys.TRAINED_FRACTION: FRACTION,
     keys.RHO: FRACTION,

@@ -38,6 +38,7 @@ from fleet.federated.device import (
     state_dir_of,
     tier_of,
 )
+from fleet.federated.personal import overlay_personal, personal_names
 from fleet.federated.round import RoundPlan, RoundResult, full_round_time, local_round
 from fleet.federated.split import DeviceData, device_data, own_device_data
 from fleet.trainer import accuracy
@@ -129,9 +130,10 @@ def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[s
     memory = None if budget_mb is None else device_memory(cfg, model, budget_mb, device.state_dir, device.node_config)
     run_tag = str(config.get(keys.RUN_TAG, ""))
     state_path = device.state_dir / STATE_FILE
-    result = local_round(
-        cfg, model, profile, device.data().train, load_state(state_path, run_tag), plan, device.seed, memory
-    )
+    state = load_state(state_path, run_tag)
+    personal = personal_names(model, cfg.federation.personal)
+    overlay_personal(model, personal, (state or {}).get("personal"))
+    result = local_round(cfg, model, profile, device.data().train, state, plan, device.seed, memory, personal)
     result.metrics.update(device.identity())
     save_state(state_path, {**result.state, "run_tag": run_tag})
     return result
@@ -143,8 +145,10 @@ def evaluate(device: Device, weights: Mapping[str, torch.Tensor], run_tag: str |
     started = time.perf_counter()
     data = device.data()
     model = device.model(weights)
-    global_acc = accuracy(model, data.test, cfg.data.input_size)
     state = load_state(device.state_dir / STATE_FILE, run_tag)
+    # the device's model is the global shared tensors plus its own personal ones (federation.personal)
+    overlay_personal(model, personal_names(model, cfg.federation.personal), (state or {}).get("personal"))
+    global_acc = accuracy(model, data.test, cfg.data.input_size)
     personal_acc = global_acc  # a device that never trained is personalized to nothing yet
     if state and "personal" in state:
         model.load_state_dict(state["personal"], strict=True)

@@ -1,0 +1,97 @@
+"""Personal tensors (federation.personal): kept on the device, never sent, never averaged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fleet.errors import ConfigError
+from fleet.experiment import make_model
+from fleet.federated import keys, tasks
+from fleet.federated.config import load_fleet_config
+from fleet.federated.personal import personal_names
+from fleet.federated.robust import upload_problem
+from fleet.models import model_meta
+from tests.conftest import proportional_profile
+
+TINY = "simulations/fleet-tiny.yaml"
+
+
+def device(tmp_path, policy: str) -> tuple[tasks.Device, dict[str, torch.Tensor]]:
+    """Device 0 of the tiny fleet under ``policy``, with a size-proportional profile, and the global model."""
+    cfg = load_fleet_config(TINY, {"output_dir": str(tmp_path / policy), "federation.personal": policy})
+    model = make_model(cfg.model, 0)
+    m = cfg.model
+    meta = model_meta(m.name, m.num_classes, m.in_channels, m.small_input)
+    path = tmp_path / "profile.yaml"
+    proportional_profile(model, cfg.train.batch_size, cfg.data.input_size, meta=meta).save(path)
+    cfg = load_fleet_config(
+        TINY, {"output_dir": str(tmp_path / policy), "federation.personal": policy, "train.profile": str(path)}
+    )
+    return tasks.Device.from_configs(cfg, {"partition-id": 0}), {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def round_config(server_round: int) -> dict:
+    # no deadline: the device trains every tensor, its personal ones included
+    return {keys.SERVER_ROUND: server_round, keys.STRATEGY: "fleet", keys.DEADLINE_S: 0.0, keys.RUN_TAG: "t"}
+
+
+@pytest.mark.parametrize("policy", ["head", "norms", "head+norms"])
+def test_personal_tensors_are_trained_but_never_appear_in_a_reply(tmp_path, policy):
+    dev, weights = device(tmp_path, policy)
+    personal = personal_names(dev.model(dict(weights)), policy)
+    result = tasks.train(dev, {k: v.clone() for k, v in weights.items()}, round_config(1))
+    assert personal and not personal & set(result.arrays)
+    params = {n for n, _ in make_model(dev.cfg.model, 0).named_parameters()}
+    assert result.metrics[keys.SELECTED] == len(params - personal)  # the reply's trainable tensors, exactly
+    assert result.metrics[keys.PERSONAL_SELECTED] == len(params & personal)
+    assert result.metrics[keys.BYTES_UPLOADED] == sum(a.numel() * a.element_size() for a in result.arrays.values())
+    mine = result.state["personal"]
+    assert any(not torch.equal(mine[n], weights[n]) for n in personal if weights[n].is_floating_point())  # trained
+    arrays = {k: v.numpy() for k, v in result.arrays.items()}
+    assert upload_problem(arrays, result.metrics[keys.SELECTED], sorted(params), personal) is None
+
+
+def test_a_fedbn_device_keeps_its_own_norm_statistics_across_rounds(tmp_path):
+    """Round 2's global model carries other norm statistics and weights; a FedBN device trains on
+    with its own from round 1, where a device without personal tensors takes the global ones."""
+    kept = {}
+    for policy in ("norms", "none"):
+        dev, weights = device(tmp_path, policy)
+        tasks.train(dev, {k: v.clone() for k, v in weights.items()}, round_config(1))
+        round1 = tasks.load_state(dev.state_dir / tasks.STATE_FILE, "t")["personal"]
+        foreign = {k: v.clone() for k, v in weights.items()}
+        foreign["bn1.running_mean"].fill_(7.0)
+        foreign["bn1.weight"].fill_(3.0)
+        result = tasks.train(dev, foreign, round_config(2))
+        kept[policy] = (round1, result.state["personal"], result.arrays)
+    round1, round2, sent = kept["norms"]
+    assert round2["bn1.running_mean"].abs().max() < 3.5  # decayed from its own, not from 7.0
+    assert torch.allclose(round2["bn1.weight"], round1["bn1.weight"], atol=0.05)  # its own, trained on
+    assert "bn1.weight" not in sent and "bn1.running_mean" not in sent
+    _, shared2, shared_sent = kept["none"]
+    assert shared2["bn1.weight"].mean() > 2.9 and "bn1.weight" in shared_sent  # the global values, sent back
+
+
+def test_the_device_evaluates_the_global_shared_tensors_with_its_own_personal_ones(tmp_path):
+    dev, weights = device(tmp_path, "head")
+    tasks.train(dev, {k: v.clone() for k, v in weights.items()}, round_config(1))
+    wrecked = {k: v.clone() for k, v in weights.items()}
+    wrecked["fc.weight"].zero_()
+    wrecked["fc.bias"].zero_()
+    plain = tasks.evaluate(dev, {k: v.clone() for k, v in weights.items()}, "t")
+    with_own_head = tasks.evaluate(dev, wrecked, "t")  # the global head never reaches the device's model
+    assert with_own_head[keys.GLOBAL_ACCURACY] == plain[keys.GLOBAL_ACCURACY]
+
+
+def test_the_server_rejects_a_reply_that_carries_a_personal_tensor():
+    import numpy as np
+
+    arrays = {"fc.weight": np.zeros((10, 4), np.float32), "conv1.weight": np.zeros(3, np.float32)}
+    reason = upload_problem(arrays, 2, ["conv1.weight", "fc.weight"], frozenset({"fc.weight", "fc.bias"}))
+    assert reason == "uploads tensor 'fc.weight', which federation.personal keeps on the device"
+
+
+def test_an_unknown_personal_policy_is_one_line():
+    with pytest.raises(ConfigError, match=r"^federation.personal: 'tail' is not allowed; use one of none, head"):
+        load_fleet_config(TINY, {"federation.personal": "tail"})

@@ -116,6 +116,8 @@ def make_strategy(
         defense=defense,
         upload_s_of=upload_s_of,
         personal=personal,
+        server_momentum=fed.server_momentum,
+        server_lr=fed.server_lr,
     )
 
 

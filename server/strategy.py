@@ -23,6 +23,7 @@ from fleet.federated.aggregate import (
     Rejection,
     error_summary,
     global_importance,
+    momentum_step,
     round_deadline,
     tensor_problem,
     weight_problem,
@@ -102,6 +103,8 @@ class ElasticFedAvg(FedAvg):
         defense: Defense | None = None,
         upload_s_of: Callable[[str | None], float] | None = None,
         personal: Iterable[str] = (),
+        server_momentum: float | None = None,
+        server_lr: float = 1.0,
         **kwargs,
     ) -> None:
         kwargs.setdefault("weighted_by_key", keys.NUM_EXAMPLES)
@@ -118,9 +121,8 @@ class ElasticFedAvg(FedAvg):
         self.blend = blend
         self.defense = defense or Defense()
         self.upload_s_of = upload_s_of  # a device's full upload by name, when devices' uplinks differ
-        self.personal = frozenset(
-            personal
-        )  # tensors the devices keep (federation.personal): never sent, never averaged
+        self.server_momentum, self.server_lr = server_momentum, server_lr  # FedAvgM (None: off)
+        self.personal = frozenset(personal)  # what devices keep (federation.personal): never sent, never averaged
 
     def round_deadline(self, nodes: Iterable[str]) -> float:
         """The round's deadline from the full-round times of ``nodes`` (the devices eligible now),
@@ -167,8 +169,12 @@ class ElasticFedAvg(FedAvg):
         d = self.defense
         updates = [(a.arrays, a.weight) for a in accepted]
         new, state.replies.senders = robust_average(current, updates, d.aggregation, d.trim)
+        shared = [n for n in self.param_names if n not in self.personal]
+        if self.server_momentum is not None:
+            new, state.momentum = momentum_step(
+                current, new, state.replies.senders, state.momentum, shared, self.server_momentum, self.server_lr
+            )
         state.replies.train = rows = [a.row for a in accepted]
-        shared = [n for n in self.param_names if n not in self.personal]  # a personal tensor's signal is local
         state.global_importance = global_importance(new, current, shared, self.lr)
         record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in new.items()})
         summary = {

@@ -70,7 +70,6 @@ def make_strategy(global_arrays: dict[str, np.ndarray], defense: Defense | None 
     s.state.replies.sent = {k: v.copy() for k, v in global_arrays.items()}  # what train_messages keeps
     s.state.roster = {"12": member("pi-12", 1.0)}
     return s
-    return s
 
 
 GLOBAL = {
@@ -211,3 +210,41 @@ def test_bad_evaluation_replies_are_left_out_not_crashing_the_server(caplog):
     assert [r["node_id"] for r in s.state.replies.evaluation] == [11]
     assert "evaluation from device pi-12 (node 12) failed: metric 'global-accuracy' is missing" in caplog.text
     assert "(node 13) failed: metric 'global-accuracy' must be in [0, 1], got 1000000.0" in caplog.text
+
+
+def test_server_momentum_moves_only_the_tensors_someone_trained():
+    from fleet.federated.aggregate import momentum_step
+
+    cur = {"w": np.zeros(2, np.float32), "v": np.ones(2, np.float32), "bn.running_mean": np.zeros(2, np.float32)}
+    new = {"w": np.full(2, 1.0, np.float32), "v": cur["v"], "bn.running_mean": np.full(2, 0.5, np.float32)}
+    out, mom = momentum_step(cur, new, {"w": 3, "bn.running_mean": 3}, {}, ["w", "v"], beta=0.9)
+    np.testing.assert_allclose(out["w"], 1.0)  # the first round: the update itself
+    out2, mom2 = momentum_step(out, {**out, "w": out["w"] + 1.0}, {"w": 2}, mom, ["w", "v"], beta=0.9)
+    np.testing.assert_allclose(out2["w"], 1.0 + 0.9 * 1.0 + 1.0)  # the second: the update plus 0.9 of the first
+    np.testing.assert_allclose(mom2["w"], 1.9)
+    assert "v" not in mom2 and np.array_equal(out2["v"], cur["v"])  # trained by nobody: never moved
+    np.testing.assert_allclose(out["bn.running_mean"], 0.5)  # statistics are taken as averaged, not stepped
+    out3, mom3 = momentum_step(out2, out2, {}, mom2, ["w", "v"], beta=0.9)  # a round nobody trained w
+    assert np.array_equal(out3["w"], out2["w"]) and np.array_equal(mom3["w"], mom2["w"])
+
+
+def test_the_server_momentum_survives_a_checkpoint(tmp_path):
+    from fleet.federated.state import load_checkpoint, save_checkpoint
+
+    state = ServerState(run_tag="r", round=3, momentum={"w": np.full(4, 0.25, np.float32)})
+    save_checkpoint(tmp_path, {"w": np.zeros(4, np.float32)}, state)
+    _, loaded = load_checkpoint(tmp_path)
+    assert loaded.round == 3 and np.array_equal(loaded.momentum["w"], state.momentum["w"])
+
+
+def test_a_strategy_with_server_momentum_steps_further_along_a_repeated_update():
+    s = make_strategy(GLOBAL)
+    s.server_momentum, s.server_lr = 0.5, 1.0
+    step = {"a": GLOBAL["a"] + 1.0}
+    first, _ = s.aggregate_train(1, [reply(12, step)])
+    after_one = first["a"].numpy()
+    np.testing.assert_allclose(after_one, 1.0)
+    s.state.replies.sent = {k: a.numpy() for k, a in first.items()}
+    second, _ = s.aggregate_train(2, [reply(12, {"a": after_one + 1.0})])
+    np.testing.assert_allclose(second["a"].numpy(), 1.0 + 1.0 + 0.5)  # without momentum: 2.0
+    np.testing.assert_allclose(second["c"].numpy(), 7.0)  # trained by nobody

@@ -107,6 +107,34 @@ def masked_average(
     return out, counts
 
 
+def momentum_step(
+    current: Mapping[str, np.ndarray],
+    new: Mapping[str, np.ndarray],
+    senders: Mapping[str, int],
+    momentum: Mapping[str, np.ndarray],
+    names: Iterable[str],
+    beta: float,
+    lr: float = 1.0,
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """FedAvgM over masked updates: (new global arrays, new momentum).
+
+    For each trainable tensor in ``names`` that some device trained this round, the round's
+    aggregated update ``new - current`` joins the tensor's momentum, ``m = beta * m + update``,
+    and the tensor moves by ``lr * m``. A tensor nobody trained keeps its value and its momentum
+    untouched: elastic selection leaves the input-side tensors out of many rounds, and a momentum
+    that kept moving them would move them without data. Normalization statistics are not steps
+    and are taken as averaged."""
+    out, mom = dict(new), dict(momentum)
+    for name in names:
+        if senders.get(name, 0) == 0 or name not in new:
+            continue
+        update = new[name].astype(np.float64) - current[name]
+        m = beta * mom[name] + update if name in mom else update
+        mom[name] = m.astype(np.float32)
+        out[name] = (current[name] + lr * m).astype(current[name].dtype)
+    return out, mom
+
+
 def global_importance(
     new: Mapping[str, np.ndarray], old: Mapping[str, np.ndarray], param_names: Iterable[str], lr: float
 ) -> dict[str, float]:

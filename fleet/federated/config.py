@@ -102,6 +102,10 @@ class FederationConfig:
     # simulation on an existing Ray cluster (host:port of its head, as `ray start --head` prints it); every
     # machine of the cluster needs this repo and its venv at the same path, and the data. null: a local Ray
     ray_address: str | None = None
+    # FedAvgM: the server keeps a momentum of each tensor's aggregated update, moved only in rounds where some device
+    # trained that tensor (null: off, the plain masked average). server_lr scales the step the momentum takes
+    server_momentum: float | None = None
+    server_lr: float = 1.0
     # tensors each device keeps for itself, never sent nor averaged: none | head (FedPer) | norms (FedBN) | head+norms
     personal: str = "none"
     # devices whose inputs differ, not only their label mix: each simulated device's images (and optionally
@@ -135,6 +139,8 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
         "a non-empty list of slow-down factors >= 1",
     ),
     "federation.partition": (lambda v: v in PARTITIONS, "one of " + ", ".join(PARTITIONS)),
+    "federation.server_momentum": (lambda v: v is None or 0 <= v < 1, "a number in [0, 1) (e.g. 0.9), or null (off)"),
+    "federation.server_lr": (lambda v: 0 < v <= 10, "a number in (0, 10]"),
     "federation.personal": (lambda v: v in PERSONAL_POLICIES, "one of " + ", ".join(PERSONAL_POLICIES)),
     "federation.alpha": (lambda v: v > 0, "a number > 0"),
     "federation.test_fraction": (lambda v: 0 < v < 1, "a number in (0, 1)"),

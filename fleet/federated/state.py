@@ -61,6 +61,7 @@ class ServerState:
     # device name -> the round its update was rejected for pulling the model back: while its updates stay
     # oversized it is not trusted again (an honest device is never oversized), back to ordinary size it is
     suspects: dict[str, int] = field(default_factory=dict)
+    momentum: dict[str, np.ndarray] = field(default_factory=dict)  # federation.server_momentum, per trained tensor
     replies: RoundReplies = field(default_factory=RoundReplies)
 
     def finish_round(self, server_round: int, round_time_s: float, wall_s: float) -> None:
@@ -70,14 +71,19 @@ class ServerState:
         self.wall_time_s += wall_s
 
     def persistent(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "replies"}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in TENSORS}
+
+
+TENSORS = ("replies", "momentum")  # not in the checkpoint's meta: the round's replies, and arrays kept as tensors
+
+
+def _tensors(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}
 
 
 def save_checkpoint(out: Path, arrays: dict[str, np.ndarray], state: ServerState) -> Path:
     path = out / CHECKPOINT_FILE
-    save_torch(
-        path, {"model": {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}, "meta": state.persistent()}
-    )
+    save_torch(path, {"model": _tensors(arrays), "meta": state.persistent(), "momentum": _tensors(state.momentum)})
     return path
 
 
@@ -85,8 +91,10 @@ def load_checkpoint(out: Path) -> tuple[dict[str, torch.Tensor], ServerState] | 
     obj = load_torch(out / CHECKPOINT_FILE)
     if not obj or "model" not in obj or "meta" not in obj:
         return None
-    known = {f.name for f in dataclasses.fields(ServerState)} - {"replies"}
-    return obj["model"], ServerState(**{k: v for k, v in obj["meta"].items() if k in known})
+    known = {f.name for f in dataclasses.fields(ServerState)} - set(TENSORS)
+    state = ServerState(**{k: v for k, v in obj["meta"].items() if k in known})
+    state.momentum = {k: v.numpy() for k, v in obj.get("momentum", {}).items()}
+    return obj["model"], state
 
 
 def check_resumable(out: Path) -> None:

@@ -51,7 +51,7 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     has_config = keys.CONFIG in msg.content.config_records
-    run_tag = str(msg.content[keys.CONFIG].get(keys.RUN_TAG, "")) if has_config else None
+    config = dict(msg.content[keys.CONFIG]) if has_config else None
     device = device_of(context)
     weights = msg.content[keys.ARRAYS].to_torch_state_dict()
-    return _reply(msg, device, tasks.evaluate(device, weights, run_tag))
+    return _reply(msg, device, tasks.evaluate(device, weights, config))

@@ -24,6 +24,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fleet.data import ArrayDataset
 from fleet.experiment import make_model
+from fleet.federated import keys
 from fleet.federated.classes import FleetClasses
 from fleet.federated.config import FleetConfig, config_from_run_config, run_dir
 from fleet.federated.device import simulated_names
@@ -197,7 +198,7 @@ def evaluate_phase(grid: Grid, ctx: RoundContext, phase: TrainPhase, server_roun
     global model and their own; their weighted accuracies, or None when nobody answered in time."""
     fed = ctx.cfg.federation
     nodes = sample(phase.answered, fed.eval_devices, ctx.cfg.train.seed, server_round, EVAL_STREAM)
-    messages = ctx.strategy.evaluate_messages(server_round, phase.record, [int(n) for n in nodes])
+    messages = ctx.strategy.evaluate_messages(server_round, phase.record, [int(n) for n in nodes], phase.deadline_s)
     ids = ctx.mailbox.push(messages, "evaluate", server_round)
     pulled = ctx.mailbox.collect(ids, phase.eval_bound_s, server_round, "evaluate")
     replies = ctx.members.take(pulled, connected_nodes(grid), server_round)
@@ -233,6 +234,7 @@ def run_round(
     if evaluates(ctx.cfg, server_round, state.sim_time_s + rt):
         accuracy = evaluate_phase(grid, ctx, phase, server_round)
         state.replies.lap("evaluate_s", t)
+        rt += max((r.get(keys.FINETUNE_TIME_S, 0.0) for r in state.replies.evaluation), default=0.0)  # its clock
     wall = time.perf_counter() - started
     state.finish_round(server_round, rt, wall)
     ctx.mailbox.forget_old(server_round)

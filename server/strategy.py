@@ -284,8 +284,14 @@ class ElasticFedAvg(FedAvg):
         log.warning("round %d: rejected reply from %s: %s", server_round, rej.who(), reason)
 
     # --- evaluation -------------------------------------------------------
-    def evaluate_messages(self, server_round: int, arrays: ArrayRecord, nodes: Iterable[int]) -> list[Message]:
+    def evaluate_messages(
+        self, server_round: int, arrays: ArrayRecord, nodes: Iterable[int], deadline_s: float = 0.0
+    ) -> list[Message]:
+        """The new global model to score; the round's deadline and strategy let a device fine-tune it
+        elastically first (federation.finetune_steps)."""
         config = ConfigRecord({keys.SERVER_ROUND: server_round, keys.RUN_TAG: self.state.run_tag})
+        config[keys.STRATEGY] = self.method
+        config[keys.DEADLINE_S] = float(deadline_s)
         record = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: config})
         return list(self._construct_messages(record, list(nodes), MessageType.EVALUATE))
 
@@ -305,7 +311,11 @@ class ElasticFedAvg(FedAvg):
             rows.append({**row, **known_metrics(metrics, schema.EVALUATE)})
         if not rows:
             return None
-        return MetricRecord({key: weighted_mean(rows, key) for key in (keys.GLOBAL_ACCURACY, keys.PERSONAL_ACCURACY)})
+        figures = {key: weighted_mean(rows, key) for key in (keys.GLOBAL_ACCURACY, keys.PERSONAL_ACCURACY)}
+        tuned = [r for r in rows if keys.FINETUNED_ACCURACY in r]
+        if tuned:
+            figures[keys.FINETUNED_ACCURACY] = weighted_mean(tuned, keys.FINETUNED_ACCURACY)
+        return MetricRecord(figures)
 
 
 def _oversized(sc: Screen, d: Defense) -> bool:

@@ -79,8 +79,10 @@ def test_the_device_evaluates_the_global_shared_tensors_with_its_own_personal_on
     wrecked = {k: v.clone() for k, v in weights.items()}
     wrecked["fc.weight"].zero_()
     wrecked["fc.bias"].zero_()
-    plain = tasks.evaluate(dev, {k: v.clone() for k, v in weights.items()}, "t")
-    with_own_head = tasks.evaluate(dev, wrecked, "t")  # the global head never reaches the device's model
+    plain = tasks.evaluate(dev, {k: v.clone() for k, v in weights.items()}, {keys.RUN_TAG: "t"})
+    with_own_head = tasks.evaluate(
+        dev, wrecked, {keys.RUN_TAG: "t"}
+    )  # the global head never reaches the device's model
     assert with_own_head[keys.GLOBAL_ACCURACY] == plain[keys.GLOBAL_ACCURACY]
 
 
@@ -95,3 +97,37 @@ def test_the_server_rejects_a_reply_that_carries_a_personal_tensor():
 def test_an_unknown_personal_policy_is_one_line():
     with pytest.raises(ConfigError, match=r"^federation.personal: 'tail' is not allowed; use one of none, head"):
         load_fleet_config(TINY, {"federation.personal": "tail"})
+
+
+def test_fine_tuning_before_evaluation_is_elastic_timed_and_keeps_nothing(tmp_path):
+    """federation.finetune_steps: the device scores the global model, then a copy fine-tuned for that many
+    steps within the round's share of the deadline; its simulated time is reported for the clock."""
+    dev, weights = device(tmp_path, "none")
+    cfg = dev.cfg
+    dev = tasks.Device.from_configs(
+        load_fleet_config(
+            TINY, {"output_dir": cfg.output_dir, "federation.finetune_steps": 3, "train.profile": cfg.train.profile}
+        ),
+        {"partition-id": 0},
+    )
+    tasks.train(dev, {k: v.clone() for k, v in weights.items()}, round_config(1))
+    state_file = dev.state_dir / tasks.STATE_FILE
+    before = state_file.read_bytes()
+    profile = dev.profile()
+    full_step = profile.full_step_time
+    deadline = 0.5 * full_step * dev.cfg.federation.local_steps  # half of a full round
+    out = tasks.evaluate(
+        dev, {k: v.clone() for k, v in weights.items()}, {**round_config(2), keys.DEADLINE_S: deadline}
+    )
+    assert 0 <= out[keys.FINETUNED_ACCURACY] <= 1 and out[keys.GLOBAL_ACCURACY] >= 0
+    assert 0 < out[keys.FINETUNE_TIME_S] <= 3 * 0.5 * full_step * 1.05  # 3 steps in their share of the deadline
+    full = tasks.evaluate(dev, {k: v.clone() for k, v in weights.items()}, {**round_config(2), keys.STRATEGY: "fedavg"})
+    assert full[keys.FINETUNE_TIME_S] == pytest.approx(3 * full_step)  # FedAvg+FT fine-tunes every tensor
+    assert state_file.read_bytes() == before  # nothing of the fine-tuning is kept
+    plain = tasks.evaluate(dev, {k: v.clone() for k, v in weights.items()}, {keys.RUN_TAG: "t"})
+    assert keys.FINETUNED_ACCURACY not in plain  # an evaluation without the round's config does not fine-tune
+
+
+def test_negative_finetune_steps_are_one_line():
+    with pytest.raises(ConfigError, match=r"^federation.finetune_steps: -1 is not allowed; use an integer >= 0"):
+        load_fleet_config(TINY, {"federation.finetune_steps": -1})

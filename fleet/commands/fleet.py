@@ -82,7 +82,12 @@ def summary_table(summary: dict) -> str:
         f"  global accuracy {100 * (summary['final_accuracy'] or 0):.2f}%   personalized mean "
         f"{100 * (summary['personalized_accuracy_mean'] or 0):.2f}%  p10 "
         f"{100 * (summary['personalized_accuracy_p10'] or 0):.2f}%"
-        f"   uploaded {summary['bytes_uploaded'] / 1e6:.1f} MB   rejected replies {summary['rejections']}",
+        + (
+            f"   fine-tuned mean {100 * summary['finetuned_accuracy_mean']:.2f}%"
+            if summary.get("finetuned_accuracy_mean") is not None
+            else ""
+        )
+        + f"   uploaded {summary['bytes_uploaded'] / 1e6:.1f} MB   rejected replies {summary['rejections']}",
         f"  {'device':>10} {'class':>11} {'tier':>5} {'rounds':>6} {'rho':>6} {'compute':>8} {'round':>7} "
         f"{'trained':>8} {'MB up':>8}",
     ]

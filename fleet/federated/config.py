@@ -102,6 +102,9 @@ class FederationConfig:
     # simulation on an existing Ray cluster (host:port of its head, as `ray start --head` prints it); every
     # machine of the cluster needs this repo and its venv at the same path, and the data. null: a local Ray
     ray_address: str | None = None
+    # before a device is evaluated it fine-tunes a copy of the global model for this many local steps (elastic, within
+    # the same share of the deadline a round's steps get; its simulated time goes on the clock); 0: no fine-tuning
+    finetune_steps: int = 0
     # FedAvgM: the server keeps a momentum of each tensor's aggregated update, moved only in rounds where some device
     # trained that tensor (null: off, the plain masked average). server_lr scales the step the momentum takes
     server_momentum: float | None = None
@@ -139,6 +142,7 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
         "a non-empty list of slow-down factors >= 1",
     ),
     "federation.partition": (lambda v: v in PARTITIONS, "one of " + ", ".join(PARTITIONS)),
+    "federation.finetune_steps": (lambda v: v >= 0, "an integer >= 0 (local steps; 0: no fine-tuning)"),
     "federation.server_momentum": (lambda v: v is None or 0 <= v < 1, "a number in [0, 1) (e.g. 0.9), or null (off)"),
     "federation.server_lr": (lambda v: 0 < v <= 10, "a number in (0, 10]"),
     "federation.personal": (lambda v: v in PERSONAL_POLICIES, "one of " + ", ".join(PERSONAL_POLICIES)),

@@ -48,6 +48,8 @@ MEMORY_PEAK_BYTES = "memory-peak-bytes"  # measured activation peak (only under 
 MEMORY_ADDED_S = "memory-added-s"  # seconds the memory plan adds per step (only under a budget)
 GLOBAL_ACCURACY = "global-accuracy"  # the global model on the device's held-out split
 PERSONAL_ACCURACY = "personal-accuracy"  # the device's personalized model on the same split
+FINETUNED_ACCURACY = "finetuned-accuracy"  # the global model after federation.finetune_steps local steps
+FINETUNE_TIME_S = "finetune-time-s"  # simulated seconds that fine-tuning took on the device (its clock)
 EVAL_TIME_S = "eval-time-s"  # wall time of the evaluation on the host (the scale bench's overhead ratio)
 
 # --- operator -> device: a SuperNode's --node-config ---------------------------------------

@@ -11,6 +11,7 @@ under a :class:`~fleet.policies.SelectionPolicy` (FedEL's window and blending fo
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -286,6 +287,37 @@ def local_round(
         "trained": [n for n, m in zip(trainer.names, mask) if m] if steps else [],
     }
     return RoundResult(arrays, metrics, state)
+
+
+def finetune(
+    cfg: FleetConfig,
+    model: nn.Module,
+    profile: DeviceProfile,
+    train: ArrayDataset,
+    prev_state: dict | None,
+    plan: RoundPlan,
+    device_seed: int,
+    memory: MemoryBudget | None = None,
+    personal: frozenset[str] = frozenset(),
+) -> float:
+    """Fine-tune ``model`` (the global model, about to be scored) in place for ``federation.finetune_steps``
+    local steps; returns the simulated seconds it took on this device.
+
+    Elastic like a round: the steps get the same share of the deadline a round's steps get, and the
+    selection is made with the device's last importance (no probe: fine-tuning is meant to be cheap;
+    a device that never probed keeps as many tensors as fit). Nothing uploads, nothing is kept: a
+    fresh optimizer, and the caller throws the model away after scoring it."""
+    fed = cfg.federation
+    steps = fed.finetune_steps
+    ft_cfg = dataclasses.replace(
+        cfg, federation=dataclasses.replace(fed, local_steps=steps, deadline_includes_upload=False)
+    )
+    n = sum(1 for p in model.parameters() if p.requires_grad)
+    importance = list((prev_state or {}).get("importance", [])) or [1.0] * n
+    prev = {"importance": importance, "importance_round": plan.server_round}
+    ft_plan = dataclasses.replace(plan, deadline_s=plan.deadline_s * steps / fed.local_steps)
+    result = local_round(ft_cfg, model, profile, train, prev, ft_plan, device_seed, memory, personal)
+    return float(result.metrics[keys.PREDICTED_TIME_S])
 
 
 def round_metrics(

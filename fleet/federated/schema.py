@@ -77,6 +77,8 @@ EVALUATE = {
     keys.NUM_EXAMPLES: Field(True, lo=0.0, lo_open=True),
     keys.GLOBAL_ACCURACY: FRACTION,
     keys.PERSONAL_ACCURACY: FRACTION,
+    keys.FINETUNED_ACCURACY: Field(False, hi=1.0),
+    keys.FINETUNE_TIME_S: Field(False, hi=1e6),
     keys.EVAL_TIME_S: Field(False, hi=1e6),
 }
 

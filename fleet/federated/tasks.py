@@ -39,8 +39,9 @@ from fleet.federated.device import (
     tier_of,
 )
 from fleet.federated.personal import overlay_personal, personal_names
-from fleet.federated.round import RoundPlan, RoundResult, full_round_time, local_round
+from fleet.federated.round import RoundPlan, RoundResult, finetune, full_round_time, local_round
 from fleet.federated.split import DeviceData, device_data, own_device_data
+from fleet.memory.budgeted import MemoryBudget
 from fleet.trainer import accuracy
 
 STATE_FILE = "state.pt"
@@ -125,9 +126,7 @@ def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[s
     cfg = device.cfg
     plan = dataclasses.replace(round_plan(config, cfg.federation.strategy), bandwidth_bytes_per_s=device.bandwidth)
     model = device.model(weights)
-    profile = device.profile(model)
-    budget_mb = memory_budget_of(cfg, device.partition_id, device.node_config, profile)
-    memory = None if budget_mb is None else device_memory(cfg, model, budget_mb, device.state_dir, device.node_config)
+    profile, memory = device_setup(device, model)
     run_tag = str(config.get(keys.RUN_TAG, ""))
     state_path = device.state_dir / STATE_FILE
     state = load_state(state_path, run_tag)
@@ -139,24 +138,41 @@ def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[s
     return result
 
 
-def evaluate(device: Device, weights: Mapping[str, torch.Tensor], run_tag: str | None) -> dict[str, float | int]:
-    """Accuracy of the global model and of this device's personalized model on its held-out split."""
+def device_setup(device: Device, model: nn.Module) -> tuple[DeviceProfile, MemoryBudget | None]:
+    """The device's profile (checked against ``model``) and its activation memory plan, if it has a budget."""
+    cfg = device.cfg
+    profile = device.profile(model)
+    budget_mb = memory_budget_of(cfg, device.partition_id, device.node_config, profile)
+    memory = None if budget_mb is None else device_memory(cfg, model, budget_mb, device.state_dir, device.node_config)
+    return profile, memory
+
+
+def evaluate(
+    device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[str, Any] | None
+) -> dict[str, float | int]:
+    """Accuracy on the device's held-out split of the global model (with its own personal tensors), of
+    that model fine-tuned (``federation.finetune_steps``), and of this device's personalized model."""
     cfg = device.cfg
     started = time.perf_counter()
+    run_tag = None if config is None else str(config.get(keys.RUN_TAG, ""))
     data = device.data()
     model = device.model(weights)
     state = load_state(device.state_dir / STATE_FILE, run_tag)
     # the device's model is the global shared tensors plus its own personal ones (federation.personal)
-    overlay_personal(model, personal_names(model, cfg.federation.personal), (state or {}).get("personal"))
-    global_acc = accuracy(model, data.test, cfg.data.input_size)
-    personal_acc = global_acc  # a device that never trained is personalized to nothing yet
+    personal = personal_names(model, cfg.federation.personal)
+    overlay_personal(model, personal, (state or {}).get("personal"))
+    out: dict[str, float | int] = {**device.identity(), keys.NUM_EXAMPLES: len(data.test)}
+    out[keys.GLOBAL_ACCURACY] = global_acc = accuracy(model, data.test, cfg.data.input_size)
+    if cfg.federation.finetune_steps and config is not None and keys.SERVER_ROUND in config:
+        plan = round_plan(config, cfg.federation.strategy)
+        profile, memory = device_setup(device, model)
+        out[keys.FINETUNE_TIME_S] = finetune(
+            cfg, model, profile, data.train, state, plan, device.seed, memory, personal
+        )
+        out[keys.FINETUNED_ACCURACY] = accuracy(model, data.test, cfg.data.input_size)
+    out[keys.PERSONAL_ACCURACY] = global_acc  # a device that never trained is personalized to nothing yet
     if state and "personal" in state:
         model.load_state_dict(state["personal"], strict=True)
-        personal_acc = accuracy(model, data.test, cfg.data.input_size)
-    return {
-        **device.identity(),
-        keys.NUM_EXAMPLES: len(data.test),
-        keys.GLOBAL_ACCURACY: global_acc,
-        keys.PERSONAL_ACCURACY: personal_acc,
-        keys.EVAL_TIME_S: time.perf_counter() - started,
-    }
+        out[keys.PERSONAL_ACCURACY] = accuracy(model, data.test, cfg.data.input_size)
+    out[keys.EVAL_TIME_S] = time.perf_counter() - started
+    return out

@@ -55,7 +55,16 @@ def device_rows(train: list[dict], evaluation: list[dict]) -> list[dict]:
         by_name.setdefault(device_key(r), {}).update(r)
     for r in evaluation:
         row = by_name.setdefault(device_key(r), {})
-        shown = ("node_id", "device", keys.PARTITION_ID, keys.GLOBAL_ACCURACY, keys.PERSONAL_ACCURACY, keys.EVAL_TIME_S)
+        shown = (
+            "node_id",
+            "device",
+            keys.PARTITION_ID,
+            keys.GLOBAL_ACCURACY,
+            keys.PERSONAL_ACCURACY,
+            keys.FINETUNED_ACCURACY,
+            keys.FINETUNE_TIME_S,
+            keys.EVAL_TIME_S,
+        )
         row.update({k: r[k] for k in shown if k in r})
         row["test-examples"] = r[keys.NUM_EXAMPLES]
     rows = []
@@ -89,6 +98,7 @@ def round_record(
         "global_accuracy": None if accuracy is None else accuracy[keys.GLOBAL_ACCURACY],
         "personal_accuracy": None if accuracy is None else accuracy[keys.PERSONAL_ACCURACY],
         "personal_accuracy_p10": p10([d["personal_accuracy"] for d in devices if "personal_accuracy" in d]),
+        **finetuned_figures(accuracy, devices),
         "bytes_uploaded": int(sum(d.get(keys.BYTES_UPLOADED, 0) for d in train)),
         "tensors_trained_by_nobody": sum(1 for k in param_names if k not in state.replies.senders),
         "rejections": [r.as_dict() for r in state.replies.rejections],
@@ -96,6 +106,14 @@ def round_record(
         "server_s": state.replies.timings,  # the server's wall seconds per part of the round
         "devices": devices,
     }
+
+
+def finetuned_figures(accuracy: dict | None, devices: list[dict]) -> dict:
+    """A round's fine-tuned accuracy (federation.finetune_steps): the weighted mean and p10; nothing without it."""
+    if accuracy is None or keys.FINETUNED_ACCURACY not in accuracy:
+        return {}
+    tuned = [d["finetuned_accuracy"] for d in devices if "finetuned_accuracy" in d]
+    return {"finetuned_accuracy": accuracy[keys.FINETUNED_ACCURACY], "finetuned_accuracy_p10": p10(tuned)}
 
 
 def trained_rows(records: list[dict]) -> dict[str, list[dict]]:
@@ -145,6 +163,7 @@ class Tracker:
         last = recs[-1] if recs else {}
         per_device = trained_rows(recs)
         personal = [d["personal_accuracy"] for d in last.get("devices", []) if "personal_accuracy" in d]
+        tuned = [d["finetuned_accuracy"] for d in last.get("devices", []) if "finetuned_accuracy" in d]
         summary = {
             **extra,
             "rounds": len(recs),
@@ -153,6 +172,8 @@ class Tracker:
             "final_server_accuracy": last.get("server_accuracy"),  # federation.server_eval only
             "personalized_accuracy_mean": float(np.mean(personal)) if personal else None,
             "personalized_accuracy_p10": p10(personal),
+            "finetuned_accuracy_mean": float(np.mean(tuned)) if tuned else None,  # federation.finetune_steps only
+            "finetuned_accuracy_p10": p10(tuned),
             "bytes_uploaded": int(sum(r["bytes_uploaded"] for r in recs)),
             "rejections": sum(len(r["rejections"]) for r in recs),
             "rounds_without_training": [r["round"] for r in recs if not any("speedup" in d for d in r["devices"])],
@@ -180,7 +201,7 @@ class Tracker:
                         "bytes_uploaded",
                     )
                 }
-                | ({"server_accuracy": r["server_accuracy"]} if "server_accuracy" in r else {})
+                | {k: r[k] for k in ("server_accuracy", "finetuned_accuracy", "finetuned_accuracy_p10") if k in r}
                 for r in recs
             ],
         }
@@ -232,6 +253,7 @@ def progress_line(rec: dict, rounds: int) -> str:
     return (
         f"round {rec['round']:>3}/{rounds}  sim {rec['sim_time_s']:8.1f}s (+{rec['round_time_s']:.1f}s)  "
         f"global {pct(rec['global_accuracy'])}  personal {pct(rec['personal_accuracy'])}  "
+        + (f"finetuned {pct(rec['finetuned_accuracy'])}  " if "finetuned_accuracy" in rec else "")
         + (f"server {pct(rec['server_accuracy'])}  " if "server_accuracy" in rec else "")
         + f"speedup {min(speedups, default=0):.2f}-{max(speedups, default=0):.2f}x  "
         f"up {rec['bytes_uploaded'] / 1e6:6.2f} MB  devices {len(speedups)}  rejected {len(rec['rejections'])}"

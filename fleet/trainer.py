@@ -100,6 +100,10 @@ class Trainer:
     mask: list[bool] = field(init=False)
     selections: list[Selection] = field(default_factory=list)
     step_count: int = 0
+    # a proximal term prox_lambda / 2 * ||w - anchor||^2 over the trained tensors (Ditto's personal model: it is
+    # pulled toward the global model it started the round with); None: plain training
+    anchor: list[torch.Tensor] | None = None
+    prox_lambda: float = 0.0
 
     def __post_init__(self) -> None:
         example = torch.zeros(1, *self._input_shape())
@@ -234,10 +238,17 @@ class Trainer:
             total = loss
             if self.options.method == "prunetrain" and self.options.prunetrain_lambda > 0:
                 total = loss + self.options.prunetrain_lambda * group_lasso_penalty(self.params)
+            if self.anchor is not None and self.prox_lambda > 0:
+                total = total + self.prox_lambda / 2 * self._distance_to_anchor()
             total.backward()
         self.optimizer.step()
         self.step_count += 1
         return float(loss.detach())
+
+    def _distance_to_anchor(self) -> torch.Tensor:
+        """``||w - anchor||^2`` over the tensors being trained (a frozen tensor cannot move toward it)."""
+        pairs = [(p, a) for p, a, m in zip(self.params, self.anchor or [], self.mask) if m]
+        return sum(((p - a) ** 2).sum() for p, a in pairs) if pairs else torch.zeros(())
 
     def train_epoch(self, data: ArrayDataset, epoch: int) -> EpochStats:
         """One pass over ``data``; times cover training steps and importance probes only."""

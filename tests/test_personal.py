@@ -131,3 +131,53 @@ def test_fine_tuning_before_evaluation_is_elastic_timed_and_keeps_nothing(tmp_pa
 def test_negative_finetune_steps_are_one_line():
     with pytest.raises(ConfigError, match=r"^federation.finetune_steps: -1 is not allowed; use an integer >= 0"):
         load_fleet_config(TINY, {"federation.finetune_steps": -1})
+
+
+def test_dittos_proximal_term_pulls_the_personal_model_toward_the_global_one(tmp_path):
+    """The same personal model, trained the same steps on the same batches: with ditto_lambda it ends
+    nearer the global weights it is anchored to than without."""
+    from fleet.experiment import trainer_options
+    from fleet.federated.round import train_steps
+    from fleet.federated.split import device_data
+    from fleet.trainer import Trainer
+
+    dev, weights = device(tmp_path, "none")
+    data = device_data(dev.cfg, 0).train
+    torch.manual_seed(0)
+    start = {k: v + 0.05 * torch.randn_like(v) if v.is_floating_point() else v for k, v in weights.items()}
+
+    def distance(prox: float) -> float:
+        model = dev.model({k: v.clone() for k, v in start.items()})
+        trainer = Trainer(model, trainer_options(dev.cfg.train, 16, method="full", seed=1), dev.profile(model))
+        trainer.anchor, trainer.prox_lambda = [weights[n] for n in trainer.names], prox
+        train_steps(trainer, data, 5)
+        return sum(float(((p.detach() - weights[n]) ** 2).sum()) for n, p in zip(trainer.names, trainer.params))
+
+    assert distance(5.0) < 0.5 * distance(0.0)
+
+
+def test_a_ditto_device_keeps_a_personal_model_and_sends_only_its_shared_update(tmp_path):
+    dev, weights = device(tmp_path, "none")
+    ditto = tasks.Device.from_configs(
+        load_fleet_config(
+            TINY,
+            {"output_dir": str(tmp_path / "d"), "federation.strategy": "ditto", "train.profile": dev.cfg.train.profile},
+        ),
+        {"partition-id": 0},
+    )
+    config = {**round_config(1), keys.STRATEGY: "ditto"}
+    result = tasks.train(ditto, {k: v.clone() for k, v in weights.items()}, config)
+    personal, sent = result.state["personal"], result.arrays
+    assert any(not torch.equal(personal[n], sent[n]) for n in sent if n.endswith("weight"))  # two models
+    full_step = ditto.profile().full_step_time
+    steps = ditto.cfg.federation.local_steps
+    assert result.metrics[keys.FULL_TIME_S] == pytest.approx(2 * steps * full_step)  # both models on its clock
+    assert result.metrics[keys.PREDICTED_TIME_S] == pytest.approx(2 * steps * full_step)  # no deadline: all trained
+    again = tasks.train(ditto, {k: v.clone() for k, v in weights.items()}, {**config, keys.SERVER_ROUND: 2})
+    moved = again.state["personal"]["fc.weight"] - personal["fc.weight"]
+    assert float(moved.abs().max()) > 0  # round 2 trains on from its own personal model
+
+
+def test_a_negative_ditto_lambda_is_one_line():
+    with pytest.raises(ConfigError, match=r"^federation.ditto_lambda: -0.5 is not allowed; use a number >= 0"):
+        load_fleet_config(TINY, {"federation.ditto_lambda": -0.5})

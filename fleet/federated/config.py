@@ -21,7 +21,7 @@ from fleet.federated.paths import resolve_path
 from fleet.federated.personal import POLICIES as PERSONAL_POLICIES
 from fleet.shift import ShiftConfig
 
-STRATEGIES = ("fleet", "naive", "fedavg")
+STRATEGIES = ("fleet", "naive", "fedavg", "ditto")
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
 NORM_ACTIONS = ("clip", "reject")
 RAY_ADDRESS = re.compile(r"[A-Za-z0-9.\-]+:[0-9]{1,5}")  # host:port of a Ray head (its GCS)
@@ -33,7 +33,10 @@ RUN_ONLY_KEYS = ("config", "resume", "simulation")  # run-config keys that are n
 class FederationConfig:
     """How the fleet is run: devices, rounds, budgets and the FedEL remedies."""
 
-    strategy: str = "fleet"  # fleet (elastic + window + blending), naive (per-device elastic), fedavg (full training)
+    # fleet (elastic + window + blending), naive (per-device elastic), fedavg (full training), ditto (per-device
+    # elastic, plus a personal model trained toward the global one with the proximal weight ditto_lambda)
+    strategy: str = "fleet"
+    ditto_lambda: float = 0.1  # Ditto's pull of the personal model toward the global model (0: plain local training)
     rounds: int = 10
     time_budget_s: float | None = None  # also stop once the simulated clock reaches this (equal-time comparisons)
     num_devices: int = 8
@@ -142,6 +145,7 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
         "a non-empty list of slow-down factors >= 1",
     ),
     "federation.partition": (lambda v: v in PARTITIONS, "one of " + ", ".join(PARTITIONS)),
+    "federation.ditto_lambda": (lambda v: v >= 0, "a number >= 0 (0: the personal model trains freely)"),
     "federation.finetune_steps": (lambda v: v >= 0, "an integer >= 0 (local steps; 0: no fine-tuning)"),
     "federation.server_momentum": (lambda v: v is None or 0 <= v < 1, "a number in [0, 1) (e.g. 0.9), or null (off)"),
     "federation.server_lr": (lambda v: 0 < v <= 10, "a number in (0, 10]"),

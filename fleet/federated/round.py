@@ -51,9 +51,16 @@ class RoundResult:
     state: dict  # device state to keep for the next round
 
 
+def compute_steps(cfg: FleetConfig) -> int:
+    """Training steps a round costs a device: Ditto trains two models, the shared update and the device's
+    personal model, ``local_steps`` each, and its elastic budget covers both."""
+    fed = cfg.federation
+    return fed.local_steps * (2 if fed.strategy == "ditto" else 1)
+
+
 def full_round_time(cfg: FleetConfig, profile: DeviceProfile) -> float:
     """Seconds the round's local steps take on this device when it trains every tensor."""
-    return cfg.federation.local_steps * profile.full_step_time
+    return compute_steps(cfg) * profile.full_step_time
 
 
 def device_rho(cfg: FleetConfig, profile: DeviceProfile, deadline_s: float) -> tuple[float, float]:
@@ -70,7 +77,7 @@ def step_budget(cfg: FleetConfig, profile: DeviceProfile, round_budget_s: float)
     """Backward seconds per local step when the round's local work may take ``round_budget_s``
     (the deadline minus what the device must spend anyway: an importance probe, norm statistics'
     upload). Never below the device's floor (forward pass plus ``min_rho_margin`` of a full step)."""
-    per_step = round_budget_s / cfg.federation.local_steps - profile.forward_time
+    per_step = round_budget_s / compute_steps(cfg) - profile.forward_time
     floor = min(1.0, profile.min_rho + cfg.federation.min_rho_margin) * profile.full_step_time - profile.forward_time
     return max(per_step, floor)
 
@@ -182,7 +189,7 @@ def round_policy(
         )
     return SelectionPolicy(
         budget_s=step_budget(cfg, trainer.profile, budget.deadline_s - probe_cost - budget.buffers_s),
-        extra_costs=[u / fed.local_steps for u in budget.upload_s],  # a tensor's upload, spread over the steps
+        extra_costs=[u / compute_steps(cfg) for u in budget.upload_s],  # a tensor's upload, spread over the steps
         blend=blend,
         window=window,
         charge_memory=True,
@@ -251,6 +258,8 @@ def local_round(
     the deadline: when it would overrun, the selection is made again with that much less.
     """
     prev_state = prev_state or {}
+    ditto = plan.strategy == "ditto"
+    start = {n: t.detach().clone() for n, t in model.state_dict().items()} if ditto else {}  # the global model
     trainer = round_trainer(cfg, model, profile, memory, plan, device_seed, prev_state)
     started = time.perf_counter()
     probe_cost, importance, imp_round = select_for_round(cfg, trainer, train, plan, prev_state, personal)
@@ -258,8 +267,9 @@ def local_round(
     added_s = trainer.memory_added_s()  # raises BudgetError (one line) if no plan fits
     steps = cfg.federation.local_steps if any(mask) else 0
     losses = train_steps(trainer, train, steps)
+    own = ditto_personal(cfg, start, prev_state, trainer, train, plan, device_seed, steps) if ditto else None
     measured = time.perf_counter() - started
-    predicted = steps * (profile.step_time(mask) + added_s) + probe_cost
+    predicted = (2 if ditto else 1) * steps * (profile.step_time(mask) + added_s) + probe_cost
     arrays = {n: p.detach().clone() for n, p, m in zip(trainer.names, trainer.params, mask) if m and n not in personal}
     if steps:
         arrays.update({n: b.detach().clone() for n, b in float_buffers(model).items() if n not in personal})
@@ -281,12 +291,42 @@ def local_round(
         "round": plan.server_round,
         "rounds_trained": rounds_trained,
         "optimizer": trainer.optimizer.state_dict(),
-        "personal": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "personal": own if own is not None else {k: v.detach().clone() for k, v in model.state_dict().items()},
         "importance": [float(v) for v in importance],
         "importance_round": imp_round,
         "trained": [n for n, m in zip(trainer.names, mask) if m] if steps else [],
     }
     return RoundResult(arrays, metrics, state)
+
+
+def ditto_personal(
+    cfg: FleetConfig,
+    start: dict[str, torch.Tensor],
+    prev_state: dict,
+    shared: Trainer,
+    train: ArrayDataset,
+    plan: RoundPlan,
+    device_seed: int,
+    steps: int,
+) -> dict[str, torch.Tensor]:
+    """Ditto's second model: the device's personal model (its own from earlier rounds, else the global
+    one it got) trained on the same tensors and as many steps as the shared update, with the proximal
+    term ``ditto_lambda / 2 * ||v - w||^2`` pulling it toward the global model ``start`` it began the
+    round from. Returns its weights, which the device keeps and is evaluated on; it is never sent.
+
+    Its compute is the shared update's again, which the round's budget already covers (compute_steps);
+    a memory plan's added time counts the same for both. Fresh momentum each round: Ditto's personal
+    solver is plain local SGD."""
+    from fleet.experiment import model_with_weights
+
+    initial = prev_state.get("personal") or start
+    personal = model_with_weights(cfg.model, {k: t.clone() for k, t in initial.items()})
+    trainer = round_trainer(cfg, personal, shared.profile, None, plan, device_seed + 7919, {})
+    trainer.set_mask(shared.mask)
+    trainer.anchor = [start[n] for n in trainer.names]
+    trainer.prox_lambda = cfg.federation.ditto_lambda
+    train_steps(trainer, train, steps)
+    return {k: t.detach().clone() for k, t in personal.state_dict().items()}
 
 
 def finetune(
@@ -309,13 +349,13 @@ def finetune(
     fresh optimizer, and the caller throws the model away after scoring it."""
     fed = cfg.federation
     steps = fed.finetune_steps
-    ft_cfg = dataclasses.replace(
-        cfg, federation=dataclasses.replace(fed, local_steps=steps, deadline_includes_upload=False)
-    )
+    strategy = "naive" if plan.strategy == "ditto" else plan.strategy  # one model is fine-tuned, even under Ditto
+    ft_fed = dataclasses.replace(fed, local_steps=steps, deadline_includes_upload=False, strategy=strategy)
+    ft_cfg = dataclasses.replace(cfg, federation=ft_fed)
     n = sum(1 for p in model.parameters() if p.requires_grad)
     importance = list((prev_state or {}).get("importance", [])) or [1.0] * n
     prev = {"importance": importance, "importance_round": plan.server_round}
-    ft_plan = dataclasses.replace(plan, deadline_s=plan.deadline_s * steps / fed.local_steps)
+    ft_plan = dataclasses.replace(plan, strategy=strategy, deadline_s=plan.deadline_s * steps / compute_steps(cfg))
     result = local_round(ft_cfg, model, profile, train, prev, ft_plan, device_seed, memory, personal)
     return float(result.metrics[keys.PREDICTED_TIME_S])
 

@@ -111,6 +111,7 @@ def trainer_options(cfg: TrainConfig, input_size: int, **changes) -> TrainerOpti
         prunetrain_lambda=cfg.prunetrain_lambda,
         input_size=input_size,
         seed=cfg.seed,
+        probe_samples=cfg.probe_samples,
     )
     return dataclasses.replace(options, **changes)
 

@@ -50,6 +50,12 @@ def trainer_record(trainer: Trainer, history: list[EpochStats], profile: DeviceP
         "rho": trainer.options.rho if trainer.options.method == "elastic" else None,
         "final_accuracy": history[-1].accuracy if history else None,
         "train_time_s": sum(s.train_time_s for s in history),
+        "probe_time_s": sum(s.probe_time_s for s in history),  # importance probes, inside train_time_s
+        "probe_share": (
+            sum(s.probe_time_s for s in history) / sum(s.train_time_s for s in history)
+            if sum(s.train_time_s for s in history) > 0
+            else None
+        ),
         "predicted_time_s": sum(s.predicted_time_s for s in history),
         "epochs": [epoch_record(s) for s in history],
         "selections": [sel.summary(trainer.names) for sel in trainer.selections],

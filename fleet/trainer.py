@@ -80,6 +80,7 @@ class TrainerOptions:
     prunetrain_lambda: float = 1e-4
     input_size: int | None = None
     seed: int = 0
+    probe_samples: int | None = None  # samples an importance probe uses; None: a whole batch
 
 
 DEFAULT_POLICY = SelectionPolicy()
@@ -220,8 +221,11 @@ class Trainer:
         )
 
     def probe_batch(self, data: ArrayDataset) -> tuple[torch.Tensor, torch.Tensor]:
-        """A freshly shuffled batch, so importance is not judged on the same images each time."""
-        return next(self.shuffled_batches(data))
+        """A freshly shuffled batch (its first ``probe_samples``), so importance is not judged on the same
+        images each time."""
+        x, y = next(self.shuffled_batches(data))
+        n = self.options.probe_samples
+        return (x[:n], y[:n]) if n else (x, y)
 
     def _due(self, epoch: int, step_in_epoch: int) -> bool:
         if self.options.method != "elastic":

@@ -152,6 +152,15 @@ def test_elastic_learns_and_writes_record(tmp_path, synthetic, size_profile, cap
     assert record["epochs"][0]["predicted_time_s"] > 0
     assert len(record["selections"]) == 2
     assert all(s["predicted_step_time_s"] <= 0.5 * record["profile"]["t_full_s"] + 1e-9 for s in record["selections"])
+    assert 0 < record["probe_time_s"] < record["train_time_s"]  # the probes' share is reported
+    assert record["probe_share"] == pytest.approx(record["probe_time_s"] / record["train_time_s"])
+
+
+def test_a_probe_uses_probe_samples_of_a_fresh_batch(synthetic, size_profile):
+    whole = make(profile=size_profile, seed=3).probe_batch(synthetic[0])
+    few = make(profile=size_profile, seed=3, probe_samples=4).probe_batch(synthetic[0])
+    assert len(whole[1]) == BATCH and len(few[1]) == 4
+    assert torch.equal(few[0], whole[0][:4])
 
 
 def test_memory_budget_plans_per_selection_and_keeps_results(tmp_path, synthetic):

@@ -118,11 +118,12 @@ def plot_personalize(path: Path, record: dict) -> None:
 
 
 def summary_table(record: dict) -> str:
-    rows = [f"{'method':>11} {'accuracy':>9} {'train time':>11} {'vs full':>8}"]
+    rows = [f"{'method':>11} {'accuracy':>9} {'train time':>11} {'vs full':>8} {'probes':>7}"]
     for m, r in record["methods"].items():
-        ratio = r.get("time_vs_full")
+        ratio, share = r.get("time_vs_full"), r.get("probe_share")
         rows.append(
             f"{m:>11} {100 * r['final_accuracy']:8.2f}% {r['train_time_s']:10.1f}s "
-            + (f"{ratio:7.2f}x" if ratio is not None else "")
+            + (f"{ratio:7.2f}x" if ratio is not None else " " * 8)
+            + (f" {100 * share:6.1f}%" if share else "")
         )
     return "\n".join(rows)

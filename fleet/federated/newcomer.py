@@ -1,0 +1,58 @@
+"""A new device personalizes: a device that never took part starts from the fleet's final global model.
+
+ElasticTrainer's claim is about exactly this moment: a device adapting a model to its own data
+quickly. Here a device of the fleet's split (with its shift) that never trained in the run
+personalizes from the global model with each method in turn (``full``, ``tl``, ``bn_bias``,
+``elastic`` at ``rho``), and each method's accuracy on the device's held-out split is recorded
+against the **device time** it has spent: its profile (times its tier) applied to what it
+trained, plus its importance probes, as the fleet's simulated clock counts them. Flower-free:
+the benchmark calls it after a run, on the run's final checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from fleet.device_profile import DeviceProfile
+from fleet.experiment import model_with_weights, trainer_options
+from fleet.federated.config import FleetConfig
+from fleet.federated.device import tier_of
+from fleet.federated.round import PROBE_STEPS
+from fleet.federated.split import device_data
+from fleet.trainer import Trainer
+
+METHODS = ("full", "tl", "bn_bias", "elastic")
+
+
+def personalize_newcomer(
+    cfg: FleetConfig,
+    weights: Mapping[str, torch.Tensor],
+    partition_id: int,
+    profile: DeviceProfile,
+    *,
+    epochs: int,
+    methods: Sequence[str] = METHODS,
+    rho: float = 0.5,
+) -> dict[str, list[dict[str, float]]]:
+    """Per method, the device's accuracy curve: ``[{"device_time_s", "accuracy"}, ...]``, starting at
+    the global model's accuracy at time 0, one point per epoch over the device's training data.
+    ``profile`` is the measured one; the device's tier scales it."""
+    data = device_data(cfg, partition_id)
+    device = profile.scaled(tier_of(cfg, partition_id, {}))
+    curves: dict[str, list[dict[str, float]]] = {}
+    for method in methods:
+        model = model_with_weights(cfg.model, {k: v.clone() for k, v in weights.items()})
+        options = trainer_options(cfg.train, cfg.data.input_size, method=method, rho=rho, seed=cfg.train.seed)
+        trainer = Trainer(model, options, device)
+        points = [{"device_time_s": 0.0, "accuracy": trainer.evaluate(data.test)}]
+        spent = 0.0
+        for epoch in range(epochs):
+            probes = len(trainer.selections)
+            stats = trainer.train_epoch(data.train, epoch)
+            probed = len(trainer.selections) - probes if method == "elastic" else 0
+            spent += stats.predicted_time_s + probed * PROBE_STEPS * device.full_step_time
+            points.append({"device_time_s": spent, "accuracy": trainer.evaluate(data.test)})
+        curves[method] = points
+    return curves

@@ -1,0 +1,36 @@
+"""A device that never took part personalizes from the global model: accuracy against device time."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleet.experiment import make_model
+from fleet.federated.config import load_fleet_config
+from fleet.federated.newcomer import personalize_newcomer
+from fleet.models import model_meta
+from tests.conftest import proportional_profile
+
+TINY = "simulations/fleet-tiny.yaml"
+
+
+def test_each_method_records_accuracy_against_the_device_time_it_spent(tmp_path):
+    cfg = load_fleet_config(TINY, {"output_dir": str(tmp_path), "federation.shift.rotation_deg": 45})
+    model = make_model(cfg.model, 0)
+    m = cfg.model
+    meta = model_meta(m.name, m.num_classes, m.in_channels, m.small_input)
+    profile = proportional_profile(model, cfg.train.batch_size, cfg.data.input_size, meta=meta)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    curves = personalize_newcomer(cfg, weights, partition_id=3, profile=profile, epochs=2)
+    assert set(curves) == {"full", "tl", "bn_bias", "elastic"}
+    starts = {c[0]["accuracy"] for c in curves.values()}
+    assert len(starts) == 1  # every method starts from the same global model
+    for curve in curves.values():
+        times = [p["device_time_s"] for p in curve]
+        assert len(curve) == 3 and times[0] == 0 and times == sorted(times) and times[-1] > 0
+        assert all(0 <= p["accuracy"] <= 1 for p in curve)
+    tier = cfg.federation.tiers[3 % len(cfg.federation.tiers)]
+    epoch_full = curves["full"][1]["device_time_s"]
+    assert epoch_full == pytest.approx(tier * profile.full_step_time * 3)  # 48 samples: 3 batches of 16
+    probes = 2 * 2 * tier * profile.full_step_time  # one probe an epoch, two full steps each
+    elastic = curves["elastic"][-1]["device_time_s"]
+    assert curves["tl"][-1]["device_time_s"] < elastic - probes < 0.75 * 2 * epoch_full  # rho 0.5 plus its floor

@@ -313,3 +313,19 @@ def test_device_classes_are_averaged_over_seeds_tabled_and_plotted(tmp_path):
     assert "   fleet       pi4-like         5.00x           1.00x    0.250    80.0%" in table
     path = plot_bench_classes(report, tmp_path / "classes.png")
     assert path.stat().st_size > 5000
+
+
+def test_the_global_accuracy_swing_is_the_mean_change_between_evaluated_rounds():
+    from fleet.bench.fleet import accuracy_swing
+
+    h = hist([(10, 0.5), (20, 0.7), (30, 0.6)])
+    h.insert(1, {"round": 9, "sim_time_s": 15, "global_accuracy": None})  # a round without evaluation
+    assert accuracy_swing(h) == pytest.approx(0.15)
+    assert accuracy_swing(hist([(10, 0.5)])) is None
+    entry = seed_report(
+        {m: summary(m) for m in ("fedavg", "naive", "fleet")},
+        {m: h for m in ("fedavg", "naive", "fleet")},
+        target_fraction=0.9,
+        final_rounds=1,
+    )
+    assert entry["methods"]["fleet"]["global_accuracy_swing"] == pytest.approx(0.15)

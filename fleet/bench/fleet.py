@@ -45,6 +45,7 @@ FIGURES = (
     "late_accuracy",
     "time_mean_accuracy",
     "last_round_accuracy",
+    "global_accuracy_swing",
     "personalized_accuracy_mean",
     "personalized_accuracy_p10",
     "bytes_uploaded",
@@ -102,6 +103,14 @@ def time_mean_accuracy(history: list[dict], start_s: float, end_s: float) -> flo
     return area / (end_s - start_s)
 
 
+def accuracy_swing(history: list[dict]) -> float | None:
+    """The mean absolute change of global accuracy from one evaluated round to the next: how steady the
+    global model is (a device that personalizes from a bad round starts worse)."""
+    accs = [r["global_accuracy"] for r in history if r.get("global_accuracy") is not None]
+    steps = [abs(b - a) for a, b in zip(accs, accs[1:])]
+    return float(statistics.fmean(steps)) if steps else None
+
+
 def method_entry(
     summary: dict,
     history: list[dict],
@@ -122,6 +131,7 @@ def method_entry(
             else None
         ),
         "last_round_accuracy": last.get("global_accuracy"),
+        "global_accuracy_swing": accuracy_swing(history),
         "personalized_accuracy_mean": last.get("personal_accuracy", summary["personalized_accuracy_mean"]),
         "personalized_accuracy_p10": last.get("personal_accuracy_p10", summary["personalized_accuracy_p10"]),
         "bytes_uploaded": int(sum(r.get("bytes_uploaded", 0) for r in history)),
@@ -538,6 +548,9 @@ def bench_table(report: dict) -> str:
     def sec(v):
         return f"{v:9.1f}" if v is not None else "      n/a"
 
+    def pts(v):  # a change in accuracy, in points
+        return f"{100 * v:.2f}" if v is not None else "n/a"
+
     seeds = report["seeds"]
     lines = [
         f"equal simulated time; {len(seeds)} seed(s) {seeds}; final = {report['final_accuracy_is']}",
@@ -545,7 +558,7 @@ def bench_table(report: dict) -> str:
         f"target = {report['target_fraction_of_fedavg_final']:.0%} of FedAvg's final accuracy",
         f"time mean = {report.get('time_mean_accuracy_is', 'n/a')}",
         f"{'method':>8} {'rounds':>6} {'to target s':>11} {'final':>8} {'late':>8} {'time mean':>9} "
-        f"{'last':>8} {'pers mean':>9} {'pers p10':>9} {'MB up':>8} {'speedup':>8}",
+        f"{'last':>8} {'swing':>7} {'pers mean':>9} {'pers p10':>9} {'MB up':>8} {'speedup':>8}",
     ]
     for m, r in report["methods"].items():
         sp = r.get("speedup_vs_fedavg")
@@ -553,6 +566,7 @@ def bench_table(report: dict) -> str:
             f"{m:>8} {r['rounds'] or 0:6.1f} {sec(r['time_to_target_s']):>11} {pct(r['final_accuracy'])} "
             f"{pct(r.get('late_accuracy'))} "
             f"{pct(r.get('time_mean_accuracy')):>9} {pct(r['last_round_accuracy'])} "
+            f"{pts(r.get('global_accuracy_swing')):>7} "
             f"{pct(r['personalized_accuracy_mean']):>9} {pct(r['personalized_accuracy_p10']):>9} "
             f"{(r['bytes_uploaded'] or 0) / 1e6:8.1f} {f'{sp:.2f}x' if sp else '   -':>8}"
         )

@@ -32,10 +32,10 @@ def connected_nodes(grid: Grid) -> set[str]:
 
 
 def wait_for_devices(grid: Grid, cfg: FleetConfig) -> set[str]:
-    """The connected nodes once ``federation.min_devices`` (default: num_devices) are there; a
+    """The connected nodes once ``federation.min_devices`` (default: the devices taking part) are there; a
     FleetError after ``federation.timeout_s`` (a fleet that never assembles must not hang the server)."""
     fed = cfg.federation
-    want = fed.min_devices or fed.num_devices
+    want = fed.min_devices or fed.taking_part
     deadline = time.monotonic() + fed.timeout_s
     nodes = connected_nodes(grid)
     while len(nodes) < want:
@@ -85,7 +85,7 @@ class Membership:
         """Take query answers until ``min_devices`` are eligible, every query is answered, or ``wait_s``
         has passed (a device that never answers holds up only this, and only this long)."""
         fed = self.cfg.federation
-        want, end = fed.min_devices or fed.num_devices, time.monotonic() + wait_s
+        want, end = fed.min_devices or fed.taking_part, time.monotonic() + wait_s
         while True:
             connected = connected_nodes(grid)
             eligible = membership.eligible(self.state.roster, connected, fed.max_missed)

@@ -124,7 +124,7 @@ def run_simulation(
         _run_simulation(
             server_app_attr=SERVER_APP,
             client_app_attr=client_app,
-            num_supernodes=fed.num_devices,
+            num_supernodes=fed.taking_part,  # newcomers (the last partitions) never take part
             backend_name="ray",
             backend_config=backend,
             app_dir=str(APP_ROOT),

@@ -34,3 +34,15 @@ def test_each_method_records_accuracy_against_the_device_time_it_spent(tmp_path)
     probes = 2 * 2 * tier * profile.full_step_time  # one probe an epoch, two full steps each
     elastic = curves["elastic"][-1]["device_time_s"]
     assert curves["tl"][-1]["device_time_s"] < elastic - probes < 0.75 * 2 * epoch_full  # rho 0.5 plus its floor
+
+
+def test_newcomers_leave_some_devices_to_take_part_and_the_sample_counts_only_those():
+    from fleet.errors import ConfigError
+    from fleet.federated.prepare import simulated_fleet
+
+    with pytest.raises(ConfigError, match="^federation.newcomers: 4 leaves none of the 4 devices"):
+        load_fleet_config(TINY, {"federation.newcomers": 4})
+    cfg = load_fleet_config(TINY, {"federation.newcomers": 2, "federation.devices_per_round": 3})
+    assert cfg.federation.taking_part == 2
+    with pytest.raises(ConfigError, match="^federation.devices_per_round: 3 is more than the 2 simulated devices"):
+        simulated_fleet(cfg, log=lambda s: None)

@@ -76,7 +76,7 @@ class FederationConfig:
     min_rho_margin: float = 0.02  # rho is clamped to the device floor plus this
     timeout_s: float = 600.0  # bounds waiting for min_devices, and a simulated round (its wall time is not the clock's)
     # Open membership (deployment): devices come and go; the fleet never waits on one that is gone
-    min_devices: int | None = None  # start once this many devices are connected; null: num_devices
+    min_devices: int | None = None  # start once this many devices are connected; null: num_devices less newcomers
     devices_per_round: int | None = None  # sample up to this many connected devices per round (seeded); null: all
     grace_s: float = 30.0  # a deployed round closes at deadline + grace_s: covers a ClientApp's start (5-15 s on a Pi)
     max_missed: int = 2  # after this many missed rounds in a row a device is benched until it answers a query
@@ -112,6 +112,9 @@ class FederationConfig:
     # trained that tensor (null: off, the plain masked average). server_lr scales the step the momentum takes
     server_momentum: float | None = None
     server_lr: float = 1.0
+    # simulation: the last this many devices of the split never take part; after a run they personalize from its
+    # final global model (fleet bench pfl: new devices, with their own data and shift)
+    newcomers: int = 0
     # tensors each device keeps for itself, never sent nor averaged: none | head (FedPer) | norms (FedBN) | head+norms
     personal: str = "none"
     # devices whose inputs differ, not only their label mix: each simulated device's images (and optionally
@@ -124,6 +127,11 @@ class FederationConfig:
     pretrain_classes: list[int] | None = (
         None  # bench: pretrain only on these labels (a start from other classes); null: all
     )
+
+    @property
+    def taking_part(self) -> int:
+        """Devices that take part in the run: every one but the newcomers."""
+        return self.num_devices - self.newcomers
 
 
 @dataclass
@@ -149,6 +157,7 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "federation.finetune_steps": (lambda v: v >= 0, "an integer >= 0 (local steps; 0: no fine-tuning)"),
     "federation.server_momentum": (lambda v: v is None or 0 <= v < 1, "a number in [0, 1) (e.g. 0.9), or null (off)"),
     "federation.server_lr": (lambda v: 0 < v <= 10, "a number in (0, 10]"),
+    "federation.newcomers": (lambda v: v >= 0, "an integer >= 0 (devices that never take part)"),
     "federation.personal": (lambda v: v in PERSONAL_POLICIES, "one of " + ", ".join(PERSONAL_POLICIES)),
     "federation.alpha": (lambda v: v > 0, "a number > 0"),
     "federation.test_fraction": (lambda v: 0 < v < 1, "a number in (0, 1)"),
@@ -203,6 +212,11 @@ def _check_rules(cfg: FleetConfig) -> None:
     fed = cfg.federation
     check_classes(cfg.federation.device_classes)
     _check_shift(cfg)
+    if fed.newcomers >= fed.num_devices:
+        raise ConfigError(
+            f"federation.newcomers: {fed.newcomers} leaves none of the {fed.num_devices} devices to take part; "
+            "use fewer than federation.num_devices"
+        )
     if fed.window_blocks > fed.num_blocks:
         raise ConfigError(
             f"federation.window_blocks: {fed.window_blocks} exceeds federation.num_blocks={fed.num_blocks}; "

@@ -41,10 +41,10 @@ def simulated_fleet(cfg: FleetConfig, log: Callable[[str], None]) -> FleetConfig
     fed = cfg.federation
     for name in ("devices_per_round", "min_devices"):
         value = getattr(fed, name)
-        if value is not None and value > fed.num_devices:
+        if value is not None and value > fed.taking_part:
             raise ConfigError(
-                f"federation.{name}: {value} is more than the fleet's {fed.num_devices} simulated devices "
-                f"(federation.num_devices); use at most {fed.num_devices}, or null"
+                f"federation.{name}: {value} is more than the {fed.taking_part} simulated devices that take part "
+                f"(federation.num_devices less federation.newcomers); use at most {fed.taking_part}, or null"
             )
     return cfg
 

@@ -14,7 +14,7 @@ from fleet.commands import bench as bench_command
 from fleet.commands import device as device_command
 from fleet.commands import fleet as fleet_command
 from fleet.commands import memory as memory_command
-from fleet.commands import personalize, pretrain, profile, robustness, scale, train
+from fleet.commands import personalize, pfl, pretrain, profile, robustness, scale, train
 from fleet.errors import FleetError
 
 # Modules exposing register(subparsers) and optionally register_bench(bench_subparsers).
@@ -29,6 +29,7 @@ COMMAND_MODULES = (
     device_command,
     robustness,
     scale,
+    pfl,
 )
 
 

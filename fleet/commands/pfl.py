@@ -1,0 +1,41 @@
+"""``fleet bench pfl``: personalization methods against fleet's personal policies, at equal simulated time."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # devices have no internet; flwr reads this on import
+
+DEFAULT_CONFIG = "simulations/pfl.yaml"
+
+
+def register_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pfl", help="FedAvg+FT, FedBN, FedPer, Ditto, naive and fleet's personal policies; new devices")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"fleet YAML (default: {DEFAULT_CONFIG})")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a config field")
+    p.add_argument("--seeds", type=int, nargs="+", help="run every method once per seed (default: train.seed)")
+    p.add_argument("--methods", nargs="+", metavar="METHOD", help="a subset of the methods (default: all)")
+    p.add_argument("--finetune-steps", type=int, default=10, help="FedAvg+FT's fine-tuning steps before scoring")
+    p.add_argument("--newcomer-epochs", type=int, default=5, help="epochs each new device personalizes for")
+    p.add_argument("--output-dir")
+    p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
+    p.set_defaults(func=run_pfl)
+
+
+def run_pfl(args: argparse.Namespace) -> int:
+    from fleet.bench.pfl import bench_pfl, pfl_table
+    from fleet.commands.common import set_overrides
+
+    report = bench_pfl(
+        args.config,
+        set_overrides(args),
+        seeds=args.seeds,
+        methods=args.methods,
+        finetune_steps=args.finetune_steps,
+        newcomer_epochs=args.newcomer_epochs,
+        quiet=args.json,
+    )
+    print(json.dumps(report, indent=2) if args.json else pfl_table(report))
+    return 0

@@ -1,0 +1,84 @@
+"""fleet bench pfl: personalized accuracy at equal simulated time, per device, and new devices."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fleet.bench.pfl import combine, personalized_curve, pfl_table, seed_figures
+
+
+def run(tmp_path, name: str, points: list[tuple[float, float, list[float]]], key: str) -> dict:
+    """A finished run's summary and metrics.jsonl: (sim time, mean, per-device accuracies) per round."""
+    out = tmp_path / name
+    out.mkdir()
+    records = [
+        {
+            "round": i + 1,
+            "sim_time_s": t,
+            "global_accuracy": 0.5,
+            key: a,
+            "bytes_uploaded": 100,
+            "devices": [{"device": f"d{j}", key: v} for j, v in enumerate(devs)],
+        }
+        for i, (t, a, devs) in enumerate(points)
+    ]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    history = [{k: r[k] for k in ("round", "sim_time_s", "global_accuracy", key, "bytes_uploaded")} for r in records]
+    return {"run_dir": str(out), "sim_time_s": points[-1][0], "history": history}
+
+
+def test_each_method_is_judged_on_its_own_personalized_accuracy_at_the_baselines_horizon(tmp_path):
+    summaries = {
+        "fedavg_ft": run(tmp_path, "ft", [(20, 0.6, [0.5, 0.7]), (40, 0.8, [0.7, 0.9])], "finetuned_accuracy"),
+        "fleet_head": run(
+            tmp_path, "fh", [(10, 0.7, [0.6, 0.8]), (30, 0.85, [0.8, 0.9]), (50, 0.99, [1.0, 1.0])], "personal_accuracy"
+        ),
+    }
+    rep = seed_figures(summaries, target_fraction=0.95)
+    assert rep["horizon_s"] == 40 and rep["target_accuracy"] == pytest.approx(0.95 * 0.8)
+    base, fleet = rep["methods"]["fedavg_ft"], rep["methods"]["fleet_head"]
+    assert base["personalized_accuracy_mean"] == pytest.approx(0.8) and base["time_to_target_s"] == 40
+    assert fleet["personalized_accuracy_mean"] == pytest.approx(0.85)  # round 3 lies past the horizon
+    assert fleet["time_to_target_s"] == 30 and fleet["speedup_vs_baseline"] == pytest.approx(40 / 30)
+    assert fleet["device_accuracies"] == [0.8, 0.9] and fleet["personalized_accuracy_p10"] == pytest.approx(0.81)
+    assert personalized_curve(summaries["fedavg_ft"]["history"], "fedavg_ft")[0]["global_accuracy"] == 0.6
+
+    both = combine({0: rep, 1: rep})
+    assert both["fleet_head"]["personalized_accuracy_mean"] == pytest.approx(0.85)
+    assert both["fleet_head"]["personalized_accuracy_mean_ci95"] == pytest.approx(0.0)
+    report = {"comparison": "x", "seeds": [0, 1], "target_fraction_of_baseline": 0.95, "methods": both}
+    report["new_devices"] = {"elastic": {"final_accuracy": 0.9, "device_time_s": 5.0, "time_vs_full": 0.5}}
+    table = pfl_table(report)
+    assert "fleet_head" in table and "1.33x" in table and "90.00% in 5.0s of device time (0.50x full's)" in table
+
+
+@pytest.mark.slow
+def test_the_pfl_bench_runs_end_to_end_on_a_tiny_fleet(tmp_path):
+    """Two methods, one round each, one new device: every figure, plot and the new device's curves."""
+    from fleet.bench.pfl import bench_pfl
+
+    overrides = {
+        "output_dir": str(tmp_path),
+        "federation.rounds": 1,
+        "federation.newcomers": 1,
+        "federation.shift.rotation_deg": 45,
+        "federation.shift.domains": 2,
+    }
+    report = bench_pfl(
+        "simulations/fleet-tiny.yaml",
+        overrides,
+        methods=["fleet_head"],
+        finetune_steps=2,
+        newcomer_epochs=1,
+        quiet=True,
+    )
+    assert set(report["methods"]) == {"fedavg_ft", "fleet_head"}
+    for entry in report["methods"].values():
+        assert 0 <= entry["personalized_accuracy_mean"] <= 1 and entry["bytes_uploaded"] > 0
+    assert set(report["new_devices"]) == {"full", "tl", "bn_bias", "elastic"}
+    assert all(len(e["curve"]) == 2 and e["device_time_s"] > 0 for e in report["new_devices"].values())
+    assert all(len(r["methods"]["fleet_head"]["device_accuracies"]) == 3 for r in report["per_seed"].values())
+    for path in report["plots"]:
+        assert (tmp_path / path.split("/")[-1]).stat().st_size > 3000

@@ -270,13 +270,8 @@ def local_round(
     own = ditto_personal(cfg, start, prev_state, trainer, train, plan, device_seed, steps) if ditto else None
     measured = time.perf_counter() - started
     predicted = (2 if ditto else 1) * steps * (profile.step_time(mask) + added_s) + probe_cost
-    arrays = {n: p.detach().clone() for n, p, m in zip(trainer.names, trainer.params, mask) if m and n not in personal}
-    if steps:
-        arrays.update({n: b.detach().clone() for n, b in float_buffers(model).items() if n not in personal})
-    metrics = round_metrics(cfg, trainer, len(train), arrays, losses, predicted, measured)
-    metrics[keys.SELECTED] = sum(1 for n, m in zip(trainer.names, mask) if m and n not in personal)
-    if personal:
-        metrics[keys.PERSONAL_SELECTED] = sum(1 for n, m in zip(trainer.names, mask) if m and n in personal)
+    arrays = upload(trainer, steps, personal)
+    metrics = round_metrics(cfg, trainer, len(train), arrays, losses, predicted, measured, personal)
     if memory is not None:
         metrics.update(
             {
@@ -285,11 +280,10 @@ def local_round(
                 keys.MEMORY_ADDED_S: added_s,
             }
         )
-    rounds_trained = int(prev_state.get("rounds_trained", 0)) + 1
-    metrics[keys.ROUNDS_TRAINED] = rounds_trained
+    metrics[keys.ROUNDS_TRAINED] = int(prev_state.get("rounds_trained", 0)) + 1
     state = {
         "round": plan.server_round,
-        "rounds_trained": rounds_trained,
+        "rounds_trained": metrics[keys.ROUNDS_TRAINED],
         "optimizer": trainer.optimizer.state_dict(),
         "personal": own if own is not None else {k: v.detach().clone() for k, v in model.state_dict().items()},
         "importance": [float(v) for v in importance],
@@ -297,6 +291,16 @@ def local_round(
         "trained": [n for n, m in zip(trainer.names, mask) if m] if steps else [],
     }
     return RoundResult(arrays, metrics, state)
+
+
+def upload(trainer: Trainer, steps: int, personal: frozenset[str]) -> dict[str, torch.Tensor]:
+    """What the reply carries: the trained shared tensors and, after any step, the norm statistics
+    (every forward pass in training mode moves them); never a personal tensor."""
+    trained = zip(trainer.names, trainer.params, trainer.mask)
+    arrays = {n: p.detach().clone() for n, p, m in trained if m and n not in personal}
+    if steps:
+        arrays.update({n: b.detach().clone() for n, b in float_buffers(trainer.model).items() if n not in personal})
+    return arrays
 
 
 def ditto_personal(
@@ -368,15 +372,19 @@ def round_metrics(
     losses: list[float],
     predicted: float,
     measured: float,
+    personal: frozenset[str] = frozenset(),
 ) -> dict[str, float | int]:
-    """The reply's metrics (see :mod:`fleet.federated.keys`)."""
+    """The reply's metrics (see :mod:`fleet.federated.keys`); ``selected`` counts the shared tensors the
+    reply carries, ``personal-selected`` the personal ones trained (only with personal tensors)."""
     profile, mask, params = trainer.profile, trainer.mask, trainer.params
+    chosen = [n for n, m in zip(trainer.names, mask) if m]
     full_time = full_round_time(cfg, profile)
     trained = sum(p.numel() for p, m in zip(params, mask) if m)
     return {
         keys.TIER: profile.speed_factor,
         keys.NUM_EXAMPLES: num_examples,
-        keys.SELECTED: int(sum(mask)),
+        keys.SELECTED: sum(1 for n in chosen if n not in personal),
+        **({keys.PERSONAL_SELECTED: sum(1 for n in chosen if n in personal)} if personal else {}),
         keys.NUM_TENSORS: len(mask),
         keys.TRAINED_FRACTION: float(trained / sum(p.numel() for p in params)),
         keys.RHO: profile.step_time(mask) / profile.full_step_time,

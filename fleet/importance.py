@@ -18,8 +18,9 @@ from torch import nn
 
 
 def importance_from_update(grads: Sequence[torch.Tensor | None], updates: Sequence[torch.Tensor]) -> list[float]:
-    """``-<g_k, dw_k>`` per tensor (0 where a tensor got no gradient)."""
-    return [0.0 if g is None else float(-(g.double() * dw.double()).sum()) for g, dw in zip(grads, updates)]
+    """``-<g_k, dw_k>`` per tensor (0 where a tensor got no gradient). A float32 dot product: in float64
+    the two conversions took a third of a ResNet-18 probe, and the selection only ranks these."""
+    return [0.0 if g is None else -float(torch.dot(g.flatten(), dw.flatten())) for g, dw in zip(grads, updates)]
 
 
 def normalize(importance: Sequence[float]) -> list[float]:

@@ -62,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
                     "time_vs_full",
                     "accuracy_vs_full_points",
                     "rho",
+                    "probe_time_s",
+                    "probe_share",
                 )
             }
             for m, r in record["methods"].items()

@@ -130,7 +130,7 @@ def test_device_failing_mid_round_does_not_stop_the_fleet(tmp_path):
     "setting, error",
     [
         ("federation.tiers=[0]", "error: federation.tiers: [0.0] is not allowed"),
-        ("federation.devices_per_round=5", "error: federation.devices_per_round: 5 is more than the fleet's 4"),
+        ("federation.devices_per_round=5", "error: federation.devices_per_round: 5 is more than the 4 simulated"),
         ("data.device_roots=/nonexistent/roots", "error: data.device_roots: "),
     ],
 )

@@ -103,7 +103,7 @@ def test_device_identity_from_node_config():
 @pytest.mark.parametrize("field", ["devices_per_round", "min_devices"])
 def test_sampling_more_devices_than_the_simulated_fleet_is_one_line(field):
     cfg = fleet_config_from_dict({"federation": {"num_devices": 4, field: 5}})
-    with pytest.raises(ConfigError, match=f"federation.{field}: 5 is more than the fleet's 4 simulated devices"):
+    with pytest.raises(ConfigError, match=f"federation.{field}: 5 is more than the 4 simulated devices that take part"):
         simulated_fleet(cfg, log=lambda s: None)
     ok = fleet_config_from_dict({"federation": {"num_devices": 4, field: 4}})
     assert simulated_fleet(ok, log=lambda s: None).federation.num_devices == 4

@@ -123,7 +123,8 @@ def run_seed(
         if horizon is not None:
             extra["federation.time_budget_s"] = horizon
             extra["federation.rounds"] = elastic_round_cap(base.federation)
-        log(f"--- {tag or 'seed'} {method}: " + (f"{horizon:.1f}s simulated ---" if horizon else "the horizon ---"))
+        span = f"{horizon:.1f}s simulated" if horizon is not None else f"{base.federation.rounds} rounds (the horizon)"
+        log(f"--- seed {overrides.get('train.seed', base.train.seed)}, {method}: {span} ---")
         summaries[method] = run_method(path, {**common, **extra}, log, quiet)
         if horizon is None:
             horizon = summaries[method]["sim_time_s"]

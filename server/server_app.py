@@ -31,6 +31,7 @@ from fleet.federated.device import simulated_names
 from fleet.federated.membership import EVAL_STREAM, full_times, name_of, record_attendance, sample
 from fleet.federated.personal import personal_names
 from fleet.federated.robust import Defense
+from fleet.federated.round import compute_steps
 from fleet.federated.server_eval import server_accuracy, server_test_set
 from fleet.federated.split import known_data_sizes
 from fleet.federated.state import (
@@ -206,6 +207,21 @@ def evaluate_phase(grid: Grid, ctx: RoundContext, phase: TrainPhase, server_roun
     return None if accuracy is None else dict(accuracy)
 
 
+def finetune_time(cfg: FleetConfig, state: ServerState) -> float:
+    """The slowest evaluated device's fine-tuning (federation.finetune_steps), each held to ``time_band``
+    times what those steps take it when it trains fully (from the full-round time it joined with): a
+    device reporting an hour cannot stop the clock."""
+    fed = cfg.federation
+    longest = 0.0
+    for row in state.replies.evaluation:
+        member = state.roster.get(str(row.get("node_id")))
+        if keys.FINETUNE_TIME_S not in row or member is None:
+            continue
+        cap = fed.time_band * member["profile_s"] * fed.finetune_steps / compute_steps(cfg)
+        longest = max(longest, min(float(row[keys.FINETUNE_TIME_S]), cap))
+    return longest
+
+
 def annotate_devices(
     rows: list[dict], classes: FleetClasses, sent: dict[str, np.ndarray], personal: frozenset[str]
 ) -> None:
@@ -234,7 +250,7 @@ def run_round(
     if evaluates(ctx.cfg, server_round, state.sim_time_s + rt):
         accuracy = evaluate_phase(grid, ctx, phase, server_round)
         state.replies.lap("evaluate_s", t)
-        rt += max((r.get(keys.FINETUNE_TIME_S, 0.0) for r in state.replies.evaluation), default=0.0)  # its clock
+        rt += finetune_time(ctx.cfg, state)  # fine-tuning before evaluation is on the devices' clock
     wall = time.perf_counter() - started
     state.finish_round(server_round, rt, wall)
     ctx.mailbox.forget_old(server_round)

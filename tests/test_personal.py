@@ -181,3 +181,16 @@ def test_a_ditto_device_keeps_a_personal_model_and_sends_only_its_shared_update(
 def test_a_negative_ditto_lambda_is_one_line():
     with pytest.raises(ConfigError, match=r"^federation.ditto_lambda: -0.5 is not allowed; use a number >= 0"):
         load_fleet_config(TINY, {"federation.ditto_lambda": -0.5})
+
+
+def test_a_devices_reported_fine_tuning_time_is_held_to_a_band_on_the_clock():
+    from fleet.federated.membership import member
+    from fleet.federated.state import ServerState
+    from server.server_app import finetune_time
+
+    cfg = load_fleet_config(TINY, {"federation.finetune_steps": 1, "federation.local_steps": 2})
+    state = ServerState(run_tag="r", roster={"7": member("a", 2.0), "8": member("b", 2.0)})
+    state.replies.evaluation = [{"node_id": 7, keys.FINETUNE_TIME_S: 0.5}, {"node_id": 8, keys.FINETUNE_TIME_S: 1e6}]
+    assert finetune_time(cfg, state) == pytest.approx(4.0 * 2.0 * 1 / 2)  # band 4 x the device's full time x 1/2
+    state.replies.evaluation = [{"node_id": 7, keys.FINETUNE_TIME_S: 0.5}]
+    assert finetune_time(cfg, state) == pytest.approx(0.5)

@@ -22,7 +22,7 @@ from torch import nn
 
 from fleet.data import ArrayDataset
 from fleet.device_profile import DeviceProfile
-from fleet.experiment import trainer_options
+from fleet.experiment import model_with_weights, trainer_options
 from fleet.federated import keys
 from fleet.federated.config import FleetConfig
 from fleet.memory.budgeted import MemoryBudget
@@ -319,10 +319,8 @@ def ditto_personal(
     round from. Returns its weights, which the device keeps and is evaluated on; it is never sent.
 
     Its compute is the shared update's again, which the round's budget already covers (compute_steps);
-    a memory plan's added time counts the same for both. Fresh momentum each round: Ditto's personal
-    solver is plain local SGD."""
-    from fleet.experiment import model_with_weights
-
+    a memory plan's added time counts the same for both. Its momentum starts fresh each round: Ditto's
+    personal solver is local SGD on the device's objective plus the proximal term, round by round."""
     initial = prev_state.get("personal") or start
     personal = model_with_weights(cfg.model, {k: t.clone() for k, t in initial.items()})
     trainer = round_trainer(cfg, personal, shared.profile, None, plan, device_seed + 7919, {})

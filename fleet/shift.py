@@ -74,6 +74,8 @@ def device_shift(cfg: ShiftConfig, device: int, num_devices: int, num_classes: i
 
 def shift_dataset(ds: ArrayDataset, shift: DeviceShift) -> ArrayDataset:
     """``ds`` as the device sees it: its images turned and re-lit, its labels permuted."""
+    # imported here: torchvision's transforms take about a second to import, and every config load imports
+    # this module for ShiftConfig
     from torchvision.transforms.v2 import InterpolationMode
     from torchvision.transforms.v2 import functional as F
 

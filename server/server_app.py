@@ -56,10 +56,6 @@ def initial_arrays(cfg: FleetConfig) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
 
 
-def param_names(cfg: FleetConfig) -> list[str]:
-    return [n for n, _ in make_model(cfg.model, cfg.train.seed).named_parameters()]
-
-
 def out_of_time(cfg: FleetConfig, state: ServerState) -> bool:
     """True once the simulated clock has reached ``federation.time_budget_s`` (if set):
     rounds that started before the horizon still finish."""
@@ -100,7 +96,8 @@ def make_strategy(
         time_band=fed.time_band,
         sample_caps=known_data_sizes(cfg) if simulated else {},  # a simulation knows every device's data
     )
-    personal = personal_names(make_model(cfg.model, cfg.train.seed), fed.personal)
+    model = make_model(cfg.model, cfg.train.seed)  # its tensor names: trainable ones, and the personal ones
+    personal = personal_names(model, fed.personal)
     full_bytes = shared_bytes(arrays, personal)
     full_upload_s = full_bytes / fed.bandwidth_bytes_per_s
     upload_s_of = None  # device classes: each device's full upload over its own uplink sets its full round
@@ -112,7 +109,7 @@ def make_strategy(
         deadline_s=fed.deadline_s,
         deadline_factor=fed.deadline_factor,
         full_upload_s=full_upload_s if fed.deadline_includes_upload else 0.0,
-        param_names=param_names(cfg),
+        param_names=[n for n, _ in model.named_parameters()],
         lr=cfg.train.lr,
         blend=fed.strategy == "fleet" and fed.blend_beta is not None,
         defense=defense,

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from fleet.bench.fleet import _simulate, accuracy_swing, elastic_round_cap, mean_ci95, time_to_target, within
+from fleet.bench.fleet import _mean, _simulate, accuracy_swing, elastic_round_cap, mean_ci95, time_to_target, within
 from fleet.device_profile import DeviceProfile
 from fleet.errors import ConfigError
 from fleet.federated.config import load_fleet_config, run_dir
@@ -93,10 +93,6 @@ def method_figures(summary: dict, method: str, horizon: float | None, target: fl
         "curve": curve,
         "run_dir": summary["run_dir"],
     }
-
-
-def _mean_of(values: list[float | None]) -> float | None:
-    return statistics.fmean(values) if values and all(v is not None for v in values) else None
 
 
 def run_method(path: str, overrides: dict[str, Any], log, quiet: bool) -> dict:
@@ -253,7 +249,7 @@ def combine_newcomers(per_seed: dict[int, dict]) -> dict[str, dict]:
         m: {
             "final_accuracy": statistics.fmean(s[m]["final_accuracy"] for s in seeds),
             "device_time_s": statistics.fmean(s[m]["device_time_s"] for s in seeds),
-            "time_vs_full": _mean_of([s[m]["time_vs_full"] for s in seeds]),
+            "time_vs_full": _mean([s[m]["time_vs_full"] for s in seeds]),
             "curve": seeds[0][m]["curve"],  # the first seed's, for the plot
         }
         for m in seeds[0]

@@ -40,6 +40,7 @@ from fleet.federated.robust import (
     scale_update,
     screen_devices,
     update_limits,
+    update_norms,
     upload_problem,
 )
 from fleet.federated.schema import known_metrics, metric_problem
@@ -227,10 +228,11 @@ class ElasticFedAvg(FedAvg):
         accepted = self._screen(server_round, accepted, current)
         if d.norm_bound is None or not accepted:
             return accepted
-        limits = update_limits(current, [a.arrays for a in accepted], d.norm_bound)
+        norms = update_norms(current, [a.arrays for a in accepted])  # computed once for the limits and the clips
+        limits = update_limits(current, [a.arrays for a in accepted], d.norm_bound, norms)
         kept = []
-        for a in accepted:
-            bounded, clipped = bound_update(current, a.arrays, limits)
+        for a, sent_norms in zip(accepted, norms):
+            bounded, clipped = bound_update(current, a.arrays, limits, sent_norms)
             if clipped and d.norm_action == "reject":
                 reason = (
                     f"update of {len(clipped)} tensors above {d.norm_bound:g}x the median norm (first {clipped[0]!r})"

@@ -48,14 +48,24 @@ def bn_problem(name: str, values: np.ndarray) -> str | None:
     return None
 
 
-def update_limits(current: Mapping[str, np.ndarray], arrays: list[dict[str, np.ndarray]], bound: float) -> dict:
-    """Per float tensor sent by anyone: the largest update norm allowed (bound x lower median)."""
-    norms: dict[str, list[float]] = {}
-    for sent in arrays:
-        for name, value in sent.items():
-            if value.dtype.kind == "f":
-                norms.setdefault(name, []).append(_norm(value, current[name]))
-    return {name: bound * statistics.median_low(ns) for name, ns in norms.items()}
+def update_limits(
+    current: Mapping[str, np.ndarray],
+    arrays: list[dict[str, np.ndarray]],
+    bound: float,
+    norms: list[dict[str, float]] | None = None,
+) -> dict:
+    """Per float tensor sent by anyone: the largest update norm allowed (bound x lower median).
+    ``norms``: :func:`update_norms` of ``arrays``, when the caller has them already."""
+    by_name: dict[str, list[float]] = {}
+    for sent_norms in norms if norms is not None else update_norms(current, arrays):
+        for name, norm in sent_norms.items():
+            by_name.setdefault(name, []).append(norm)
+    return {name: bound * statistics.median_low(ns) for name, ns in by_name.items()}
+
+
+def update_norms(current: Mapping[str, np.ndarray], arrays: list[dict[str, np.ndarray]]) -> list[dict[str, float]]:
+    """Each reply's update length per float tensor it sent: the bounds and the clipping read the same ones."""
+    return [{n: _norm(v, current[n]) for n, v in sent.items() if v.dtype.kind == "f"} for sent in arrays]
 
 
 def _norm(value: np.ndarray, ref: np.ndarray) -> float:
@@ -67,14 +77,18 @@ def _norm(value: np.ndarray, ref: np.ndarray) -> float:
 
 
 def bound_update(
-    current: Mapping[str, np.ndarray], sent: dict[str, np.ndarray], limits: Mapping[str, float]
+    current: Mapping[str, np.ndarray],
+    sent: dict[str, np.ndarray],
+    limits: Mapping[str, float],
+    norms: Mapping[str, float] | None = None,
 ) -> tuple[dict[str, np.ndarray], list[str]]:
-    """``sent`` with every update above its limit scaled down onto it; (arrays, names clipped)."""
+    """``sent`` with every update above its limit scaled down onto it; (arrays, names clipped).
+    ``norms``: its update lengths, when the caller has them already."""
     out, clipped = dict(sent), []
     for name, value in sent.items():
         if name not in limits:
             continue
-        norm = _norm(value, current[name])
+        norm = norms[name] if norms is not None else _norm(value, current[name])
         if norm > limits[name] and norm > 0:
             ref = current[name].astype(np.float64)
             out[name] = (ref + (value - ref) * (limits[name] / norm)).astype(value.dtype)

@@ -63,6 +63,11 @@ class TrainConfig:
     # samples an importance probe uses (null: a whole batch). The probe trains every tensor for a step and takes
     # another gradient: on a whole batch it cost about 17% of elastic training (`fleet bench personalize`)
     probe_samples: int | None = None
+    # train: the probe's two passes are two training steps on one batch, kept, so only their difference from elastic
+    # steps is spent (Trainer.training_probe). restore: the spec's probe, a step on every tensor that is undone, then
+    # a second gradient (2 full steps plus copies). On `fleet bench personalize`, seeds 0-2, train ended 1.4 points
+    # higher at half the probes' share (docs/fleet.md, "The probe's cost")
+    probe: str = "train"
     prunetrain_lambda: float = 1e-4  # L1 group penalty weight (prunetrain)
     threads: int | None = None  # torch threads; None keeps torch's default
     profile: str | None = None  # device profile YAML; None measures one before training
@@ -138,6 +143,7 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
     "train.rho": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "train.interval": (lambda v: v >= 1, "an integer >= 1"),
     "train.probe_samples": (lambda v: v is None or v >= 2, "an integer >= 2 (BatchNorm needs 2), or null"),
+    "train.probe": (lambda v: v in ("restore", "train"), "'restore' or 'train'"),
     "train.interval_unit": (lambda v: v in ("epoch", "step"), "'epoch' or 'step'"),
     "train.prunetrain_lambda": (lambda v: v >= 0, "a number >= 0"),
     "train.threads": _OPTIONAL_COUNT,

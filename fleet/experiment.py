@@ -112,6 +112,7 @@ def trainer_options(cfg: TrainConfig, input_size: int, **changes) -> TrainerOpti
         input_size=input_size,
         seed=cfg.seed,
         probe_samples=cfg.probe_samples,
+        probe=cfg.probe,
     )
     return dataclasses.replace(options, **changes)
 

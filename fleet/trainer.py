@@ -23,7 +23,7 @@ from torch import nn
 from fleet.data import ArrayDataset, batches
 from fleet.device_profile import DeviceProfile
 from fleet.errors import BudgetError
-from fleet.importance import evaluate_importance
+from fleet.importance import evaluate_importance, importance_from_update, normalize
 from fleet.methods import group_lasso_penalty, static_mask
 from fleet.models import head_parameter_names, input_channels
 from fleet.policies import SelectionPolicy, select_in_window
@@ -32,6 +32,9 @@ from fleet.selection import select_tensors, selection_cost
 
 if TYPE_CHECKING:
     from fleet.memory.budgeted import MemoryBudget
+
+PROBE_MODES = ("restore", "train")
+RESTORE_PROBE_STEPS = 2.0  # a restoring probe costs about two full steps (one update, one gradient)
 
 
 @dataclass
@@ -81,6 +84,7 @@ class TrainerOptions:
     input_size: int | None = None
     seed: int = 0
     probe_samples: int | None = None  # samples an importance probe uses; None: a whole batch
+    probe: str = "train"  # "train": two kept training steps on every tensor; "restore": a step that is undone
 
 
 DEFAULT_POLICY = SelectionPolicy()
@@ -235,15 +239,20 @@ class Trainer:
         return self.step_count % self.options.interval == 0
 
     # --- training ---------------------------------------------------------
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the data loss, the loss to minimize: plus PruneTrain's penalty or Ditto's proximal term)."""
+        loss = nn.functional.cross_entropy(self.model(x), y)
+        total = loss
+        if self.options.method == "prunetrain" and self.options.prunetrain_lambda > 0:
+            total = loss + self.options.prunetrain_lambda * group_lasso_penalty(self.params)
+        if self.anchor is not None and self.prox_lambda > 0:
+            total = total + self.prox_lambda / 2 * self._distance_to_anchor()
+        return loss, total
+
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.optimizer.zero_grad(set_to_none=True)
         with self.step_context():
-            loss = nn.functional.cross_entropy(self.model(x), y)
-            total = loss
-            if self.options.method == "prunetrain" and self.options.prunetrain_lambda > 0:
-                total = loss + self.options.prunetrain_lambda * group_lasso_penalty(self.params)
-            if self.anchor is not None and self.prox_lambda > 0:
-                total = total + self.prox_lambda / 2 * self._distance_to_anchor()
+            loss, total = self._loss(x, y)
             total.backward()
         self.optimizer.step()
         self.step_count += 1
@@ -254,16 +263,65 @@ class Trainer:
         pairs = [(p, a) for p, a, m in zip(self.params, self.anchor or [], self.mask) if m]
         return sum(((p - a) ** 2).sum() for p, a in pairs) if pairs else torch.zeros(())
 
+    # A training probe (``options.probe == "train"``) is the restoring probe's two passes made
+    # into two training steps on the same batch, so that nothing is computed only to be undone:
+    # 1. a step that trains every tensor gives each tensor's update ``dw``;
+    # 2. a second step takes every tensor's gradient at the updated weights, scores ``-<g, dw>``
+    #    (docs/algorithms.md section 2), re-selects, and applies the gradient to the tensors
+    #    just selected.
+    # What it costs beyond elastic training is the two steps' difference from elastic steps
+    # (about one full step at rho 0.5), instead of two full steps plus copying and restoring
+    # the model and the optimizer. The batch is freshly shuffled, as the restoring probe's is.
+    # A tensor the last selection froze starts its momentum afresh: what it holds is from when
+    # it last trained, and the probe's first step, unlike the restoring probe's, is kept.
+    def training_probe(self, x: torch.Tensor, y: torch.Tensor, epoch: int) -> list[float]:
+        """Both steps of a training probe on ``x, y``; returns their losses."""
+        for p, trained in zip(self.params, self.mask):
+            if not trained:
+                self.optimizer.state.pop(p, None)
+        self.set_mask([True] * len(self.params))
+        before = [p.detach().clone() for p in self.params]
+        first = self.train_step(x, y)
+        update = [p.detach() - b for p, b in zip(self.params, before)]
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.step_context():
+            loss, total = self._loss(x, y)
+            total.backward()
+        importance = normalize(importance_from_update([p.grad for p in self.params], update))
+        self.reselect(importance=importance, epoch=epoch)  # drops the gradients of tensors left out
+        self.optimizer.step()
+        self.step_count += 1
+        return [first, float(loss.detach())]
+
+    def _probe_cost_s(self) -> float:
+        """The timing model's seconds for one restoring probe (two full steps)."""
+        return RESTORE_PROBE_STEPS * self.profile.full_step_time if self.profile is not None else 0.0
+
     def train_epoch(self, data: ArrayDataset, epoch: int) -> EpochStats:
-        """One pass over ``data``; times cover training steps and importance probes only."""
+        """One pass over ``data``; times cover training steps and importance probes only.
+
+        ``probe_time_s`` is what the probes cost beyond training: a restoring probe's whole
+        time, or a training probe's two steps less what one of the epoch's elastic steps took
+        (the batch's own step; the second step on it is counted as the probe's, though it trains).
+        ``predicted_time_s`` is the timing model's figure for the same work, probes included."""
         self.model.train()
         losses: list[float] = []
-        train_time = probe_time = predicted = 0.0
+        train_time = restore_time = probe_steps_time = predicted = 0.0
+        probe_steps = 0
         for i, (x, y) in enumerate(self.shuffled_batches(data)):
-            if self._due(epoch, i):
+            due = self._due(epoch, i)
+            if due and self.options.probe == "train":
+                start = time.perf_counter()
+                losses += self.training_probe(x, y, epoch)
+                probe_steps_time += time.perf_counter() - start
+                probe_steps += 1  # the batch's own step; the other is the probe's
+                predicted += 2 * self.profile.full_step_time
+                continue
+            if due:
                 start = time.perf_counter()
                 self.reselect(self.probe_batch(data), epoch=epoch)
-                probe_time += time.perf_counter() - start
+                restore_time += time.perf_counter() - start
+                predicted += self._probe_cost_s()
             if not any(self.mask):
                 continue  # nothing worth training until the next re-selection
             start = time.perf_counter()
@@ -271,13 +329,16 @@ class Trainer:
             train_time += time.perf_counter() - start
             if self.profile is not None:
                 predicted += self.profile.step_time(self.mask)
+        elastic_steps = len(losses) - 2 * probe_steps
+        per_step = train_time / elastic_steps if elastic_steps else probe_steps_time / max(probe_steps, 1)
+        beyond_training = max(probe_steps_time - probe_steps * per_step, 0.0)  # a training probe's extra
         return EpochStats(
             epoch=epoch,
             loss=statistics.fmean(losses) if losses else float("nan"),
             steps=len(losses),
-            train_time_s=train_time + probe_time,
+            train_time_s=train_time + probe_steps_time + restore_time,
             predicted_time_s=predicted,
-            probe_time_s=probe_time,
+            probe_time_s=restore_time + beyond_training,
             selected=sum(self.mask),
         )
 

@@ -28,6 +28,7 @@ def test_defaults_and_yaml_values(tmp_path):
         ("train:\n  rho: 1.5\n", "train.rho", "(0, 1]"),
         ("train:\n  rho: fast\n", "train.rho", "finite number"),
         ("train:\n  method: magic\n", "train.method", "elastic"),
+        ("train:\n  probe: cheap\n", "train.probe", "'restore' or 'train'"),
         ("train:\n  epochs: 2.5\n", "train.epochs", "integer"),
         ("train:\n  lrr: 0.1\n", "train.lrr", "allowed here"),
         ("model:\n  small_input: maybe\n", "model.small_input", "true or false"),

@@ -1,5 +1,7 @@
 """Elastic training: frozen tensors really get nothing, selections change, state survives."""
 
+import copy
+import dataclasses
 import json
 
 import pytest
@@ -198,3 +200,53 @@ def test_a_pass_leaves_out_a_last_batch_of_one_sample(synthetic, size_profile):
     for x, y in t.shuffled_batches(data):
         t.train_step(x, y)  # no "Expected more than 1 value per channel"
     assert [len(y) for _, y in t.shuffled_batches(synthetic[0].subset(list(range(BATCH + 2))))] == [BATCH, 2]
+
+
+def test_a_training_probe_scores_its_own_kept_update_and_trains_the_selection(synthetic, size_profile):
+    t = make(profile=size_profile, rho=0.5, probe="train", seed=2)
+    x, y = first_batch(synthetic)
+    t.train_step(x, y)
+    evens = [k % 2 == 0 for k in range(len(t.names))]
+    t.set_mask(evens)
+    t.train_step(x, y)  # the odd tensors' momentum is now a step old
+    start = [p.detach().clone() for p in t.params]
+    # What the probe should score: one step on every tensor (a frozen one's momentum started afresh,
+    # so its update is its plain gradient step), then every gradient at the updated weights.
+    twin = make(profile=size_profile, rho=0.5, seed=2)
+    twin.model.load_state_dict(t.model.state_dict())
+    twin.optimizer.load_state_dict(copy.deepcopy(t.optimizer.state_dict()))  # else they share buffers
+    for p, even in zip(twin.params, evens):
+        if not even:
+            twin.optimizer.state.pop(p)
+    twin.set_mask([True] * len(twin.names))
+    twin.train_step(x, y)
+    update = [p.detach() - s for p, s in zip(twin.params, start)]
+    grads = torch.autograd.grad(torch.nn.functional.cross_entropy(twin.model(x), y), twin.params)
+    expected = [-float((g * dw).sum()) for g, dw in zip(grads, update)]
+    top = max(abs(v) for v in expected)
+    after_one = [p.detach().clone() for p in twin.params]
+    losses = t.training_probe(x, y, epoch=0)
+    selection = t.selections[-1]
+    assert len(losses) == 2 and t.step_count == 4
+    assert selection.importance == pytest.approx([v / top for v in expected], rel=1e-3, abs=1e-5)
+    assert 0 < sum(selection.mask) < len(selection.mask)
+    assert size_profile.step_time(selection.mask) <= 0.5 * size_profile.full_step_time + 1e-12
+    for p, first, chosen in zip(t.params, after_one, selection.mask):
+        assert torch.equal(p, first) != chosen  # the second step moves exactly the tensors it selected
+
+
+def test_an_epoch_with_training_probes_counts_their_steps_and_their_extra_cost(synthetic, size_profile):
+    data = dataclasses.replace(synthetic[0], images=synthetic[0].images[:80], labels=synthetic[0].labels[:80])
+    t = make(profile=size_profile, rho=0.5, probe="train")
+    stats = [t.train_epoch(data, epoch) for epoch in range(2)]
+    batches_per_epoch = len(list(t.shuffled_batches(data)))
+    assert [s.steps for s in stats] == [batches_per_epoch + 1] * 2  # the probe's batch is trained twice
+    assert [s.step for s in t.selections] == [1, batches_per_epoch + 2]
+    full, elastic = size_profile.full_step_time, size_profile.step_time(t.selections[0].mask)
+    assert stats[0].predicted_time_s == pytest.approx(2 * full + (batches_per_epoch - 1) * elastic)
+    assert all(0 < s.probe_time_s < s.train_time_s for s in stats)
+    restore = make(profile=size_profile, rho=0.5, probe="restore")
+    restored = restore.train_epoch(data, 0)
+    assert restored.steps == batches_per_epoch
+    elastic = size_profile.step_time(restore.mask)
+    assert restored.predicted_time_s == pytest.approx(2 * full + batches_per_epoch * elastic)

@@ -28,9 +28,7 @@ from fleet.federated.config import FleetConfig
 from fleet.memory.budgeted import MemoryBudget
 from fleet.models import head_parameter_names
 from fleet.policies import Blend, SelectionPolicy, Window
-from fleet.trainer import Trainer
-
-PROBE_STEPS = 2.0  # an importance probe costs about two full steps (one update, one gradient)
+from fleet.trainer import RESTORE_PROBE_STEPS, Trainer
 
 
 @dataclass
@@ -222,7 +220,7 @@ def select_for_round(
     probe_cost = 0.0
     known = len(importance) == len(trainer.names)
     due = not known or plan.server_round - imp_round >= cfg.federation.importance_interval
-    probe_s = PROBE_STEPS * (trainer.profile.full_step_time + trainer.memory_added_s())
+    probe_s = RESTORE_PROBE_STEPS * (trainer.profile.full_step_time + trainer.memory_added_s())
     if due and (probe_pays(budget, probe_s) or not cfg.federation.probe_only_when_it_pays):
         importance = trainer.probe_importance(trainer.probe_batch(train))
         imp_round = plan.server_round

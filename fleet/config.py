@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from fleet.errors import ConfigError, FleetError
+from fleet.shift import ShiftConfig, check_shift
 
 METHODS = ("full", "tl", "bn_bias", "prunetrain", "elastic")
 
@@ -47,6 +48,12 @@ class DataConfig:
     # Simulation: one sub-folder per device, each a device's own image tree named for the device
     # (a natural per-user partition, like LEAF's FEMNIST writers).
     device_roots: str | None = None
+    # One device's own input domain (fleet/shift.py), for `fleet train` and `fleet personalize`: its images turned
+    # and re-lit as domain `domain` of `shift.domains` (null: 2, so domain 1 is turned by the whole rotation_deg),
+    # in training and testing alike. Pretraining stays unshifted: the vendor's model has not seen this device's
+    # camera. A fleet gives each device its domain with federation.shift instead.
+    shift: ShiftConfig = field(default_factory=ShiftConfig)
+    domain: int = 1
 
 
 @dataclass
@@ -259,6 +266,13 @@ def build_dataclass(cls: type, data: Any, prefix: str) -> Any:
 
 def check_experiment(cfg: ExperimentConfig) -> None:
     """Checks that span sections, so one field alone cannot express them."""
+    check_shift(cfg.data.shift, "data.shift", cfg.model.in_channels)
+    domains = cfg.data.shift.domains or 2
+    if not 0 <= cfg.data.domain < domains:
+        raise ConfigError(
+            f"data.domain: {cfg.data.domain} is not allowed; use an integer in [0, {domains}) "
+            "(one of data.shift.domains, 0 being unshifted)"
+        )
     names = cfg.data.class_names
     if names is not None and len(names) != cfg.model.num_classes:
         raise ConfigError(

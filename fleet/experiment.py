@@ -16,6 +16,7 @@ from fleet.device_profile import DeviceProfile
 from fleet.errors import ConfigError
 from fleet.models import build_model, head_parameter_names, input_channels, model_meta
 from fleet.profiler import profile_device, tensor_order
+from fleet.shift import device_shift, shift_dataset
 from fleet.trainer import TrainerOptions, make_optimizer
 
 
@@ -37,7 +38,11 @@ def load_data(cfg: DataConfig, seed: int = 0) -> tuple[ArrayDataset, ArrayDatase
         check_fashion_mnist()
     train = load_dataset(cfg.dataset, "train", root=cfg.root, classes=cfg.classes)
     test = load_dataset(cfg.dataset, "test", root=cfg.root, classes=cfg.classes)
-    return cap_per_class(train, cfg.train_per_class, seed), cap_per_class(test, cfg.test_per_class, seed + 1)
+    train, test = cap_per_class(train, cfg.train_per_class, seed), cap_per_class(test, cfg.test_per_class, seed + 1)
+    if not cfg.shift.active:
+        return train, test
+    shift = device_shift(cfg.shift, cfg.domain, cfg.shift.domains or 2, train.num_classes, seed)
+    return shift_dataset(train, shift), shift_dataset(test, shift)
 
 
 def check_model_fits_data(cfg: ExperimentConfig, *datasets: ArrayDataset, classes_field: str = "data.classes") -> None:

@@ -18,6 +18,7 @@ from fleet.config import ExperimentConfig
 from fleet.data import ArrayDataset
 from fleet.experiment import check_model_fits_data, load_data, make_model, trainer_options
 from fleet.models import load_checkpoint_meta, model_meta, save_checkpoint
+from fleet.shift import ShiftConfig
 from fleet.trainer import Trainer, TrainerOptions
 
 
@@ -39,7 +40,9 @@ def pretrain_config(cfg: ExperimentConfig) -> ExperimentConfig:
     return dataclasses.replace(
         cfg,
         model=dataclasses.replace(cfg.model, num_classes=num_classes, weights=None, reset_head=False),
-        data=dataclasses.replace(cfg.data, classes=classes, train_per_class=cfg.pretrain.train_per_class),
+        data=dataclasses.replace(  # unshifted: the vendor's data, not this device's camera
+            cfg.data, classes=classes, train_per_class=cfg.pretrain.train_per_class, shift=ShiftConfig()
+        ),
         train=dataclasses.replace(cfg.train, method="full", epochs=cfg.pretrain.epochs, lr=cfg.pretrain.lr),
     )
 

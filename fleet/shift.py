@@ -20,12 +20,15 @@ without anything being sent.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
 
 from fleet.data import ArrayDataset
+from fleet.errors import ConfigError
 
 
 @dataclass
@@ -41,6 +44,27 @@ class ShiftConfig:
     @property
     def active(self) -> bool:
         return bool(self.rotation_deg or self.brightness or self.contrast or self.label_permutation)
+
+
+RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "rotation_deg": (lambda v: 0 <= v <= 180, "an angle in degrees in [0, 180]"),
+    "brightness": (lambda v: 0 <= v < 1, "a number in [0, 1): factors spread over [1 - b, 1 + b]"),
+    "contrast": (lambda v: 0 <= v < 1, "a number in [0, 1): factors spread over [1 - c, 1 + c]"),
+    "domains": (lambda v: v is None or v >= 1, "an integer >= 1, or null (every device its own domain)"),
+}
+
+
+def check_shift(cfg: ShiftConfig, where: str, in_channels: int) -> None:
+    """One-line ConfigError for a field out of range, or brightness/contrast on images that are neither grey nor
+    colour (``where`` names the section: ``federation.shift`` or ``data.shift``)."""
+    for name, (ok, allowed) in RULES.items():
+        if not ok(getattr(cfg, name)):
+            raise ConfigError(f"{where}.{name}: {getattr(cfg, name)!r} is not allowed; use {allowed}")
+    if (cfg.brightness or cfg.contrast) and in_channels not in (1, 3):
+        raise ConfigError(
+            f"{where}: brightness and contrast need 1- or 3-channel images, and this data has "
+            f"{in_channels} (model.in_channels); use rotation_deg or label_permutation only"
+        )
 
 
 @dataclass(frozen=True)

@@ -84,3 +84,60 @@ def test_a_shift_on_devices_that_read_their_own_folders_is_refused(tmp_path):
     overrides = {"data.device_roots": str(tmp_path), "data.class_names": [str(i) for i in range(10)], **SHIFT}
     with pytest.raises(ConfigError, match="federation.shift: the devices read their own folders"):
         load_fleet_config(TINY, overrides)
+
+
+def test_fleet_train_reads_its_own_domain_and_pretrains_on_unshifted_data(tmp_path, capsys):
+    import json
+
+    from fleet.cli import main
+    from fleet.config import load_config
+    from fleet.experiment import load_data
+    from fleet.pretrain import pretrain_config
+
+    text = (
+        f"name: t\noutput_dir: {tmp_path}\nmodel: {{name: resnet18, in_channels: 1}}\n"
+        "data: {dataset: synthetic, input_size: 16, train_per_class: 8, test_per_class: 4}\n"
+        "train: {method: tl, epochs: 1, batch_size: 8}\n"
+    )
+    (tmp_path / "c.yaml").write_text(text)
+    turned = {"data.shift.rotation_deg": 90, "data.shift.label_permutation": True}
+    cfg = load_config(tmp_path / "c.yaml", turned)
+    plain = load_data(load_config(tmp_path / "c.yaml").data)
+    shifted = load_data(cfg.data)
+    shift = device_shift(cfg.data.shift, 1, 2, 10, seed=0)
+    assert shift.angle_deg == 90 and shift.permutation is not None  # domain 1 of 2: the whole rotation
+    for before, after in zip(plain, shifted):  # training and test data alike
+        assert torch.equal(after.images, shift_dataset(before, shift).images)
+        assert torch.equal(after.labels, torch.tensor(shift.permutation)[before.labels])
+        assert not torch.equal(after.images, before.images)
+    assert not pretrain_config(cfg).data.shift.active  # the vendor's model never saw this camera
+    assert torch.equal(
+        load_data(load_config(tmp_path / "c.yaml", {**turned, "data.domain": 0}).data)[0].images, plain[0].images
+    )  # domain 0 is the unshifted data
+    assert main(["train", "-c", str(tmp_path / "c.yaml"), "--set", "data.shift.rotation_deg=45"]) == 0
+    record = json.loads((tmp_path / "t" / "train-tl.json").read_text())
+    assert record["config"]["data"]["shift"]["rotation_deg"] == 45
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("data.domain=2", "data.domain: 2 is not allowed; use an integer in [0, 2)"),
+        ("data.shift.rotation_deg=200", "data.shift.rotation_deg: 200.0 is not allowed"),
+        ("data.shift.domains=0", "data.shift.domains: 0 is not allowed"),
+    ],
+)
+def test_a_single_device_shift_it_cannot_take_is_one_line_and_exit_2(tmp_path, capsys, override, message):
+    from fleet.cli import main
+
+    (tmp_path / "c.yaml").write_text(f"name: t\noutput_dir: {tmp_path}\ndata: {{dataset: synthetic}}\n")
+    assert main(["train", "-c", str(tmp_path / "c.yaml"), "--set", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_a_fleet_refuses_a_single_device_shift():
+    with pytest.raises(
+        ConfigError, match="^data.shift: a fleet gives each device its own domain with federation.shift"
+    ):
+        load_fleet_config(TINY, {"data.shift.rotation_deg": 30})

@@ -19,7 +19,7 @@ from fleet.errors import ConfigError
 from fleet.federated.class_config import DeviceClassConfig, check_classes
 from fleet.federated.paths import resolve_path
 from fleet.federated.personal import POLICIES as PERSONAL_POLICIES
-from fleet.shift import ShiftConfig
+from fleet.shift import ShiftConfig, check_shift
 
 STRATEGIES = ("fleet", "naive", "fedavg", "ditto")
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
@@ -230,30 +230,17 @@ def _check_rules(cfg: FleetConfig) -> None:
         )
 
 
-SHIFT_RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
-    "rotation_deg": (lambda v: 0 <= v <= 180, "an angle in degrees in [0, 180]"),
-    "brightness": (lambda v: 0 <= v < 1, "a number in [0, 1): factors spread over [1 - b, 1 + b]"),
-    "contrast": (lambda v: 0 <= v < 1, "a number in [0, 1): factors spread over [1 - c, 1 + c]"),
-    "domains": (lambda v: v is None or v >= 1, "an integer >= 1, or null (every device its own domain)"),
-}
-
-
 def _check_shift(cfg: FleetConfig) -> None:
-    """The shift's own fields, and whether the data can take it: it transforms slices of a shared dataset,
-    and brightness and contrast need grey or colour images."""
-    shift = cfg.federation.shift
-    for name, (ok, allowed) in SHIFT_RULES.items():
-        if not ok(getattr(shift, name)):
-            raise ConfigError(f"federation.shift.{name}: {getattr(shift, name)!r} is not allowed; use {allowed}")
-    if shift.active and cfg.data.device_roots is not None:
+    """The shift's own fields, and whether the data can take it: it transforms slices of a shared dataset."""
+    check_shift(cfg.federation.shift, "federation.shift", cfg.model.in_channels)
+    if cfg.data.shift.active:
+        raise ConfigError(
+            "data.shift: a fleet gives each device its own domain with federation.shift; move the shift there"
+        )
+    if cfg.federation.shift.active and cfg.data.device_roots is not None:
         raise ConfigError(
             "federation.shift: the devices read their own folders (data.device_roots), which are already their own "
             "domains; drop federation.shift, or simulate with a shared dataset split across devices"
-        )
-    if (shift.brightness or shift.contrast) and cfg.model.in_channels not in (1, 3):
-        raise ConfigError(
-            f"federation.shift: brightness and contrast need 1- or 3-channel images, and this data has "
-            f"{cfg.model.in_channels} (model.in_channels); use rotation_deg or label_permutation only"
         )
 
 

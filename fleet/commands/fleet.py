@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name")
     p.add_argument("--output-dir")
     p.add_argument("--rounds", type=int)
-    p.add_argument("--strategy", help="fleet, naive or fedavg")
+    p.add_argument("--strategy", help="fleet, naive, fedavg or ditto")
     p.add_argument("--resume", action="store_true", help="continue from runs/<name>/checkpoint.pt")
     p.add_argument(
         "--ray-address",

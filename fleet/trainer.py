@@ -33,7 +33,6 @@ from fleet.selection import select_tensors, selection_cost
 if TYPE_CHECKING:
     from fleet.memory.budgeted import MemoryBudget
 
-PROBE_MODES = ("restore", "train")
 RESTORE_PROBE_STEPS = 2.0  # a restoring probe costs about two full steps (one update, one gradient)
 
 
@@ -269,9 +268,10 @@ class Trainer:
     # 2. a second step takes every tensor's gradient at the updated weights, scores ``-<g, dw>``
     #    (docs/algorithms.md section 2), re-selects, and applies the gradient to the tensors
     #    just selected.
-    # What it costs beyond elastic training is the two steps' difference from elastic steps
-    # (about one full step at rho 0.5), instead of two full steps plus copying and restoring
-    # the model and the optimizer. The batch is freshly shuffled, as the restoring probe's is.
+    # What it costs beyond elastic training is two full steps in place of the batch's one
+    # elastic step (about 1.5 full steps at rho 0.5), where the restoring probe adds two full
+    # steps plus copying and restoring the model and the optimizer, and keeps nothing of them.
+    # The batch is freshly shuffled, as the restoring probe's is.
     # A tensor the last selection froze starts its momentum afresh: what it holds is from when
     # it last trained, and the probe's first step, unlike the restoring probe's, is kept.
     def training_probe(self, x: torch.Tensor, y: torch.Tensor, epoch: int) -> list[float]:

@@ -84,6 +84,10 @@ class TrainerOptions:
     seed: int = 0
     probe_samples: int | None = None  # samples an importance probe uses; None: a whole batch
     probe: str = "train"  # "train": two kept training steps on every tensor; "restore": a step that is undone
+    # normalization layers normalize with the statistics the model arrived with, and keep them, instead of each
+    # batch's: a device personalizing on a few hundred images of one or two classes has batch statistics too
+    # unlike its test data's, and its accuracy jumped 88% -> 6% -> 85% over epochs with them (fleet bench pfl)
+    frozen_norm_stats: bool = False
 
 
 DEFAULT_POLICY = SelectionPolicy()
@@ -297,6 +301,14 @@ class Trainer:
         """The timing model's seconds for one restoring probe (two full steps)."""
         return RESTORE_PROBE_STEPS * self.profile.full_step_time if self.profile is not None else 0.0
 
+    def train_mode(self) -> None:
+        """The model in training mode, its normalization layers in eval mode with ``frozen_norm_stats``."""
+        self.model.train()
+        if self.options.frozen_norm_stats:
+            for module in self.model.modules():
+                if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                    module.eval()
+
     def train_epoch(self, data: ArrayDataset, epoch: int) -> EpochStats:
         """One pass over ``data``; times cover training steps and importance probes only.
 
@@ -304,7 +316,7 @@ class Trainer:
         time, or a training probe's two steps less what one of the epoch's elastic steps took
         (the batch's own step; the second step on it is counted as the probe's, though it trains).
         ``predicted_time_s`` is the timing model's figure for the same work, probes included."""
-        self.model.train()
+        self.train_mode()
         losses: list[float] = []
         train_time = restore_time = probe_steps_time = predicted = 0.0
         probe_steps = 0
@@ -320,6 +332,7 @@ class Trainer:
             if due:
                 start = time.perf_counter()
                 self.reselect(self.probe_batch(data), epoch=epoch)
+                self.train_mode()  # the probe leaves every module in training mode
                 restore_time += time.perf_counter() - start
                 predicted += self._probe_cost_s()
             if not any(self.mask):
@@ -345,7 +358,7 @@ class Trainer:
     def evaluate(self, data: ArrayDataset, batch_size: int = 256) -> float:
         """Top-1 accuracy on ``data``."""
         acc = accuracy(self.model, data, self.options.input_size, batch_size)
-        self.model.train()
+        self.train_mode()
         return acc
 
 

@@ -55,7 +55,7 @@ def test_each_method_is_judged_on_its_own_personalized_accuracy_at_the_baselines
 
 
 @pytest.mark.slow
-def test_the_pfl_bench_runs_end_to_end_on_a_tiny_fleet(tmp_path):
+def test_the_pfl_bench_runs_end_to_end_on_a_tiny_fleet(tmp_path, capsys):
     """Two methods, one round each, one new device: every figure, plot and the new device's curves."""
     from fleet.bench.pfl import bench_pfl
 
@@ -82,3 +82,29 @@ def test_the_pfl_bench_runs_end_to_end_on_a_tiny_fleet(tmp_path):
     assert all(len(r["methods"]["fleet_head"]["device_accuracies"]) == 3 for r in report["per_seed"].values())
     for path in report["plots"]:
         assert (tmp_path / path.split("/")[-1]).stat().st_size > 3000
+    # The new devices again, from the finished fleet run alone, as `--newcomers-from` does.
+    from fleet.cli import main
+
+    fleet_run = tmp_path / "fleet-tiny-s0-fleet_head"
+    argv = ["bench", "pfl", "--newcomers-from", str(fleet_run), "--newcomer-epochs", "1", "--json"]
+    assert main(argv) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["runs"] == [str(fleet_run)] and again["newcomer_lr"] == pytest.approx(1e-3)
+    for m, entry in again["new_devices"].items():  # the same devices, model and lr: the same figures
+        assert entry["final_accuracy"] == pytest.approx(report["new_devices"][m]["final_accuracy"]), m
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--newcomers-from", "{tmp}/nowhere"], "--newcomers-from: {tmp}/nowhere holds no finished fleet run"),
+        (["--newcomer-lr", "0"], "--newcomer-lr: 0.0 is not allowed; use a number in (0, 10)"),
+        (["--newcomer-epochs", "0"], "--newcomer-epochs: 0 is not allowed"),
+    ],
+)
+def test_bad_newcomer_flags_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    from fleet.cli import main
+
+    assert main(["bench", "pfl", *(a.format(tmp=tmp_path) for a in argv)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message.format(tmp=tmp_path) in err and "\n" not in err

@@ -250,3 +250,18 @@ def test_an_epoch_with_training_probes_counts_their_steps_and_their_extra_cost(s
     assert restored.steps == batches_per_epoch
     elastic = size_profile.step_time(restore.mask)
     assert restored.predicted_time_s == pytest.approx(2 * full + batches_per_epoch * elastic)
+
+
+def test_frozen_norm_stats_keep_the_statistics_the_model_came_with_and_still_train(synthetic, size_profile):
+    data = dataclasses.replace(synthetic[0], images=synthetic[0].images[:40], labels=synthetic[0].labels[:40])
+    moved = {}
+    for frozen in (False, True):
+        t = make("full", profile=size_profile, frozen_norm_stats=frozen)
+        stats = {k: v.clone() for k, v in t.model.state_dict().items() if "running" in k}
+        weight = t.model.bn1.weight.detach().clone()
+        t.train_epoch(data, 0)
+        t.evaluate(data)
+        moved[frozen] = any(not torch.equal(v, t.model.state_dict()[k]) for k, v in stats.items())
+        assert not torch.equal(t.model.bn1.weight, weight)  # the norms' own weights train either way
+        assert t.model.training and t.model.bn1.training != frozen  # evaluation hands training back as it was
+    assert moved == {False: True, True: False}

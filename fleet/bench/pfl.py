@@ -141,19 +141,22 @@ def seed_figures(summaries: dict[str, dict], target_fraction: float) -> dict[str
     return {"horizon_s": horizon, "target_accuracy": target, "methods": methods}
 
 
-def newcomer_figures(summary: dict, cfg_path: Path, epochs: int, log) -> dict[str, Any]:
-    """The newcomers personalize from ``summary``'s run's final global model: per method, the mean over
-    them of the final accuracy and device time, and the mean curve."""
-    cfg = load_fleet_config(cfg_path)
+NEWCOMER_LR = 1e-3  # a tenth of the fleet's: fine-tuning a trained model on a few hundred images, not training it
+
+
+def newcomer_figures(run: Path, epochs: int, log, lr: float = NEWCOMER_LR) -> dict[str, Any]:
+    """The newcomers personalize from the final global model of the run in ``run``: per method, the mean
+    over them of the final accuracy and device time, and the mean curve."""
+    cfg = load_fleet_config(run / "fleet-config.yaml")
     fed = cfg.federation
     if fed.newcomers == 0:
         return {}
-    model = torch.load(Path(summary["run_dir"]) / CHECKPOINT_FILE, map_location="cpu", weights_only=True)["model"]
+    model = torch.load(run / CHECKPOINT_FILE, map_location="cpu", weights_only=True)["model"]
     profile = DeviceProfile.load(cfg.train.profile)
     curves = []
     for pid in range(fed.taking_part, fed.num_devices):
-        log(f"--- new device {pid} personalizes from {Path(summary['run_dir']).name} ---")
-        curves.append(personalize_newcomer(cfg, model, pid, profile, epochs=epochs))
+        log(f"--- new device {pid} personalizes from {run.name} ---")
+        curves.append(personalize_newcomer(cfg, model, pid, profile, epochs=epochs, lr=lr))
     out = {}
     for method in curves[0]:
         mean_curve = [
@@ -201,6 +204,7 @@ def bench_pfl(
     methods: Sequence[str] | None = None,
     finetune_steps: int = 10,
     newcomer_epochs: int = 5,
+    newcomer_lr: float = NEWCOMER_LR,
     target_fraction: float = 0.95,
     quiet: bool = False,
 ) -> dict[str, Any]:
@@ -220,7 +224,7 @@ def bench_pfl(
         summaries = run_seed(path, {**overrides, "train.seed": seed}, methods, finetune_steps, tag, log, quiet)
         per_seed[seed] = seed_figures(summaries, target_fraction)
         source = summaries.get(NEWCOMER_SOURCE) or summaries[BASELINE]
-        newcomers[seed] = newcomer_figures(source, Path(source["run_dir"]) / "fleet-config.yaml", newcomer_epochs, log)
+        newcomers[seed] = newcomer_figures(Path(source["run_dir"]), newcomer_epochs, log, newcomer_lr)
     report: dict[str, Any] = {
         "config": str(path),
         "seeds": seeds,
@@ -238,6 +242,21 @@ def bench_pfl(
     out.write_text(json.dumps(report, indent=2))
     report["report"] = str(out)
     return report
+
+
+def newcomers_from(runs: Sequence[str], epochs: int, lr: float = NEWCOMER_LR, quiet: bool = False) -> dict[str, Any]:
+    """The new devices of finished runs (e.g. each seed's ``<name>-sN-fleet``) personalize again from
+    their final global models, without running the fleets again."""
+    log = (lambda s: print(s, file=sys.stderr, flush=True)) if quiet else (lambda s: print(s, flush=True))
+    per_run = {}
+    for i, run in enumerate(runs):
+        path = Path(run)
+        if not (path / CHECKPOINT_FILE).is_file() or not (path / "fleet-config.yaml").is_file():
+            raise ConfigError(
+                f"--newcomers-from: {run} holds no finished fleet run; give a run folder with {CHECKPOINT_FILE}"
+            )
+        per_run[i] = newcomer_figures(path, epochs, log, lr)
+    return {"runs": [str(r) for r in runs], "newcomer_lr": lr, "new_devices": combine_newcomers(per_run)}
 
 
 def combine_newcomers(per_seed: dict[int, dict]) -> dict[str, dict]:
@@ -335,11 +354,16 @@ def pfl_table(report: dict) -> str:
             f"{(r['bytes_uploaded'] or 0) / 1e6:>9.1f} {'n/a' if swing is None else f'{100 * swing:.2f}':>6}"
         )
     if report["new_devices"]:
-        lines.append("new devices, personalizing from fleet's final global model (mean over them and the seeds):")
-        for m, r in report["new_devices"].items():
-            ratio = r["time_vs_full"]
-            lines.append(
-                f"{m:>17} {pct(r['final_accuracy']):>9} in {r['device_time_s']:.1f}s of device time"
-                + ("" if ratio is None else f" ({ratio:.2f}x full's)")
-            )
+        lines.append(newcomers_table(report["new_devices"]))
+    return "\n".join(lines)
+
+
+def newcomers_table(new_devices: dict) -> str:
+    lines = ["new devices, personalizing from fleet's final global model (mean over them and the seeds):"]
+    for m, r in new_devices.items():
+        ratio = r["time_vs_full"]
+        lines.append(
+            f"{m:>17} {100 * r['final_accuracy']:>8.2f}% in {r['device_time_s']:.1f}s of device time"
+            + ("" if ratio is None else f" ({ratio:.2f}x full's)")
+        )
     return "\n".join(lines)

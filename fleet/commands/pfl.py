@@ -19,15 +19,30 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", nargs="+", metavar="METHOD", help="a subset of the methods (default: all)")
     p.add_argument("--finetune-steps", type=int, default=10, help="FedAvg+FT's fine-tuning steps before scoring")
     p.add_argument("--newcomer-epochs", type=int, default=5, help="epochs each new device personalizes for")
+    p.add_argument("--newcomer-lr", type=float, default=1e-3, help="the new devices' learning rate")
+    p.add_argument(
+        "--newcomers-from",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="only the new devices, personalizing from these finished runs' final models (e.g. runs/pfl-s0-fleet)",
+    )
     p.add_argument("--output-dir")
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
     p.set_defaults(func=run_pfl)
 
 
 def run_pfl(args: argparse.Namespace) -> int:
-    from fleet.bench.pfl import bench_pfl, pfl_table
-    from fleet.commands.common import set_overrides
+    from fleet.bench.pfl import bench_pfl, newcomers_from, newcomers_table, pfl_table
+    from fleet.commands.common import require_counts, set_overrides
+    from fleet.errors import ConfigError
 
+    require_counts(args, "newcomer_epochs")
+    if not 0 < args.newcomer_lr < 10:
+        raise ConfigError(f"--newcomer-lr: {args.newcomer_lr} is not allowed; use a number in (0, 10), e.g. 0.001")
+    if args.newcomers_from:
+        report = newcomers_from(args.newcomers_from, args.newcomer_epochs, args.newcomer_lr, quiet=args.json)
+        print(json.dumps(report, indent=2) if args.json else newcomers_table(report["new_devices"]))
+        return 0
     report = bench_pfl(
         args.config,
         set_overrides(args),
@@ -35,6 +50,7 @@ def run_pfl(args: argparse.Namespace) -> int:
         methods=args.methods,
         finetune_steps=args.finetune_steps,
         newcomer_epochs=args.newcomer_epochs,
+        newcomer_lr=args.newcomer_lr,
         quiet=args.json,
     )
     print(json.dumps(report, indent=2) if args.json else pfl_table(report))

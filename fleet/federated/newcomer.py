@@ -34,16 +34,28 @@ def personalize_newcomer(
     epochs: int,
     methods: Sequence[str] = METHODS,
     rho: float = 0.5,
+    lr: float | None = None,
+    frozen_norm_stats: bool = True,
 ) -> dict[str, list[dict[str, float]]]:
     """Per method, the device's accuracy curve: ``[{"device_time_s", "accuracy"}, ...]``, starting at
     the global model's accuracy at time 0, one point per epoch over the device's training data.
-    ``profile`` is the measured one; the device's tier scales it."""
+    ``profile`` is the measured one; the device's tier scales it. ``lr`` (None: ``train.lr``) and
+    ``frozen_norm_stats`` are the personalization's: a new device fine-tunes a model whose
+    normalization statistics the fleet learned, on too few images for its batches' own."""
     data = device_data(cfg, partition_id)
     device = profile.scaled(tier_of(cfg, partition_id, {}))
     curves: dict[str, list[dict[str, float]]] = {}
     for method in methods:
         model = model_with_weights(cfg.model, {k: v.clone() for k, v in weights.items()})
-        options = trainer_options(cfg.train, cfg.data.input_size, method=method, rho=rho, seed=cfg.train.seed)
+        options = trainer_options(
+            cfg.train,
+            cfg.data.input_size,
+            method=method,
+            rho=rho,
+            seed=cfg.train.seed,
+            lr=lr or cfg.train.lr,
+            frozen_norm_stats=frozen_norm_stats,
+        )
         trainer = Trainer(model, options, device)
         points = [{"device_time_s": 0.0, "accuracy": trainer.evaluate(data.test)}]
         spent = 0.0

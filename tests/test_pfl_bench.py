@@ -87,9 +87,10 @@ def test_the_pfl_bench_runs_end_to_end_on_a_tiny_fleet(tmp_path, capsys):
 
     fleet_run = tmp_path / "fleet-tiny-s0-fleet_head"
     argv = ["bench", "pfl", "--newcomers-from", str(fleet_run), "--newcomer-epochs", "1", "--json"]
-    assert main(argv) == 0
+    assert main([*argv, "--set", "train.interval=1"]) == 0  # fleet-tiny's own interval: nothing changes
     again = json.loads(capsys.readouterr().out)
     assert again["runs"] == [str(fleet_run)] and again["newcomer_lr"] == pytest.approx(1e-3)
+    assert again["overrides"] == {"train.interval": 1}
     for m, entry in again["new_devices"].items():  # the same devices, model and lr: the same figures
         assert entry["final_accuracy"] == pytest.approx(report["new_devices"][m]["final_accuracy"]), m
 

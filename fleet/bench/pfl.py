@@ -144,10 +144,12 @@ def seed_figures(summaries: dict[str, dict], target_fraction: float) -> dict[str
 NEWCOMER_LR = 1e-3  # a tenth of the fleet's: fine-tuning a trained model on a few hundred images, not training it
 
 
-def newcomer_figures(run: Path, epochs: int, log, lr: float = NEWCOMER_LR) -> dict[str, Any]:
-    """The newcomers personalize from the final global model of the run in ``run``: per method, the mean
-    over them of the final accuracy and device time, and the mean curve."""
-    cfg = load_fleet_config(run / "fleet-config.yaml")
+def newcomer_figures(
+    run: Path, epochs: int, log, lr: float = NEWCOMER_LR, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The newcomers personalize from the final global model of the run in ``run`` (its config, with
+    ``overrides``): per method, the mean over them of the final accuracy and device time, and the mean curve."""
+    cfg = load_fleet_config(run / "fleet-config.yaml", overrides)
     fed = cfg.federation
     if fed.newcomers == 0:
         return {}
@@ -244,9 +246,16 @@ def bench_pfl(
     return report
 
 
-def newcomers_from(runs: Sequence[str], epochs: int, lr: float = NEWCOMER_LR, quiet: bool = False) -> dict[str, Any]:
+def newcomers_from(
+    runs: Sequence[str],
+    epochs: int,
+    lr: float = NEWCOMER_LR,
+    overrides: dict[str, Any] | None = None,
+    quiet: bool = False,
+) -> dict[str, Any]:
     """The new devices of finished runs (e.g. each seed's ``<name>-sN-fleet``) personalize again from
-    their final global models, without running the fleets again."""
+    their final global models, without running the fleets again; ``overrides`` change the runs' configs
+    (e.g. ``train.interval``, how often a new device's elastic training probes)."""
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if quiet else (lambda s: print(s, flush=True))
     per_run = {}
     for i, run in enumerate(runs):
@@ -255,8 +264,9 @@ def newcomers_from(runs: Sequence[str], epochs: int, lr: float = NEWCOMER_LR, qu
             raise ConfigError(
                 f"--newcomers-from: {run} holds no finished fleet run; give a run folder with {CHECKPOINT_FILE}"
             )
-        per_run[i] = newcomer_figures(path, epochs, log, lr)
-    return {"runs": [str(r) for r in runs], "newcomer_lr": lr, "new_devices": combine_newcomers(per_run)}
+        per_run[i] = newcomer_figures(path, epochs, log, lr, overrides)
+    report = {"runs": [str(r) for r in runs], "newcomer_lr": lr, "overrides": dict(overrides or {})}
+    return {**report, "new_devices": combine_newcomers(per_run)}
 
 
 def combine_newcomers(per_seed: dict[int, dict]) -> dict[str, dict]:

@@ -34,13 +34,15 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
 def run_pfl(args: argparse.Namespace) -> int:
     from fleet.bench.pfl import bench_pfl, newcomers_from, newcomers_table, pfl_table
     from fleet.commands.common import require_counts, set_overrides
+    from fleet.config import parse_override
     from fleet.errors import ConfigError
 
     require_counts(args, "newcomer_epochs")
     if not 0 < args.newcomer_lr < 10:
         raise ConfigError(f"--newcomer-lr: {args.newcomer_lr} is not allowed; use a number in (0, 10), e.g. 0.001")
     if args.newcomers_from:
-        report = newcomers_from(args.newcomers_from, args.newcomer_epochs, args.newcomer_lr, quiet=args.json)
+        overrides = dict(parse_override(s) for s in args.set)
+        report = newcomers_from(args.newcomers_from, args.newcomer_epochs, args.newcomer_lr, overrides, args.json)
         print(json.dumps(report, indent=2) if args.json else newcomers_table(report["new_devices"]))
         return 0
     report = bench_pfl(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -91,6 +92,7 @@ def test_the_pfl_bench_runs_end_to_end_on_a_tiny_fleet(tmp_path, capsys):
     again = json.loads(capsys.readouterr().out)
     assert again["runs"] == [str(fleet_run)] and again["newcomer_lr"] == pytest.approx(1e-3)
     assert again["overrides"] == {"train.interval": 1}
+    assert Path(again["plot"]) == tmp_path / "new-devices.png" and Path(again["plot"]).stat().st_size > 3000
     # The same devices, model and lr: the same figures. Not elastic's: on 16 test images its selection can
     # turn on float rounding, which differs with the thread count a process runs with.
     for m in ("full", "tl", "bn_bias"):

@@ -266,7 +266,10 @@ def newcomers_from(
             )
         per_run[i] = newcomer_figures(path, epochs, log, lr, overrides)
     report = {"runs": [str(r) for r in runs], "newcomer_lr": lr, "overrides": dict(overrides or {})}
-    return {**report, "new_devices": combine_newcomers(per_run)}
+    report["new_devices"] = combine_newcomers(per_run)
+    plot = Path(runs[0]).parent / "new-devices.png"
+    report["plot"] = str(plot_new_devices(report["new_devices"], plot))
+    return report
 
 
 def combine_newcomers(per_seed: dict[int, dict]) -> dict[str, dict]:
@@ -279,7 +282,10 @@ def combine_newcomers(per_seed: dict[int, dict]) -> dict[str, dict]:
             "final_accuracy": statistics.fmean(s[m]["final_accuracy"] for s in seeds),
             "device_time_s": statistics.fmean(s[m]["device_time_s"] for s in seeds),
             "time_vs_full": _mean([s[m]["time_vs_full"] for s in seeds]),
-            "curve": seeds[0][m]["curve"],  # the first seed's, for the plot
+            "curve": [  # epoch by epoch, mean over the seeds
+                {k: statistics.fmean(s[m]["curve"][i][k] for s in seeds) for k in ("device_time_s", "accuracy")}
+                for i in range(min(len(s[m]["curve"]) for s in seeds))
+            ],
         }
         for m in seeds[0]
     }
@@ -328,8 +334,19 @@ def plot_pfl(report: dict, stem: Path) -> list[Path]:
     fig.savefig(paths[1], dpi=100)
     plt.close(fig)
 
+    plot_new_devices(report["new_devices"], paths[2])
+    return paths
+
+
+def plot_new_devices(new_devices: dict, path: Path) -> Path:
+    """Each personalization method's accuracy against device time, mean over the new devices and seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for method, entry in report["new_devices"].items():
+    for method, entry in new_devices.items():
         ax.plot(
             [p["device_time_s"] for p in entry["curve"]],
             [100 * p["accuracy"] for p in entry["curve"]],
@@ -340,9 +357,9 @@ def plot_pfl(report: dict, stem: Path) -> list[Path]:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(paths[2], dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    return paths
+    return path
 
 
 def pfl_table(report: dict) -> str:

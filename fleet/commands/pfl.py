@@ -24,7 +24,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         "--newcomers-from",
         nargs="+",
         metavar="RUN_DIR",
-        help="only the new devices, personalizing from these finished runs' final models (e.g. runs/pfl-s0-fleet)",
+        help="only the new devices, from these finished runs' final models (e.g. runs/pfl-s0-fleet); plot beside them",
     )
     p.add_argument("--output-dir")
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")

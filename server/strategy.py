@@ -229,7 +229,7 @@ class ElasticFedAvg(FedAvg):
         if d.norm_bound is None or not accepted:
             return accepted
         norms = update_norms(current, [a.arrays for a in accepted])  # computed once for the limits and the clips
-        limits = update_limits(current, [a.arrays for a in accepted], d.norm_bound, norms)
+        limits = update_limits(norms, d.norm_bound)
         kept = []
         for a, sent_norms in zip(accepted, norms):
             bounded, clipped = bound_update(current, a.arrays, limits, sent_norms)

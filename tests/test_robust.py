@@ -12,7 +12,7 @@ import pytest
 from flwr.app import Array
 
 from fleet.federated.membership import member
-from fleet.federated.robust import Defense, plausible_times, robust_average, screen_devices, update_limits
+from fleet.federated.robust import Defense, plausible_times, robust_average, screen_devices, update_limits, update_norms
 from fleet.federated.schema import TRAIN, metric_problem
 from fleet.federated.state import ServerState
 from server.strategy import ElasticFedAvg
@@ -124,7 +124,8 @@ def test_a_device_is_judged_on_shared_tensors_and_the_verdict_covers_the_ones_it
 
 
 def test_two_attackers_cannot_lift_the_bound_with_the_lower_median():
-    limits = update_limits(GLOBAL, [{"w": np.full(4, 1.0, np.float32)}, {"w": np.full(4, 1e3, np.float32)}], 3.0)
+    sent = [{"w": np.full(4, 1.0, np.float32)}, {"w": np.full(4, 1e3, np.float32)}]
+    limits = update_limits(update_norms(GLOBAL, sent), 3.0)
     assert limits["w"] == pytest.approx(3 * 2.0)  # 3 x the smaller of the two norms (2 and 2000)
 
 

@@ -48,16 +48,11 @@ def bn_problem(name: str, values: np.ndarray) -> str | None:
     return None
 
 
-def update_limits(
-    current: Mapping[str, np.ndarray],
-    arrays: list[dict[str, np.ndarray]],
-    bound: float,
-    norms: list[dict[str, float]] | None = None,
-) -> dict:
-    """Per float tensor sent by anyone: the largest update norm allowed (bound x lower median).
-    ``norms``: :func:`update_norms` of ``arrays``, when the caller has them already."""
+def update_limits(norms: list[dict[str, float]], bound: float) -> dict:
+    """Per float tensor sent by anyone: the largest update norm allowed (bound x lower median), from each
+    reply's :func:`update_norms`."""
     by_name: dict[str, list[float]] = {}
-    for sent_norms in norms if norms is not None else update_norms(current, arrays):
+    for sent_norms in norms:
         for name, norm in sent_norms.items():
             by_name.setdefault(name, []).append(norm)
     return {name: bound * statistics.median_low(ns) for name, ns in by_name.items()}
@@ -80,15 +75,15 @@ def bound_update(
     current: Mapping[str, np.ndarray],
     sent: dict[str, np.ndarray],
     limits: Mapping[str, float],
-    norms: Mapping[str, float] | None = None,
+    norms: Mapping[str, float],
 ) -> tuple[dict[str, np.ndarray], list[str]]:
     """``sent`` with every update above its limit scaled down onto it; (arrays, names clipped).
-    ``norms``: its update lengths, when the caller has them already."""
+    ``norms``: its update lengths (:func:`update_norms`), the ones the limits were drawn from."""
     out, clipped = dict(sent), []
     for name, value in sent.items():
         if name not in limits:
             continue
-        norm = norms[name] if norms is not None else _norm(value, current[name])
+        norm = norms[name]
         if norm > limits[name] and norm > 0:
             ref = current[name].astype(np.float64)
             out[name] = (ref + (value - ref) * (limits[name] / norm)).astype(value.dtype)

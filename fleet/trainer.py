@@ -252,14 +252,19 @@ class Trainer:
             total = total + self.prox_lambda / 2 * self._distance_to_anchor()
         return loss, total
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def _backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Fresh gradients of the training loss for the tensors being trained; the data loss."""
         self.optimizer.zero_grad(set_to_none=True)
         with self.step_context():
             loss, total = self._loss(x, y)
             total.backward()
+        return float(loss.detach())
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = self._backward(x, y)
         self.optimizer.step()
         self.step_count += 1
-        return float(loss.detach())
+        return loss
 
     def _distance_to_anchor(self) -> torch.Tensor:
         """``||w - anchor||^2`` over the tensors being trained (a frozen tensor cannot move toward it)."""
@@ -287,15 +292,12 @@ class Trainer:
         before = [p.detach().clone() for p in self.params]
         first = self.train_step(x, y)
         update = [p.detach() - b for p, b in zip(self.params, before)]
-        self.optimizer.zero_grad(set_to_none=True)
-        with self.step_context():
-            loss, total = self._loss(x, y)
-            total.backward()
+        second = self._backward(x, y)
         importance = normalize(importance_from_update([p.grad for p in self.params], update))
         self.reselect(importance=importance, epoch=epoch)  # drops the gradients of tensors left out
         self.optimizer.step()
         self.step_count += 1
-        return [first, float(loss.detach())]
+        return [first, second]
 
     def _probe_cost_s(self) -> float:
         """The timing model's seconds for one restoring probe (two full steps)."""

@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fleet.bench.launch import progress_log
 from fleet.config import config_to_dict
 from fleet.errors import ConfigError, FleetError
 from fleet.federated.config import FederationConfig, FleetConfig, load_fleet_config, run_dir
@@ -411,7 +412,7 @@ def bench_fleet(
         raise ConfigError(f"--final-rounds: {final_rounds} is not allowed; use an integer >= 1")
     base = load_fleet_config(path, overrides)
     seeds = list(seeds) if seeds else [base.train.seed]
-    log = (lambda s: print(s, file=sys.stderr, flush=True)) if quiet else print
+    log = progress_log(quiet)
     per_seed: dict[int, dict] = {}
     for seed in seeds:
         tag = "" if seeds == [base.train.seed] else f"-s{seed}"

@@ -40,6 +40,13 @@ ACTOR = "ClientAppActor"  # Ray names an actor's process ray::<class>
 Log = Callable[[str], None]
 
 
+def progress_log(quiet: bool) -> Log:
+    """Where a bench's progress lines go: stderr when stdout carries its one JSON object, else stdout."""
+    if quiet:
+        return lambda s: print(s, file=sys.stderr, flush=True)
+    return lambda s: print(s, flush=True)
+
+
 @dataclass
 class MemoryWatch:
     """Peak resident memory of one process session, sampled from /proc every ``interval_s``.

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 
 from fleet.bench.fleet import _mean, _simulate, accuracy_swing, elastic_round_cap, mean_ci95, time_to_target, within
+from fleet.bench.launch import progress_log
 from fleet.device_profile import DeviceProfile
 from fleet.errors import ConfigError
 from fleet.federated.config import load_fleet_config, run_dir
@@ -216,7 +216,7 @@ def bench_pfl(
         raise ConfigError(f"--methods: {unknown[0]!r} is not a method; use some of {', '.join(METHODS)}")
     if finetune_steps < 1:
         raise ConfigError(f"--finetune-steps: {finetune_steps} is not allowed; use an integer >= 1")
-    log = (lambda s: print(s, file=sys.stderr, flush=True)) if quiet else (lambda s: print(s, flush=True))
+    log = progress_log(quiet)
     overrides = dict(overrides or {})
     base = load_fleet_config(path, overrides)
     seeds = list(seeds or [base.train.seed])
@@ -256,7 +256,7 @@ def newcomers_from(
     """The new devices of finished runs (e.g. each seed's ``<name>-sN-fleet``) personalize again from
     their final global models, without running the fleets again; ``overrides`` change the runs' configs
     (e.g. ``train.interval``, how often a new device's elastic training probes)."""
-    log = (lambda s: print(s, file=sys.stderr, flush=True)) if quiet else (lambda s: print(s, flush=True))
+    log = progress_log(quiet)
     per_run = {}
     for i, run in enumerate(runs):
         path = Path(run)

@@ -20,13 +20,12 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from fleet.bench.adversary_app import ATTACK_FILE, ATTACKS
-from fleet.bench.launch import HONEST_APP, Log, launch, shared_start
+from fleet.bench.launch import HONEST_APP, Log, launch, progress_log, shared_start
 from fleet.errors import ConfigError
 from fleet.federated.config import load_fleet_config, run_dir
 from fleet.federated.prepare import prepare
@@ -157,7 +156,7 @@ def bench_robustness(
     to ``<output_dir>/robustness.json`` after every run, so a killed bench keeps what it measured."""
     base = load_fleet_config(path, overrides or {})
     check_choices(attacks, adversaries, base.federation.num_devices)
-    log: Log = (lambda s: print(s, file=sys.stderr, flush=True)) if quiet else (lambda s: print(s, flush=True))
+    log = progress_log(quiet)
     shared = shared_start(path, dict(overrides or {}), log)
     common = {**(overrides or {}), "train.profile": shared.train.profile, "model.weights": shared.model.weights}
     common["federation.server_eval"] = True  # the final accuracy: the global model on a balanced test set

@@ -23,13 +23,12 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fleet.bench.launch import HONEST_APP, Log, MemoryWatch, launch, shared_start
+from fleet.bench.launch import HONEST_APP, Log, MemoryWatch, launch, progress_log, shared_start
 from fleet.errors import ConfigError
 from fleet.federated.config import load_fleet_config, run_dir
 from fleet.federated.prepare import prepare
@@ -121,7 +120,7 @@ def bench_scale(
     quiet: bool = False,
 ) -> dict[str, Any]:
     """Every fleet size in turn; the report is rewritten after each, so a killed bench keeps what it measured."""
-    log: Log = (lambda s: print(s, file=sys.stderr, flush=True)) if quiet else (lambda s: print(s, flush=True))
+    log = progress_log(quiet)
     overrides = dict(overrides or {})
     base = load_fleet_config(path, overrides)
     shared = shared_start(path, overrides, log)

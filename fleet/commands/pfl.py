@@ -19,7 +19,9 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", nargs="+", metavar="METHOD", help="a subset of the methods (default: all)")
     p.add_argument("--finetune-steps", type=int, default=10, help="FedAvg+FT's fine-tuning steps before scoring")
     p.add_argument("--newcomer-epochs", type=int, default=5, help="epochs each new device personalizes for")
-    p.add_argument("--newcomer-lr", type=float, default=1e-3, help="the new devices' learning rate")
+    p.add_argument(
+        "--newcomer-lr", type=float, help="the new devices' learning rate (default: 0.001, a tenth of the fleet's)"
+    )
     p.add_argument(
         "--newcomers-from",
         nargs="+",
@@ -32,17 +34,18 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def run_pfl(args: argparse.Namespace) -> int:
-    from fleet.bench.pfl import bench_pfl, newcomers_from, newcomers_table, pfl_table
+    from fleet.bench.pfl import NEWCOMER_LR, bench_pfl, newcomers_from, newcomers_table, pfl_table
     from fleet.commands.common import require_counts, set_overrides
     from fleet.config import parse_override
     from fleet.errors import ConfigError
 
     require_counts(args, "newcomer_epochs")
-    if not 0 < args.newcomer_lr < 10:
-        raise ConfigError(f"--newcomer-lr: {args.newcomer_lr} is not allowed; use a number in (0, 10), e.g. 0.001")
+    lr = NEWCOMER_LR if args.newcomer_lr is None else args.newcomer_lr
+    if not 0 < lr < 10:
+        raise ConfigError(f"--newcomer-lr: {lr} is not allowed; use a number in (0, 10), e.g. {NEWCOMER_LR}")
     if args.newcomers_from:
         overrides = dict(parse_override(s) for s in args.set)
-        report = newcomers_from(args.newcomers_from, args.newcomer_epochs, args.newcomer_lr, overrides, args.json)
+        report = newcomers_from(args.newcomers_from, args.newcomer_epochs, lr, overrides, args.json)
         print(json.dumps(report, indent=2) if args.json else newcomers_table(report["new_devices"]))
         return 0
     report = bench_pfl(
@@ -52,7 +55,7 @@ def run_pfl(args: argparse.Namespace) -> int:
         methods=args.methods,
         finetune_steps=args.finetune_steps,
         newcomer_epochs=args.newcomer_epochs,
-        newcomer_lr=args.newcomer_lr,
+        newcomer_lr=lr,
         quiet=args.json,
     )
     print(json.dumps(report, indent=2) if args.json else pfl_table(report))

@@ -114,3 +114,13 @@ def test_bad_newcomer_flags_are_one_line_and_exit_2(tmp_path, capsys, argv, mess
     assert main(["bench", "pfl", *(a.format(tmp=tmp_path) for a in argv)]) == 2
     err = capsys.readouterr().err.strip()
     assert message.format(tmp=tmp_path) in err and "\n" not in err
+
+
+def test_a_corrupt_run_checkpoint_is_one_line_and_exit_2(tmp_path, capsys):
+    from fleet.cli import main
+
+    (tmp_path / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    (tmp_path / "fleet-config.yaml").write_text(Path("simulations/pfl.yaml").read_text())
+    assert main(["bench", "pfl", "--newcomers-from", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{tmp_path}/checkpoint.pt: not a readable fleet checkpoint" in err and "\n" not in err

@@ -28,8 +28,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from fleet.bench.fleet import _mean, _simulate, accuracy_swing, elastic_round_cap, mean_ci95, time_to_target, within
 from fleet.bench.launch import progress_log
 from fleet.device_profile import DeviceProfile
@@ -37,7 +35,7 @@ from fleet.errors import ConfigError
 from fleet.federated.config import load_fleet_config, run_dir
 from fleet.federated.newcomer import personalize_newcomer
 from fleet.federated.prepare import prepare
-from fleet.federated.state import CHECKPOINT_FILE
+from fleet.federated.state import CHECKPOINT_FILE, load_checkpoint
 from fleet.federated.tracking import METRICS_FILE, SUMMARY_FILE, p10
 
 DEFAULT_CONFIG = "simulations/pfl.yaml"
@@ -153,7 +151,10 @@ def newcomer_figures(
     fed = cfg.federation
     if fed.newcomers == 0:
         return {}
-    model = torch.load(run / CHECKPOINT_FILE, map_location="cpu", weights_only=True)["model"]
+    loaded = load_checkpoint(run)
+    if loaded is None:
+        raise ConfigError(f"{run / CHECKPOINT_FILE}: not a readable fleet checkpoint; give a finished run's folder")
+    model = loaded[0]
     profile = DeviceProfile.load(cfg.train.profile)
     curves = []
     for pid in range(fed.taking_part, fed.num_devices):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fleet.experiment import make_model
@@ -48,3 +50,15 @@ def test_newcomers_leave_some_devices_to_take_part_and_the_sample_counts_only_th
     assert cfg.federation.taking_part == 2
     with pytest.raises(ConfigError, match="^federation.devices_per_round: 3 is more than the 2 simulated devices"):
         simulated_fleet(cfg, log=lambda s: None)
+
+
+def test_a_profile_of_another_model_is_refused_before_any_training(tmp_path):
+    from fleet.errors import FleetError
+
+    cfg = load_fleet_config(TINY, {"output_dir": str(tmp_path)})
+    model = make_model(cfg.model, 0)
+    other = make_model(dataclasses.replace(cfg.model, num_classes=5), 0)  # another head
+    profile = proportional_profile(other, cfg.train.batch_size, cfg.data.input_size)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(FleetError, match="does not match the model: fc.weight has shape"):
+        personalize_newcomer(cfg, weights, partition_id=3, profile=profile, epochs=1)

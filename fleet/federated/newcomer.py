@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from fleet.device_profile import DeviceProfile
-from fleet.experiment import model_with_weights, trainer_options
+from fleet.experiment import check_profile, model_with_weights, trainer_options
 from fleet.federated.config import FleetConfig
 from fleet.federated.device import tier_of
 from fleet.federated.split import device_data
@@ -45,8 +45,10 @@ def personalize_newcomer(
     data = device_data(cfg, partition_id)
     device = profile.scaled(tier_of(cfg, partition_id, {}))
     curves: dict[str, list[dict[str, float]]] = {}
-    for method in methods:
+    for i, method in enumerate(methods):
         model = model_with_weights(cfg.model, {k: v.clone() for k, v in weights.items()})
+        if i == 0:  # a profile of another model or input would time the wrong tensors
+            check_profile(profile, model, cfg.train.batch_size, cfg.data.input_size, cfg.train.profile or "profile")
         options = trainer_options(
             cfg.train,
             cfg.data.input_size,

@@ -1,0 +1,112 @@
+"""The fleet's behaviour, pinned: per-round accuracy, bytes and selections of small seeded runs.
+
+A redesign must not change what a round does. This script runs a few tiny fleets through the
+real CLI (``fleet simulate``, Flower's simulation engine), each from the same size-computed
+profile, the same seeded start and the same data, and keeps only what the code decides: the
+global and personalized accuracy of every round, the bytes uploaded, the deadline and simulated
+clock, and per device its selection (tensors, trained fraction, rho, predicted time, bytes).
+
+    python tests/golden_rounds.py --write    # record tests/data/golden-rounds.json
+    python tests/golden_rounds.py            # compare a fresh run with it (exit 1 on a difference)
+
+``tests/test_golden_rounds.py`` runs the comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "tests" / "data" / "golden-rounds.json"
+CONFIG = "simulations/fleet-tiny.yaml"
+
+# name -> overrides of fleet-tiny: the strategies, a personal head, fine-tuning before evaluation, Ditto
+RUNS: dict[str, dict[str, object]] = {
+    "fleet-head-finetune": {
+        "federation.strategy": "fleet",
+        "federation.personal": "head",
+        "federation.finetune_steps": 2,
+    },
+    "naive-tight": {"federation.strategy": "naive", "federation.deadline_factor": 0.3},
+    "ditto": {"federation.strategy": "ditto"},
+}
+ROUNDS = 3
+ROUND_KEYS = ("deadline_s", "round_time_s", "sim_time_s", "global_accuracy", "personal_accuracy", "bytes_uploaded")
+DEVICE_KEYS = ("selected", "trained_fraction", "rho", "predicted_time_s", "bytes_uploaded", "global_accuracy")
+TOLERANCE = 1e-6  # accuracies and seconds: float sums in another order may move the last bits, nothing more
+
+
+def write_profile(path: Path) -> None:
+    """fleet-tiny's model profiled from tensor sizes (tests/conftest.py): the same on every machine."""
+    sys.path.insert(0, str(ROOT))
+    from tests.conftest import proportional_profile, small_model
+
+    proportional_profile(small_model(), batch_size=16, input_size=16).save(path)
+
+
+def run_one(name: str, overrides: dict[str, object], profile: Path, out: Path) -> list[dict]:
+    """One seeded run's rounds, reduced to what the code decides."""
+    sets = {**overrides, "train.profile": str(profile), "federation.rounds": ROUNDS, "output_dir": str(out)}
+    cmd = [sys.executable, "-m", "fleet.cli", "simulate", CONFIG, "--name", f"golden-{name}"]
+    cmd += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name}: fleet simulate exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    lines = (out / f"golden-{name}" / "metrics.jsonl").read_text().splitlines()
+    return [reduce(json.loads(line)) for line in lines]
+
+
+def reduce(rec: dict) -> dict:
+    devices = {d["device"]: {k: d[k] for k in DEVICE_KEYS if k in d} for d in rec["devices"]}
+    return {**{k: rec[k] for k in ROUND_KEYS}, "devices": devices}
+
+
+def differences(expected: object, got: object, where: str = "") -> list[str]:
+    """Every place ``got`` differs from ``expected`` (numbers within TOLERANCE)."""
+    if isinstance(expected, dict) and isinstance(got, dict):
+        out = [f"{where}.{k}: missing" for k in expected if k not in got]
+        out += [f"{where}.{k}: unexpected" for k in got if k not in expected]
+        for k in expected.keys() & got.keys():
+            out += differences(expected[k], got[k], f"{where}.{k}")
+        return out
+    if isinstance(expected, list) and isinstance(got, list):
+        if len(expected) != len(got):
+            return [f"{where}: {len(got)} entries, expected {len(expected)}"]
+        return [d for i, (e, g) in enumerate(zip(expected, got)) for d in differences(e, g, f"{where}[{i}]")]
+    if isinstance(expected, float) and isinstance(got, (int, float)):
+        return [] if math.isclose(expected, got, rel_tol=TOLERANCE, abs_tol=TOLERANCE) else [f"{where}: {got} != {expected}"]
+    return [] if expected == got else [f"{where}: {got!r} != {expected!r}"]
+
+
+def run_all() -> dict[str, list[dict]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        profile = Path(tmp) / "profile.yaml"
+        write_profile(profile)
+        return {name: run_one(name, overrides, profile, Path(tmp) / "runs") for name, overrides in RUNS.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help=f"record {GOLDEN.relative_to(ROOT)}")
+    args = parser.parse_args()
+    got = run_all()
+    if args.write:
+        GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+        GOLDEN.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {GOLDEN}")
+        return 0
+    diffs = differences(json.loads(GOLDEN.read_text()), got)
+    print("\n".join(diffs[:40]) or "same rounds as recorded")
+    return 1 if diffs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -59,7 +59,8 @@ def run_one(name: str, overrides: dict[str, object], profile: Path, out: Path) -
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
-        raise RuntimeError(f"{name}: fleet simulate exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        tail = (done.stdout + done.stderr)[-3000:]
+        raise RuntimeError(f"{name}: fleet simulate exited {done.returncode}:\n{tail}")
     lines = (out / f"golden-{name}" / "metrics.jsonl").read_text().splitlines()
     return [reduce(json.loads(line)) for line in lines]
 
@@ -82,7 +83,8 @@ def differences(expected: object, got: object, where: str = "") -> list[str]:
             return [f"{where}: {len(got)} entries, expected {len(expected)}"]
         return [d for i, (e, g) in enumerate(zip(expected, got)) for d in differences(e, g, f"{where}[{i}]")]
     if isinstance(expected, float) and isinstance(got, (int, float)):
-        return [] if math.isclose(expected, got, rel_tol=TOLERANCE, abs_tol=TOLERANCE) else [f"{where}: {got} != {expected}"]
+        close = math.isclose(expected, got, rel_tol=TOLERANCE, abs_tol=TOLERANCE)
+        return [] if close else [f"{where}: {got} != {expected}"]
     return [] if expected == got else [f"{where}: {got!r} != {expected!r}"]
 
 

@@ -1,6 +1,6 @@
 """The ``fleet`` command. Each subcommand module registers its own parser.
 
-A :class:`~fleet.errors.FleetError` (bad config, unknown model, mismatched
+A :class:`~fleet.base.errors.FleetError` (bad config, unknown model, mismatched
 profile, ...) becomes one ``error:`` line and exit status 2.
 """
 
@@ -10,12 +10,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from fleet.base.errors import FleetError
 from fleet.commands import bench as bench_command
 from fleet.commands import device as device_command
 from fleet.commands import fleet as fleet_command
 from fleet.commands import memory as memory_command
 from fleet.commands import personalize, pfl, pretrain, profile, robustness, scale, train
-from fleet.errors import FleetError
 
 # Modules exposing register(subparsers) and optionally register_bench(bench_subparsers).
 COMMAND_MODULES = (

@@ -15,7 +15,7 @@ import time
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from fleet.errors import FleetError
+from fleet.base.errors import FleetError
 from fleet.federated import keys, membership, schema
 from fleet.federated.aggregate import error_summary
 from fleet.federated.config import FleetConfig

@@ -22,8 +22,8 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from fleet.data import ArrayDataset
-from fleet.experiment import make_model
+from fleet.data.datasets import ArrayDataset
+from fleet.engine.experiment import make_model
 from fleet.federated import keys
 from fleet.federated.classes import FleetClasses
 from fleet.federated.config import FleetConfig, config_from_run_config, run_dir

@@ -18,7 +18,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from fleet.errors import FleetError
+from fleet.base.errors import FleetError
 from fleet.federated.config import FleetConfig, load_fleet_config, run_dir
 from fleet.federated.paths import APP_ROOT
 from fleet.federated.prepare import prepare

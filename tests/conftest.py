@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from fleet.data import load_dataset
-from fleet.device_profile import DeviceProfile, TensorTiming
-from fleet.models import build_model, input_channels, model_meta
-from fleet.profiler import profile_device, tensor_order
-from fleet.trainer import TrainerOptions, make_optimizer
+from fleet.data.datasets import load_dataset
+from fleet.engine.device_profile import DeviceProfile, TensorTiming
+from fleet.engine.models import build_model, input_channels, model_meta
+from fleet.engine.profiler import profile_device, tensor_order
+from fleet.engine.trainer import TrainerOptions, make_optimizer
 
 INPUT = 16
 BATCH = 8

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from fleet.errors import ConfigError
+from fleet.base.errors import ConfigError
 from fleet.federated.class_config import load_trace
 from fleet.federated.classes import (
     FleetClasses,

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from fleet.base.errors import ConfigError, DataError
 from fleet.cli import main
-from fleet.config import load_config, parse_override
-from fleet.errors import ConfigError, DataError
+from fleet.engine.config import load_config, parse_override
 from tests.conftest import proportional_profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +69,7 @@ def no_work(monkeypatch) -> None:
     def forbidden(*args, **kwargs):
         raise AssertionError("work started before the input was checked")
 
-    monkeypatch.setattr("fleet.train_run.make_model", forbidden)
+    monkeypatch.setattr("fleet.engine.train_run.make_model", forbidden)
     monkeypatch.setattr("fleet.bench.personalize.ensure_pretrained", forbidden)
     monkeypatch.setattr("fleet.federated.prepare.obtain_profile", forbidden)
     monkeypatch.setattr("fleet.federated.prepare.keep_previous_run", forbidden)
@@ -151,7 +151,7 @@ def test_model_that_does_not_fit_the_fleet_data_keeps_the_previous_run(
 
 
 def test_a_model_that_fits_passes_the_check(synthetic_config):
-    from fleet.experiment import check_model_fits_data, load_data
+    from fleet.engine.experiment import check_model_fits_data, load_data
 
     cfg = load_config(synthetic_config, {"data.input_size": 32})  # resized batches are fine
     check_model_fits_data(cfg, *load_data(cfg.data))
@@ -209,7 +209,7 @@ def test_profile_out_is_a_directory(tmp_path, capsys):
 def test_profile_out_in_a_missing_folder_is_created(tmp_path, capsys, monkeypatch):
     """Profiling itself is replaced by a computed profile: what is tested is where it is written."""
     monkeypatch.setattr(
-        "fleet.profiler.profile_device",
+        "fleet.engine.profiler.profile_device",
         lambda model, meta, *, batch_size, input_size, **kw: proportional_profile(
             model, batch_size, input_size, meta=meta
         ),
@@ -217,7 +217,7 @@ def test_profile_out_in_a_missing_folder_is_created(tmp_path, capsys, monkeypatc
     out = tmp_path / "a" / "b" / "device.yaml"
     argv = ["profile", "--model", "resnet18", "--in-channels", "1", "--batch-size", "4", "--input-size", "16"]
     assert main([*argv, "--out", str(out)]) == 0
-    from fleet.device_profile import DeviceProfile
+    from fleet.engine.device_profile import DeviceProfile
 
     assert DeviceProfile.load(out).batch_size == 4
 
@@ -321,14 +321,14 @@ def test_no_module_runs_an_installer():
 
 
 def test_data_module_does_not_start_programs():
-    tree_ = ast.parse((ROOT / "fleet" / "data.py").read_text())
+    tree_ = ast.parse((ROOT / "fleet" / "data" / "datasets.py").read_text())
     imported = {a.name for n in ast.walk(tree_) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree_) if isinstance(n, ast.ImportFrom)}
     assert "subprocess" not in imported
 
 
 def test_missing_fashion_mnist_names_the_install_command(tmp_path):
-    from fleet.data import check_fashion_mnist
+    from fleet.data.datasets import check_fashion_mnist
 
     with pytest.raises(DataError) as info:
         check_fashion_mnist(tmp_path / "missing")

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from fleet.cli import main
-from fleet.models import load_checkpoint_meta, model_meta
+from fleet.engine.models import load_checkpoint_meta, model_meta
 from tests.conftest import BATCH, INPUT
 
 
@@ -55,7 +55,7 @@ def test_profile_command_writes_loadable_profile(tmp_path, capsys):
         == 0
     )
     assert "profiled mobilenet_v3_small" in capsys.readouterr().out
-    from fleet.device_profile import DeviceProfile
+    from fleet.engine.device_profile import DeviceProfile
 
     assert DeviceProfile.load(out).model["name"] == "mobilenet_v3_small"
     assert main(["profile", "--model", "lenet", "--out", str(out)]) == 2
@@ -66,8 +66,8 @@ def test_profile_command_writes_loadable_profile(tmp_path, capsys):
 
 def test_profile_from_a_fleet_config_records_the_memory_budget(tmp_path, capsys):
     """What a deployed device runs once: the fleet config says which model, batch and input size."""
-    from fleet.device_profile import DeviceProfile
-    from fleet.errors import ProfileMismatchError
+    from fleet.base.errors import ProfileMismatchError
+    from fleet.engine.device_profile import DeviceProfile
 
     out = tmp_path / "dev.yaml"
     assert (

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
+from fleet.base.errors import ConfigError
 from fleet.cli import main
-from fleet.config import ExperimentConfig, load_config
-from fleet.errors import ConfigError
+from fleet.engine.config import ExperimentConfig, load_config
 
 
 def write(tmp_path, text):
@@ -84,7 +84,7 @@ def test_console_script_exit_code(tmp_path):
 
 
 def test_trainer_options_mirror_the_train_section_and_take_changes(tmp_path):
-    from fleet.experiment import trainer_options
+    from fleet.engine.experiment import trainer_options
 
     cfg = load_config(
         write(tmp_path, "train:\n  method: prunetrain\n  rho: 0.4\n  lr: 0.02\n  seed: 3\n  interval: 2\n")

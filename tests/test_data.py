@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from fleet.data import (
+from fleet.base.errors import DataError
+from fleet.data.datasets import (
     DATASET_NAMES,
     FASHION_MNIST_ROOT,
     ArrayDataset,
@@ -20,7 +21,6 @@ from fleet.data import (
     make_synthetic,
     read_idx,
 )
-from fleet.errors import DataError
 
 
 def _idx_bytes(arr: np.ndarray) -> bytes:
@@ -321,7 +321,7 @@ def test_check_fashion_mnist_never_installs(tmp_path: Path, monkeypatch: pytest.
     import shutil
     import subprocess
 
-    import fleet.data
+    import fleet.data.datasets
 
     def refuse(*args, **kwargs):
         raise AssertionError(f"the data loader tried to run {args[0] if args else kwargs}")
@@ -330,7 +330,7 @@ def test_check_fashion_mnist_never_installs(tmp_path: Path, monkeypatch: pytest.
         monkeypatch.setattr(subprocess, name, refuse)
     monkeypatch.setattr(shutil, "which", lambda cmd, *a, **k: f"/usr/bin/{cmd}")
     monkeypatch.setattr(os, "geteuid", lambda: 0, raising=False)
-    monkeypatch.setattr(fleet.data, "FASHION_MNIST_ROOT", tmp_path)
+    monkeypatch.setattr(fleet.data.datasets, "FASHION_MNIST_ROOT", tmp_path)
     with pytest.raises(DataError, match="apt-get install dataset-fashion-mnist"):
         check_fashion_mnist(tmp_path)
     assert not (tmp_path / "train-images-idx3-ubyte.gz").exists()

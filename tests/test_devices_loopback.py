@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import yaml
 
-from fleet.data import load_dataset
+from fleet.data.datasets import load_dataset
 from tests.test_deploy_loopback import ROOT, Loopback, measure_profile, run_status, wait_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]

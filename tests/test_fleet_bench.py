@@ -185,9 +185,9 @@ def test_reuse_takes_only_a_finished_run_made_with_the_same_config(tmp_path):
 
     import yaml
 
+    from fleet.base.errors import ConfigError
     from fleet.bench.fleet import bench_fleet, reused_summary
-    from fleet.config import config_to_dict
-    from fleet.errors import ConfigError
+    from fleet.engine.config import config_to_dict
     from fleet.federated.config import run_dir
 
     want = fleet_config_from_dict(
@@ -215,9 +215,9 @@ def test_reuse_accepts_a_raised_round_cap_once_the_time_budget_is_reached(tmp_pa
 
     import yaml
 
+    from fleet.base.errors import ConfigError
     from fleet.bench.fleet import reused_summary
-    from fleet.config import config_to_dict
-    from fleet.errors import ConfigError
+    from fleet.engine.config import config_to_dict
     from fleet.federated.config import run_dir
 
     want = fleet_config_from_dict(
@@ -257,9 +257,9 @@ def test_bench_carries_elastic_runs_to_the_horizon_past_their_round_cap(tmp_path
     import yaml
 
     from fleet.bench.fleet import bench_fleet
-    from fleet.experiment import make_model
+    from fleet.engine.experiment import make_model
+    from fleet.engine.models import model_meta
     from fleet.federated.config import load_fleet_config
-    from fleet.models import model_meta
     from tests.conftest import proportional_profile
 
     # A size-proportional profile: how many elastic rounds fit FedAvg's horizon must not depend on

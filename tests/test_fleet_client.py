@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from fleet.errors import BudgetError, ConfigError
-from fleet.experiment import make_model
+from fleet.base.errors import BudgetError, ConfigError
+from fleet.engine.experiment import make_model
+from fleet.engine.models import model_meta
+from fleet.engine.policies import blend_importance, fitted_window_mask, select_in_window, window_mask, window_position
 from fleet.federated.config import fleet_config_from_dict, load_fleet_config
 from fleet.federated.device import device_memory, memory_budget_of
 from fleet.federated.round import RoundPlan, device_rho, drop_stale_momentum, local_round
 from fleet.federated.split import device_data, fleet_indices
-from fleet.models import model_meta
-from fleet.policies import blend_importance, fitted_window_mask, select_in_window, window_mask, window_position
 from tests.conftest import proportional_profile
 
 TINY = "simulations/fleet-tiny.yaml"

@@ -162,7 +162,7 @@ def test_profile_of_another_batch_size_stops_the_launch_in_one_line(tmp_path):
 
 def test_flwr_without_the_simulation_internals_is_named_in_one_line(tmp_path, monkeypatch):
     """`fleet simulate` leans on flwr 1.42's simulation internals; another flwr must say so, not crash."""
-    from fleet.errors import FleetError
+    from fleet.base.errors import FleetError
     from fleet.federated.config import fleet_config_from_dict
     from server.simulation import run_simulation
 
@@ -289,7 +289,7 @@ def test_device_roots_train_each_device_on_exactly_its_own_files(tmp_path):
     FEMNIST); 2 of the 4 sampled per round, seeded; each trains and is evaluated on its own PNGs only."""
     import yaml
 
-    from fleet.data import load_dataset
+    from fleet.data.datasets import load_dataset
     from tests.test_devices_loopback import CLASS_NAMES, write_trees
 
     trees = {

@@ -188,7 +188,7 @@ def test_a_device_failure_is_logged_in_one_line():
     assert s.state.replies.rejections[0].reason == "device failed: OSError: [Errno 28] No space left on device"
     assert error_summary("x" * 500).endswith("...") and len(error_summary("x" * 500)) == 300
     assert error_summary("") == "no reason given"
-    deployed = "<class 'fleet.errors.DataError'>:<'node config data-root: class folder 'unicorn' is unknown'>"
+    deployed = "<class 'fleet.base.errors.DataError'>:<'node config data-root: class folder 'unicorn' is unknown'>"
     assert error_summary(deployed) == "DataError: node config data-root: class folder 'unicorn' is unknown"
 
 

@@ -2,9 +2,9 @@
 
 import torch
 
-from fleet.data import batches
-from fleet.importance import evaluate_importance, importance_from_update, normalize
-from fleet.trainer import TrainerOptions, make_optimizer
+from fleet.data.datasets import batches
+from fleet.engine.importance import evaluate_importance, importance_from_update, normalize
+from fleet.engine.trainer import TrainerOptions, make_optimizer
 from tests.conftest import INPUT, small_model
 
 

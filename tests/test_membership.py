@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.errors import ConfigError, FleetError
+from fleet.base.errors import ConfigError, FleetError
 from fleet.federated import membership as m
 from fleet.federated.config import fleet_config_from_dict
 from fleet.federated.device import device_name_of, partition_of, state_dir_of, tier_of

@@ -9,8 +9,8 @@ import os
 import pytest
 import yaml
 
+from fleet.base.errors import BudgetError, ConfigError
 from fleet.commands.memory import _budget_flags, register_bench, register_plan
-from fleet.errors import BudgetError, ConfigError
 from fleet.memory.planner import BudgetValueError, InfeasibleBudgetError, MemoryPlan
 
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 import yaml
 from torch import nn
 
+from fleet.base.errors import ConfigError, ProfileMismatchError
 from fleet.bench.memory import bench_model
-from fleet.errors import ConfigError, ProfileMismatchError
 from fleet.memory.executor import apply_plan, first_trainable_block
 from fleet.memory.measure import measure_block_costs
 from fleet.memory.planner import FROZEN, KEEP, PAGE, RECOMPUTE, evaluate_plan, plan_memory, resolve_budget

@@ -12,7 +12,7 @@ import time
 import pytest
 import yaml
 
-from fleet.errors import BudgetError, ConfigError
+from fleet.base.errors import BudgetError, ConfigError
 from fleet.memory.planner import (
     FROZEN,
     KEEP,

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from fleet.errors import ModelError
-from fleet.models import (
+from fleet.base.errors import ModelError
+from fleet.engine.models import (
     MODEL_NAMES,
     build_model,
     head_parameter_names,
@@ -229,8 +229,8 @@ def test_model_meta_rebuilds_the_model() -> None:
 def test_a_model_with_given_weights_holds_them_exactly_and_trains(tmp_path) -> None:
     """Built on the meta device: the configured start file is not read (here it does not exist) and
     every tensor is the given one, cast to the model's dtype."""
-    from fleet.config import ModelConfig
-    from fleet.experiment import model_with_weights
+    from fleet.engine.config import ModelConfig
+    from fleet.engine.experiment import model_with_weights
 
     source = build_model("resnet18", 10, in_channels=1, small_input=True)
     weights = {k: v.clone().double() if v.is_floating_point() else v.clone() for k, v in source.state_dict().items()}

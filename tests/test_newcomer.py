@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from fleet.experiment import make_model
+from fleet.engine.experiment import make_model
+from fleet.engine.models import model_meta
 from fleet.federated.config import load_fleet_config
 from fleet.federated.newcomer import personalize_newcomer
-from fleet.models import model_meta
 from tests.conftest import proportional_profile
 
 TINY = "simulations/fleet-tiny.yaml"
@@ -41,7 +41,7 @@ def test_each_method_records_accuracy_against_the_device_time_it_spent(tmp_path)
 
 
 def test_newcomers_leave_some_devices_to_take_part_and_the_sample_counts_only_those():
-    from fleet.errors import ConfigError
+    from fleet.base.errors import ConfigError
     from fleet.federated.prepare import simulated_fleet
 
     with pytest.raises(ConfigError, match="^federation.newcomers: 4 leaves none of the 4 devices"):
@@ -53,7 +53,7 @@ def test_newcomers_leave_some_devices_to_take_part_and_the_sample_counts_only_th
 
 
 def test_a_profile_of_another_model_is_refused_before_any_training(tmp_path):
-    from fleet.errors import FleetError
+    from fleet.base.errors import FleetError
 
     cfg = load_fleet_config(TINY, {"output_dir": str(tmp_path)})
     model = make_model(cfg.model, 0)

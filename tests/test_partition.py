@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fleet.errors import DataError
-from fleet.partition import SCHEMES, partition_indices, split_train_test
+from fleet.base.errors import DataError
+from fleet.data.partition import SCHEMES, partition_indices, split_train_test
 
 LABELS = np.repeat(np.arange(10), 100)[np.random.default_rng(0).permutation(1000)]
 

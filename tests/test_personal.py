@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fleet.errors import ConfigError
-from fleet.experiment import make_model
+from fleet.base.errors import ConfigError
+from fleet.engine.experiment import make_model
+from fleet.engine.models import model_meta
 from fleet.federated import keys, tasks
 from fleet.federated.config import load_fleet_config
 from fleet.federated.personal import personal_names
 from fleet.federated.robust import upload_problem
-from fleet.models import model_meta
 from tests.conftest import proportional_profile
 
 TINY = "simulations/fleet-tiny.yaml"
@@ -136,10 +136,10 @@ def test_negative_finetune_steps_are_one_line():
 def test_dittos_proximal_term_pulls_the_personal_model_toward_the_global_one(tmp_path):
     """The same personal model, trained the same steps on the same batches: with ditto_lambda it ends
     nearer the global weights it is anchored to than without."""
-    from fleet.experiment import trainer_options
+    from fleet.engine.experiment import trainer_options
+    from fleet.engine.trainer import Trainer
     from fleet.federated.round import train_steps
     from fleet.federated.split import device_data
-    from fleet.trainer import Trainer
 
     dev, weights = device(tmp_path, "none")
     data = device_data(dev.cfg, 0).train

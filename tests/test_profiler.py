@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from fleet.device_profile import DeviceProfile
-from fleet.errors import ProfileMismatchError
-from fleet.experiment import check_profile
-from fleet.models import build_model
-from fleet.profiler import tensor_order
+from fleet.base.errors import ProfileMismatchError
+from fleet.engine.device_profile import DeviceProfile
+from fleet.engine.experiment import check_profile
+from fleet.engine.models import build_model
+from fleet.engine.profiler import tensor_order
 from tests.conftest import BATCH, INPUT, small_model
 
 

@@ -20,14 +20,14 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, Metadata, RecordDict
 
 from client import client_app
+from fleet.base.errors import ConfigError
 from fleet.bench import adversary_app as adv
 from fleet.bench.robustness import check_choices, run_figures
-from fleet.errors import ConfigError
-from fleet.experiment import make_model
+from fleet.engine.experiment import make_model
+from fleet.engine.models import model_meta
 from fleet.federated import keys
 from fleet.federated.config import load_fleet_config, run_dir
 from fleet.federated.round import full_round_time
-from fleet.models import model_meta
 from tests.conftest import proportional_profile
 
 TINY = "simulations/fleet-tiny.yaml"

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from fleet.base.errors import ConfigError
 from fleet.bench.launch import MemoryWatch
 from fleet.bench.scale import parse_fleets, round_figures
-from fleet.errors import ConfigError
 from tests.test_fleet_simulation import TINY, run_fleet
 
 

@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from fleet.selection import select_tensors, selection_cost
+from fleet.engine.selection import select_tensors, selection_cost
 
 
 def brute_force(imp, dw, dy, budget):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fleet.data import ArrayDataset
-from fleet.errors import ConfigError
+from fleet.base.errors import ConfigError
+from fleet.data.datasets import ArrayDataset
+from fleet.data.shift import ShiftConfig, device_shift, shift_dataset
 from fleet.federated.config import load_fleet_config
-from fleet.shift import ShiftConfig, device_shift, shift_dataset
 
 TINY = "simulations/fleet-tiny.yaml"
 SHIFT = {
@@ -90,9 +90,9 @@ def test_fleet_train_reads_its_own_domain_and_pretrains_on_unshifted_data(tmp_pa
     import json
 
     from fleet.cli import main
-    from fleet.config import load_config
-    from fleet.experiment import load_data
-    from fleet.pretrain import pretrain_config
+    from fleet.engine.config import load_config
+    from fleet.engine.experiment import load_data
+    from fleet.engine.pretrain import pretrain_config
 
     text = (
         f"name: t\noutput_dir: {tmp_path}\nmodel: {{name: resnet18, in_channels: 1}}\n"

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
+from fleet.base.errors import BudgetError
 from fleet.cli import main
-from fleet.data import batches
-from fleet.errors import BudgetError
-from fleet.trainer import Trainer, TrainerOptions
+from fleet.data.datasets import batches
+from fleet.engine.trainer import Trainer, TrainerOptions
 from tests.conftest import BATCH, INPUT, proportional_profile, small_model
 
 

@@ -32,9 +32,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fleet.base.errors import ConfigError, FleetError
 from fleet.bench.launch import progress_log
-from fleet.config import config_to_dict
-from fleet.errors import ConfigError, FleetError
+from fleet.engine.config import config_to_dict
 from fleet.federated.config import FederationConfig, FleetConfig, load_fleet_config, run_dir
 from fleet.federated.prepare import EFFECTIVE_CONFIG, prepare
 from fleet.federated.tracking import SUMMARY_FILE

@@ -26,7 +26,7 @@ from fleet.federated.prepare import prepare
 
 SIMULATE = (  # one simulation, as `fleet simulate` runs it, with the ClientApp named on the command line
     "import sys\n"
-    "from fleet.errors import FleetError\n"
+    "from fleet.base.errors import FleetError\n"
     "from server.simulation import simulate\n"
     "try:\n"
     "    simulate(sys.argv[1], None, client_app=sys.argv[2])\n"

@@ -42,17 +42,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fleet.errors import ConfigError
+from fleet.base.errors import ConfigError
+from fleet.engine.models import build_model
 from fleet.memory.executor import apply_plan
 from fleet.memory.measure import measure_block_costs
 from fleet.memory.planner import MB, MemoryPlan, plan_memory, resolve_budget
 from fleet.memory.records import MemoryProfile, StorageProfile
 from fleet.memory.storage import measure_storage
-from fleet.models import build_model
 
 
 def bench_model(name: str, num_classes: int = 10, *, in_channels: int = 3, small_input: bool = False) -> nn.Module:
-    """The zoo model (:func:`fleet.models.build_model`, untrained) that ``fleet bench memory``
+    """The zoo model (:func:`fleet.engine.models.build_model`, untrained) that ``fleet bench memory``
     and ``fleet plan-memory`` profile."""
     return build_model(name, num_classes, in_channels=in_channels, small_input=small_input)
 

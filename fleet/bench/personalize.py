@@ -11,12 +11,12 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from fleet.atomic import write_json
-from fleet.config import ExperimentConfig, config_to_dict
-from fleet.experiment import load_data, make_model, obtain_profile, trainer_options
-from fleet.pretrain import ensure_pretrained
-from fleet.train_run import experiment_dir, format_epoch, trainer_record
-from fleet.trainer import EpochStats, Trainer
+from fleet.base.atomic import write_json
+from fleet.engine.config import ExperimentConfig, config_to_dict
+from fleet.engine.experiment import load_data, make_model, obtain_profile, trainer_options
+from fleet.engine.pretrain import ensure_pretrained
+from fleet.engine.train_run import experiment_dir, format_epoch, trainer_record
+from fleet.engine.trainer import EpochStats, Trainer
 
 
 def personalize(

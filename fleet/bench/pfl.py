@@ -28,10 +28,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fleet.base.errors import ConfigError
 from fleet.bench.fleet import _mean, _simulate, accuracy_swing, elastic_round_cap, mean_ci95, time_to_target, within
 from fleet.bench.launch import progress_log
-from fleet.device_profile import DeviceProfile
-from fleet.errors import ConfigError
+from fleet.engine.device_profile import DeviceProfile
 from fleet.federated.config import load_fleet_config, run_dir
 from fleet.federated.newcomer import personalize_newcomer
 from fleet.federated.prepare import prepare

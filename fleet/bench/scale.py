@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fleet.base.errors import ConfigError
 from fleet.bench.launch import HONEST_APP, Log, MemoryWatch, launch, progress_log, shared_start
-from fleet.errors import ConfigError
 from fleet.federated.config import load_fleet_config, run_dir
 from fleet.federated.prepare import prepare
 

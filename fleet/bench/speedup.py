@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from fleet.bench.steps import StepBench, model_from_profile
-from fleet.device_profile import DeviceProfile
-from fleet.importance import evaluate_importance
-from fleet.selection import select_tensors
+from fleet.engine.device_profile import DeviceProfile
+from fleet.engine.importance import evaluate_importance
+from fleet.engine.selection import select_tensors
 
 
 def speedup_bench(profile: DeviceProfile, rho: float, *, repeats: int = 15, seed: int = 0) -> dict:

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from fleet.device_profile import DeviceProfile
-from fleet.models import build_model, input_channels, model_meta
-from fleet.profiler import profile_device, tensor_order
-from fleet.trainer import TrainerOptions, make_optimizer
+from fleet.engine.device_profile import DeviceProfile
+from fleet.engine.models import build_model, input_channels, model_meta
+from fleet.engine.profiler import profile_device, tensor_order
+from fleet.engine.trainer import TrainerOptions, make_optimizer
 
 
 class StepBench:

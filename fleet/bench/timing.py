@@ -8,7 +8,7 @@ import statistics
 import torch
 
 from fleet.bench.steps import StepBench, model_from_profile
-from fleet.device_profile import DeviceProfile
+from fleet.engine.device_profile import DeviceProfile
 
 
 def random_masks(n: int, count: int, seed: int = 0) -> list[list[bool]]:

@@ -36,9 +36,9 @@ def register_bench(bench_sub: argparse._SubParsersAction) -> None:
 def _profile(args: argparse.Namespace):
     import torch
 
+    from fleet.base.errors import ConfigError
     from fleet.bench.steps import measure_profile
-    from fleet.device_profile import DeviceProfile
-    from fleet.errors import ConfigError
+    from fleet.engine.device_profile import DeviceProfile
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -46,7 +46,7 @@ def _profile(args: argparse.Namespace):
         return DeviceProfile.load(args.profile)
     if not args.model:
         raise ConfigError("--model: needed when no --profile is given (e.g. --model resnet18)")
-    from fleet.config import config_from_dict
+    from fleet.engine.config import config_from_dict
 
     config_from_dict(
         {
@@ -83,8 +83,8 @@ def run_timing(args: argparse.Namespace) -> int:
 
 
 def run_speedup(args: argparse.Namespace) -> int:
+    from fleet.base.errors import ConfigError
     from fleet.bench.speedup import speedup_bench
-    from fleet.errors import ConfigError
 
     if not 0 < args.rho <= 1:
         raise ConfigError(f"--rho: {args.rho} is not allowed; use a number in (0, 1]")

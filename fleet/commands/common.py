@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fleet.config import ExperimentConfig, load_config, parse_override
+from fleet.engine.config import ExperimentConfig, load_config, parse_override
 
 # flag -> config field it overrides
 CONFIG_FLAGS = {
@@ -78,7 +78,7 @@ def model_kwargs(args: argparse.Namespace) -> dict:
 def require_counts(args: argparse.Namespace, *flags: str) -> None:
     """Each named count flag (``repeats``, ``selections``, ...) is >= 1: a zero otherwise fails only
     after the model is built and measured (a median of no samples), or is silently ignored."""
-    from fleet.errors import ConfigError
+    from fleet.base.errors import ConfigError
 
     for flag in flags:
         value = getattr(args, flag, None)

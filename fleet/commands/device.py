@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the reader pulls in torch; the CLI imports it only when the command runs
-    from fleet.folders import OwnedData
+    from fleet.data.folders import OwnedData
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from fleet.config import parse_override
+    from fleet.engine.config import parse_override
     from fleet.federated.config import load_fleet_config
     from fleet.federated.owned import owned_data
 

@@ -13,7 +13,7 @@ BENCH_CONFIG = "simulations/fleet-bench.yaml"
 
 
 def _overrides(args: argparse.Namespace) -> dict:
-    from fleet.config import parse_override
+    from fleet.engine.config import parse_override
 
     overrides = dict(parse_override(s) for s in args.set)
     for flag, path in (
@@ -103,7 +103,7 @@ def summary_table(summary: dict) -> str:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from fleet.errors import FleetError
+    from fleet.base.errors import FleetError
     from server.simulation import simulate
 
     summary = simulate(args.config, _overrides(args), resume=args.resume, verbose=args.verbose)

@@ -19,8 +19,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 
+from fleet.base.errors import ConfigError
 from fleet.commands.common import model_kwargs, require_counts
-from fleet.errors import ConfigError
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:

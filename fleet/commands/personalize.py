@@ -6,7 +6,7 @@ import argparse
 import json
 
 from fleet.commands.common import add_config_args, config_from_args
-from fleet.config import ExperimentConfig
+from fleet.engine.config import ExperimentConfig
 
 DEFAULT_CONFIG = "simulations/personalize.yaml"
 
@@ -29,8 +29,8 @@ def register_bench(bench_sub: argparse._SubParsersAction) -> None:
 def check_data(cfg: ExperimentConfig) -> None:
     """The model against the personalization data and, when a checkpoint is still to be made, the
     pretraining data: a mismatch is one line now instead of an IndexError after pretraining."""
-    from fleet.experiment import check_model_fits_data, load_data
-    from fleet.pretrain import checkpoint_path, pretrain_config
+    from fleet.engine.experiment import check_model_fits_data, load_data
+    from fleet.engine.pretrain import checkpoint_path, pretrain_config
 
     check_model_fits_data(cfg, *load_data(cfg.data, cfg.train.seed))
     if cfg.model.weights is None and not checkpoint_path(cfg).is_file():

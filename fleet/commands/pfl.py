@@ -34,10 +34,10 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def run_pfl(args: argparse.Namespace) -> int:
+    from fleet.base.errors import ConfigError
     from fleet.bench.pfl import NEWCOMER_LR, bench_pfl, newcomers_from, newcomers_table, pfl_table
     from fleet.commands.common import require_counts, set_overrides
-    from fleet.config import parse_override
-    from fleet.errors import ConfigError
+    from fleet.engine.config import parse_override
 
     require_counts(args, "newcomer_epochs")
     lr = NEWCOMER_LR if args.newcomer_lr is None else args.newcomer_lr

@@ -16,7 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fleet.pretrain import checkpoint_path, pretrain
+    from fleet.engine.pretrain import checkpoint_path, pretrain
 
     cfg = config_from_args(args)
     pretrain(cfg, Path(args.out) if args.out else checkpoint_path(cfg))

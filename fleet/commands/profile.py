@@ -11,8 +11,8 @@ import os
 import time
 from pathlib import Path
 
+from fleet.base.errors import ConfigError
 from fleet.commands.common import require_counts
-from fleet.errors import ConfigError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -68,11 +68,11 @@ def output_file(out: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from fleet.config import load_config
-    from fleet.experiment import make_model, trainer_options
-    from fleet.models import model_meta
-    from fleet.profiler import profile_device
-    from fleet.trainer import make_optimizer
+    from fleet.engine.config import load_config
+    from fleet.engine.experiment import make_model, trainer_options
+    from fleet.engine.models import model_meta
+    from fleet.engine.profiler import profile_device
+    from fleet.engine.trainer import make_optimizer
 
     if args.config is None and args.model is None:
         raise ConfigError("fleet profile: give --model NAME or --config FILE.yaml to say which model to profile")

@@ -14,7 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fleet.train_run import run_training
+    from fleet.engine.train_run import run_training
 
     cfg = config_from_args(args)
     record, path = run_training(cfg)

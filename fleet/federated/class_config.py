@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from fleet.config import read_yaml_mapping
-from fleet.errors import ConfigError
+from fleet.base.errors import ConfigError
+from fleet.engine.config import read_yaml_mapping
 from fleet.federated.paths import resolve_path
 
 

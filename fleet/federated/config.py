@@ -2,7 +2,7 @@
 
 One YAML file (see ``simulations/``) drives ``fleet simulate``, ``flwr run .``
 and the benchmark. Every field is validated on load; a bad one raises
-:class:`~fleet.errors.ConfigError` naming the field, its value and what is allowed.
+:class:`~fleet.base.errors.ConfigError` naming the field, its value and what is allowed.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fleet.config import LABELS_RULE, ExperimentConfig, apply_overrides, build_dataclass, read_yaml_mapping
-from fleet.errors import ConfigError
+from fleet.base.errors import ConfigError
+from fleet.data.shift import ShiftConfig, check_shift
+from fleet.engine.config import LABELS_RULE, ExperimentConfig, apply_overrides, build_dataclass, read_yaml_mapping
 from fleet.federated.class_config import DeviceClassConfig, check_classes
 from fleet.federated.paths import resolve_path
 from fleet.federated.personal import POLICIES as PERSONAL_POLICIES
-from fleet.shift import ShiftConfig, check_shift
 
 STRATEGIES = ("fleet", "naive", "fedavg", "ditto")
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
@@ -120,7 +120,7 @@ class FederationConfig:
     # tensors each device keeps for itself, never sent nor averaged: none | head (FedPer) | norms (FedBN) | head+norms
     personal: str = "none"
     # devices whose inputs differ, not only their label mix: each simulated device's images (and optionally
-    # labels) go through its own fixed transform, in training and in its held-out split alike (fleet/shift.py)
+    # labels) go through its own fixed transform, in training and in its held-out split alike (fleet/data/shift.py)
     shift: ShiftConfig = field(default_factory=ShiftConfig)
     client_cpus: float = 1.0  # simulation: CPUs reserved per ClientApp
     client_threads: int = 1  # torch threads inside a ClientApp

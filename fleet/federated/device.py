@@ -14,10 +14,10 @@ from typing import Any
 
 from torch import nn
 
-from fleet.atomic import load_torch, save_torch
-from fleet.device_profile import DeviceProfile
-from fleet.errors import ConfigError
-from fleet.experiment import check_profile, make_model, obtain_profile
+from fleet.base.atomic import load_torch, save_torch
+from fleet.base.errors import ConfigError
+from fleet.engine.device_profile import DeviceProfile
+from fleet.engine.experiment import check_profile, make_model, obtain_profile
 from fleet.federated import keys
 from fleet.federated.classes import class_of
 from fleet.federated.config import FleetConfig, run_dir

@@ -15,12 +15,12 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from fleet.device_profile import DeviceProfile
-from fleet.experiment import check_profile, model_with_weights, trainer_options
+from fleet.engine.device_profile import DeviceProfile
+from fleet.engine.experiment import check_profile, model_with_weights, trainer_options
+from fleet.engine.trainer import Trainer
 from fleet.federated.config import FleetConfig
 from fleet.federated.device import tier_of
 from fleet.federated.split import device_data
-from fleet.trainer import Trainer
 
 METHODS = ("full", "tl", "bn_bias", "elastic")
 

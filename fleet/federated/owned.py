@@ -1,6 +1,6 @@
 """Device-owned data from the fleet config: each device reads its own image tree.
 
-Thin glue between :mod:`fleet.folders` (the reader) and the fleet's config, so the deployed node
+Thin glue between :mod:`fleet.data.folders` (the reader) and the fleet's config, so the deployed node
 (``data-root`` in its node config), the simulation (``data.device_roots``) and ``fleet device check``
 read a device's files with exactly the same settings. No Flower here: this runs on a device
 before anything is sent.
@@ -10,17 +10,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fleet.data import norm_stats
-from fleet.errors import ConfigError, DataError
+from fleet.base.errors import ConfigError, DataError
+from fleet.data.datasets import norm_stats
+from fleet.data.folders import OwnedData, load_owned
 from fleet.federated.config import FleetConfig
 from fleet.federated.paths import resolve_path
-from fleet.folders import OwnedData, load_owned
 
 
 def owned_data(cfg: FleetConfig, root: str | Path, field: str) -> OwnedData:
     """The device's train and held-out test sets from the tree at ``root``; ``field`` names where ``root`` came from.
 
-    The normalisation is the fleet's fixed one (:func:`fleet.data.norm_stats`), never the device's own.
+    The normalisation is the fleet's fixed one (:func:`fleet.data.datasets.norm_stats`), never the device's own.
     """
     channels = cfg.model.in_channels
     mean, std = norm_stats(cfg.data.dataset, channels)

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from fleet.models import head_parameter_names
+from fleet.engine.models import head_parameter_names
 
 POLICIES = ("none", "head", "norms", "head+norms")
 NORM_LAYERS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from fleet.config import config_to_dict
-from fleet.errors import ConfigError
-from fleet.experiment import check_model_fits_data, load_data, make_model, obtain_profile
+from fleet.base.errors import ConfigError
+from fleet.engine.config import config_to_dict
+from fleet.engine.experiment import check_model_fits_data, load_data, make_model, obtain_profile
 from fleet.federated.config import FleetConfig, run_dir
 from fleet.federated.device import check_device_name
 from fleet.federated.owned import device_roots

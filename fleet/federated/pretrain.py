@@ -11,11 +11,11 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from fleet.experiment import load_data, make_model, trainer_options
+from fleet.engine.experiment import load_data, make_model, trainer_options
+from fleet.engine.models import model_meta, save_checkpoint
+from fleet.engine.pretrain import train_epochs
 from fleet.federated.config import FleetConfig
 from fleet.federated.split import fleet_indices
-from fleet.models import model_meta, save_checkpoint
-from fleet.pretrain import train_epochs
 
 
 def pretrain_fleet_model(cfg: FleetConfig, out: Path, log: Callable[[str], None] = print) -> Path:

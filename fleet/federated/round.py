@@ -4,8 +4,8 @@ Flower-free: the ClientApp translates the server's Message into a :class:`RoundP
 and the :class:`RoundResult` back into a reply. Selection follows docs/algorithms.md
 section 5: the round deadline ``D`` and the device's own profile give its budget
 (``rho_n = min(1, D / T_full,n)``, less what the round costs anyway: an importance
-probe, the upload), and :meth:`fleet.trainer.Trainer.reselect` makes the selection
-under a :class:`~fleet.policies.SelectionPolicy` (FedEL's window and blending for the
+probe, the upload), and :meth:`fleet.engine.trainer.Trainer.reselect` makes the selection
+under a :class:`~fleet.engine.policies.SelectionPolicy` (FedEL's window and blending for the
 ``fleet`` strategy).
 """
 
@@ -20,15 +20,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from fleet.data import ArrayDataset
-from fleet.device_profile import DeviceProfile
-from fleet.experiment import model_with_weights, trainer_options
+from fleet.data.datasets import ArrayDataset
+from fleet.engine.device_profile import DeviceProfile
+from fleet.engine.experiment import model_with_weights, trainer_options
+from fleet.engine.models import head_parameter_names
+from fleet.engine.policies import Blend, SelectionPolicy, Window
+from fleet.engine.trainer import RESTORE_PROBE_STEPS, Trainer
 from fleet.federated import keys
 from fleet.federated.config import FleetConfig
 from fleet.memory.budgeted import MemoryBudget
-from fleet.models import head_parameter_names
-from fleet.policies import Blend, SelectionPolicy, Window
-from fleet.trainer import RESTORE_PROBE_STEPS, Trainer
 
 
 @dataclass

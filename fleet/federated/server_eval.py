@@ -16,11 +16,11 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from fleet.data import ArrayDataset
-from fleet.experiment import model_with_weights
+from fleet.data.datasets import ArrayDataset
+from fleet.engine.experiment import model_with_weights
+from fleet.engine.trainer import accuracy
 from fleet.federated.config import FleetConfig
 from fleet.federated.split import datasets
-from fleet.trainer import accuracy
 
 
 def server_test_set(cfg: FleetConfig) -> ArrayDataset:

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
-from fleet.data import ArrayDataset, class_dirs, image_files
-from fleet.errors import ConfigError
-from fleet.experiment import load_data
+from fleet.base.errors import ConfigError
+from fleet.data.datasets import ArrayDataset, class_dirs, image_files
+from fleet.data.partition import partition_indices, split_train_test
+from fleet.data.shift import device_shift, shift_dataset
+from fleet.engine.experiment import load_data
 from fleet.federated.config import FleetConfig
 from fleet.federated.owned import device_roots, owned_data
-from fleet.partition import partition_indices, split_train_test
-from fleet.shift import device_shift, shift_dataset
 
 
 @dataclass

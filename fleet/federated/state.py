@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fleet.atomic import load_torch, save_torch
-from fleet.errors import FleetError
+from fleet.base.atomic import load_torch, save_torch
+from fleet.base.errors import FleetError
 from fleet.federated.aggregate import Rejection
 from fleet.federated.membership import Attendance, Roster
 

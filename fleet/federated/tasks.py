@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fleet.device_profile import DeviceProfile
-from fleet.experiment import model_with_weights
+from fleet.engine.device_profile import DeviceProfile
+from fleet.engine.experiment import model_with_weights
+from fleet.engine.trainer import accuracy
 from fleet.federated import keys
 from fleet.federated.classes import bandwidth_of
 from fleet.federated.config import FleetConfig
@@ -42,7 +43,6 @@ from fleet.federated.personal import overlay_personal, personal_names
 from fleet.federated.round import RoundPlan, RoundResult, finetune, full_round_time, local_round
 from fleet.federated.split import DeviceData, device_data, own_device_data
 from fleet.memory.budgeted import MemoryBudget
-from fleet.trainer import accuracy
 
 STATE_FILE = "state.pt"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fleet.atomic import write_json, write_text_atomic
+from fleet.base.atomic import write_json, write_text_atomic
 from fleet.federated import keys
 from fleet.federated.state import ServerState
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fleet.atomic import write_text_atomic
-from fleet.errors import FleetError
+from fleet.base.atomic import write_text_atomic
+from fleet.base.errors import FleetError
 from fleet.memory.executor import PlanRunner, apply_plan, first_trainable_block
 from fleet.memory.measure import measure_block_costs
 from fleet.memory.planner import MB, InfeasibleBudgetError, MemoryPlan, plan_memory

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fleet.errors import ConfigError, ModelError, ProfileMismatchError
+from fleet.base.errors import ConfigError, ModelError, ProfileMismatchError
 from fleet.memory.meter import StorageMeter, is_caller_data, storage_key
 from fleet.memory.planner import FROZEN, PAGE, RECOMPUTE, MemoryPlan
 from fleet.memory.spill import Kept, Pager

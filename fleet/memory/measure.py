@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fleet.errors import ConfigError, ModelError
-from fleet.hooks import first_tensor, no_grad_forward
+from fleet.base.errors import ConfigError, ModelError
+from fleet.base.hooks import first_tensor, no_grad_forward
 from fleet.memory.executor import PlanRunner, apply_plan
 from fleet.memory.meter import is_caller_data, module_storage_keys, storage_key
 from fleet.memory.planner import KEEP, PAGE, RECOMPUTE, MemoryPlan

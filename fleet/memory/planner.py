@@ -86,7 +86,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 
-from fleet.errors import BudgetError, ConfigError, ProfileMismatchError
+from fleet.base.errors import BudgetError, ConfigError, ProfileMismatchError
 from fleet.memory.records import MemoryProfile, StorageProfile
 
 KEEP, RECOMPUTE, PAGE, FROZEN = "keep", "recompute", "page", "frozen"

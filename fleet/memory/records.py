@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from fleet.errors import ProfileMismatchError
+from fleet.base.errors import ProfileMismatchError
 from fleet.memory.spill import DEFAULT_MIN_BYTES
 
 FORMAT_VERSION = 1

@@ -36,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from fleet.errors import ConfigError
+from fleet.base.errors import ConfigError
 from fleet.memory.meter import StorageMeter
 
 DEFAULT_MIN_BYTES = 64 * 1024

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from fleet.errors import ConfigError
+from fleet.base.errors import ConfigError
 from fleet.memory.records import StorageProfile
 from fleet.memory.spill import read_file, write_file
 

@@ -15,8 +15,8 @@ import torch
 import torchvision.models as tvm
 from torch import nn
 
-from fleet.atomic import write_atomic
-from fleet.errors import ModelError
+from fleet.base.atomic import write_atomic
+from fleet.base.errors import ModelError
 
 MODEL_NAMES: tuple[str, ...] = (
     "resnet18",

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fleet.errors import DataError
+from fleet.base.errors import DataError
 
 DATASET_NAMES: tuple[str, ...] = (
     "fashion-mnist",

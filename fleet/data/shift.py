@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fleet.data import ArrayDataset
-from fleet.errors import ConfigError
+from fleet.base.errors import ConfigError
+from fleet.data.datasets import ArrayDataset
 
 
 @dataclass

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fleet.data import IMAGE_EXTENSIONS, ArrayDataset, class_dirs, find_idx, image_files, read_idx, read_image
-from fleet.errors import DataError
+from fleet.base.errors import DataError
+from fleet.data.datasets import IMAGE_EXTENSIONS, ArrayDataset, class_dirs, find_idx, image_files, read_idx, read_image
 
 IDX_IMAGES = "train-images-idx3-ubyte"
 IDX_LABELS = "train-labels-idx1-ubyte"
@@ -66,7 +66,7 @@ def load_owned(
 
     ``field`` names the setting that pointed at ``root`` ("node config data-root", "data.device_roots")
     and starts every error message, so the user knows what to fix. ``mean``/``std`` are fixed by the
-    fleet (:func:`fleet.data.norm_stats`), never measured here: every device must normalise alike.
+    fleet (:func:`fleet.data.datasets.norm_stats`), never measured here: every device must normalise alike.
     """
     spec = _spec(class_names, channels, size, test_fraction, field)
     root = Path(root).expanduser()

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import yaml
 
-from fleet.atomic import write_text_atomic
-from fleet.config import read_text_file
-from fleet.errors import ProfileMismatchError
+from fleet.base.atomic import write_text_atomic
+from fleet.base.errors import ProfileMismatchError
+from fleet.engine.config import read_text_file
 
 FORMAT_VERSION = 1
 
@@ -68,7 +68,7 @@ class DeviceProfile:
 
     def step_time(self, mask: Sequence[bool]) -> float:
         """Predicted seconds of one training step that trains the tensors in ``mask``."""
-        from fleet.selection import selection_cost
+        from fleet.engine.selection import selection_cost
 
         return self.forward_time + selection_cost(mask, self.t_dw, self.t_dy)
 

@@ -10,14 +10,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from fleet.config import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
-from fleet.data import ArrayDataset, check_fashion_mnist, load_dataset
-from fleet.device_profile import DeviceProfile
-from fleet.errors import ConfigError
-from fleet.models import build_model, head_parameter_names, input_channels, model_meta
-from fleet.profiler import profile_device, tensor_order
-from fleet.shift import device_shift, shift_dataset
-from fleet.trainer import TrainerOptions, make_optimizer
+from fleet.base.errors import ConfigError
+from fleet.data.datasets import ArrayDataset, check_fashion_mnist, load_dataset
+from fleet.data.shift import device_shift, shift_dataset
+from fleet.engine.config import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
+from fleet.engine.device_profile import DeviceProfile
+from fleet.engine.models import build_model, head_parameter_names, input_channels, model_meta
+from fleet.engine.profiler import profile_device, tensor_order
+from fleet.engine.trainer import TrainerOptions, make_optimizer
 
 
 def cap_per_class(ds: ArrayDataset, per_class: int | None, seed: int) -> ArrayDataset:

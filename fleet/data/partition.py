@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fleet.errors import DataError
+from fleet.base.errors import DataError
 
 SCHEMES: tuple[str, ...] = ("iid", "dirichlet", "shards")
 DIRICHLET_MAX_TRIES = 100

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from fleet.atomic import write_json
-from fleet.config import ExperimentConfig, config_to_dict
-from fleet.device_profile import DeviceProfile
-from fleet.experiment import check_model_fits_data, load_data, make_model, obtain_profile, trainer_options
-from fleet.trainer import EpochStats, Trainer
+from fleet.base.atomic import write_json
+from fleet.engine.config import ExperimentConfig, config_to_dict
+from fleet.engine.device_profile import DeviceProfile
+from fleet.engine.experiment import check_model_fits_data, load_data, make_model, obtain_profile, trainer_options
+from fleet.engine.trainer import EpochStats, Trainer
 
 
 def experiment_dir(cfg: ExperimentConfig) -> Path:

@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from fleet.data import ArrayDataset, batches
-from fleet.device_profile import DeviceProfile
-from fleet.errors import BudgetError
-from fleet.importance import evaluate_importance, importance_from_update, normalize
-from fleet.methods import group_lasso_penalty, static_mask
-from fleet.models import head_parameter_names, input_channels
-from fleet.policies import SelectionPolicy, select_in_window
-from fleet.profiler import parametric_layers, tensor_order
-from fleet.selection import select_tensors, selection_cost
+from fleet.base.errors import BudgetError
+from fleet.data.datasets import ArrayDataset, batches
+from fleet.engine.device_profile import DeviceProfile
+from fleet.engine.importance import evaluate_importance, importance_from_update, normalize
+from fleet.engine.methods import group_lasso_penalty, static_mask
+from fleet.engine.models import head_parameter_names, input_channels
+from fleet.engine.policies import SelectionPolicy, select_in_window
+from fleet.engine.profiler import parametric_layers, tensor_order
+from fleet.engine.selection import select_tensors, selection_cost
 
 if TYPE_CHECKING:
     from fleet.memory.budgeted import MemoryBudget

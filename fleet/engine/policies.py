@@ -1,6 +1,6 @@
 """Selection policies: what shapes a re-selection besides importance and the time budget.
 
-:meth:`fleet.trainer.Trainer.reselect` is the one place a selection is made, for
+:meth:`fleet.engine.trainer.Trainer.reselect` is the one place a selection is made, for
 ``fleet train`` and for a fleet device alike; a :class:`SelectionPolicy` says how:
 
 * ``budget_s`` and ``extra_costs``: a device's budget comes from the round deadline,
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fleet.importance import normalize
-from fleet.selection import select_tensors, selection_cost
+from fleet.engine.importance import normalize
+from fleet.engine.selection import select_tensors, selection_cost
 
 
 def window_position(server_round: int, positions: int, schedule: str = "rollback") -> int:
@@ -162,7 +162,7 @@ class Window:
 
 @dataclass(frozen=True)
 class SelectionPolicy:
-    """How :meth:`~fleet.trainer.Trainer.reselect` turns importance into a selection."""
+    """How :meth:`~fleet.engine.trainer.Trainer.reselect` turns importance into a selection."""
 
     budget_s: float | None = None  # backward seconds per step; None: the profile's budget at the trainer's rho
     extra_costs: Sequence[float] | None = None  # per-tensor seconds added to its weight-gradient time

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fleet.device_profile import DeviceProfile, TensorTiming
-from fleet.hooks import first_tensor, no_grad_forward
-from fleet.models import input_channels
+from fleet.base.hooks import first_tensor, no_grad_forward
+from fleet.engine.device_profile import DeviceProfile, TensorTiming
+from fleet.engine.models import input_channels
 
 LayerOrder = list[tuple[str, nn.Module]]
 

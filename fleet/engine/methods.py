@@ -1,7 +1,7 @@
 """Which tensors each training method trains (docs/algorithms.md section 4).
 
 ``full``, ``tl``, ``bn_bias`` and ``prunetrain`` train a fixed set; ``elastic``
-re-chooses its set as training goes (see :mod:`fleet.trainer`).
+re-chooses its set as training goes (see :mod:`fleet.engine.trainer`).
 """
 
 from __future__ import annotations

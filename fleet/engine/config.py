@@ -18,8 +18,8 @@ from typing import Any
 
 import yaml
 
-from fleet.errors import ConfigError, FleetError
-from fleet.shift import ShiftConfig, check_shift
+from fleet.base.errors import ConfigError, FleetError
+from fleet.data.shift import ShiftConfig, check_shift
 
 METHODS = ("full", "tl", "bn_bias", "prunetrain", "elastic")
 
@@ -48,7 +48,7 @@ class DataConfig:
     # Simulation: one sub-folder per device, each a device's own image tree named for the device
     # (a natural per-user partition, like LEAF's FEMNIST writers).
     device_roots: str | None = None
-    # One device's own input domain (fleet/shift.py), for `fleet train` and `fleet personalize`: its images turned
+    # One device's own input domain (fleet/data/shift.py), for `fleet train` and `fleet personalize`: its images turned
     # and re-lit as domain `domain` of `shift.domains` (null: 2, so domain 1 is turned by the whole rotation_deg),
     # in training and testing alike. Pretraining stays unshifted: the vendor's model has not seen this device's
     # camera. A fleet gives each device its domain with federation.shift instead.

@@ -14,12 +14,12 @@ from pathlib import Path
 
 from torch import nn
 
-from fleet.config import ExperimentConfig
-from fleet.data import ArrayDataset
-from fleet.experiment import check_model_fits_data, load_data, make_model, trainer_options
-from fleet.models import load_checkpoint_meta, model_meta, save_checkpoint
-from fleet.shift import ShiftConfig
-from fleet.trainer import Trainer, TrainerOptions
+from fleet.data.datasets import ArrayDataset
+from fleet.data.shift import ShiftConfig
+from fleet.engine.config import ExperimentConfig
+from fleet.engine.experiment import check_model_fits_data, load_data, make_model, trainer_options
+from fleet.engine.models import load_checkpoint_meta, model_meta, save_checkpoint
+from fleet.engine.trainer import Trainer, TrainerOptions
 
 
 def checkpoint_path(cfg: ExperimentConfig) -> Path:

@@ -1,0 +1,1 @@
+"""Shared utilities below every layer: atomic files, one-line errors, module hooks."""

@@ -1,0 +1,1 @@
+"""Data: datasets from local files, device-owned image folders, non-IID partitions, domain shifts."""

@@ -32,17 +32,17 @@ def connected_nodes(grid: Grid) -> set[str]:
 
 
 def wait_for_devices(grid: Grid, cfg: FleetConfig) -> set[str]:
-    """The connected nodes once ``federation.min_devices`` (default: the devices taking part) are there; a
+    """The connected nodes once ``membership.min_devices`` (default: the devices taking part) are there; a
     FleetError after ``federation.timeout_s`` (a fleet that never assembles must not hang the server)."""
     fed = cfg.federation
-    want = fed.min_devices or fed.taking_part
+    want = cfg.membership.min_devices or cfg.devices.taking_part
     deadline = time.monotonic() + fed.timeout_s
     nodes = connected_nodes(grid)
     while len(nodes) < want:
         if time.monotonic() > deadline:
             raise FleetError(
                 f"only {len(nodes)} of {want} devices connected within {fed.timeout_s:.0f}s (federation.timeout_s); "
-                "start the missing SuperNodes or lower federation.min_devices"
+                "start the missing SuperNodes or lower membership.min_devices"
             )
         log.info("waiting for devices: %d of %d connected", len(nodes), want)
         time.sleep(1.0)
@@ -65,17 +65,17 @@ class Membership:
     def open_round(self, grid: Grid, server_round: int, wait_s: float) -> list[str]:
         """Query new and benched devices; returns the eligible ones. With nobody eligible (the first
         round, or every device gone) it waits up to ``wait_s`` for answers, then stops the run."""
-        fed, roster, att = self.cfg.federation, self.state.roster, self.state.replies.attendance
+        roster, att = self.state.roster, self.state.replies.attendance
         connected = connected_nodes(grid)
         att.connected = len(connected)
         asked = {str(n) for n in self.mailbox.pending("query")}
-        bench = set(membership.benched(roster, connected, fed.max_missed))
+        bench = set(membership.benched(roster, connected, self.cfg.membership.max_missed))
         ask = sorted(n for n in connected if (n not in roster or n in bench) and n not in asked)
         self.mailbox.push(query_messages(ask), "query", server_round)
-        eligible = membership.eligible(roster, connected, fed.max_missed)
+        eligible = membership.eligible(roster, connected, self.cfg.membership.max_missed)
         if not eligible:
             eligible = self.wait_for_members(grid, server_round, wait_s)
-        att.benched = [roster[n]["name"] for n in membership.benched(roster, connected, fed.max_missed)]
+        att.benched = [roster[n]["name"] for n in membership.benched(roster, connected, self.cfg.membership.max_missed)]
         if not eligible:
             reasons = "; ".join(sorted(set(self.refusals.values()))) or "none answered its query"
             raise FleetError(f"round {server_round}: no device could take part within {wait_s:.0f}s ({reasons})")
@@ -84,11 +84,10 @@ class Membership:
     def wait_for_members(self, grid: Grid, server_round: int, wait_s: float) -> list[str]:
         """Take query answers until ``min_devices`` are eligible, every query is answered, or ``wait_s``
         has passed (a device that never answers holds up only this, and only this long)."""
-        fed = self.cfg.federation
-        want, end = fed.min_devices or fed.taking_part, time.monotonic() + wait_s
+        want, end = self.cfg.membership.min_devices or self.cfg.devices.taking_part, time.monotonic() + wait_s
         while True:
             connected = connected_nodes(grid)
-            eligible = membership.eligible(self.state.roster, connected, fed.max_missed)
+            eligible = membership.eligible(self.state.roster, connected, self.cfg.membership.max_missed)
             waiting = {i for i, s in self.mailbox.sent.items() if s.kind == "query"}
             left = end - time.monotonic()
             if len(eligible) >= want or not waiting or left <= 0:

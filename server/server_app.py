@@ -87,21 +87,21 @@ def make_strategy(
 ) -> ElasticFedAvg:
     fed = cfg.federation
     defense = Defense(
-        aggregation=fed.aggregation,
-        trim=fed.trim_fraction,
-        norm_bound=fed.norm_bound,
-        norm_action=fed.norm_action,
-        min_pull=fed.min_pull,
-        max_samples=fed.max_samples_per_device,
-        time_band=fed.time_band,
+        aggregation=cfg.robust.aggregation,
+        trim=cfg.robust.trim_fraction,
+        norm_bound=cfg.robust.norm_bound,
+        norm_action=cfg.robust.norm_action,
+        min_pull=cfg.robust.min_pull,
+        max_samples=cfg.robust.max_samples_per_device,
+        time_band=cfg.robust.time_band,
         sample_caps=known_data_sizes(cfg) if simulated else {},  # a simulation knows every device's data
     )
     model = make_model(cfg.model, cfg.train.seed)  # its tensor names: trainable ones, and the personal ones
-    personal = personal_names(model, fed.personal)
+    personal = personal_names(model, cfg.personalization.policy)
     full_bytes = shared_bytes(arrays, personal)
-    full_upload_s = full_bytes / fed.bandwidth_bytes_per_s
+    full_upload_s = full_bytes / cfg.devices.bandwidth_bytes_per_s
     upload_s_of = None  # device classes: each device's full upload over its own uplink sets its full round
-    if classes is not None and classes.partitions and fed.device_classes and fed.deadline_includes_upload:
+    if classes is not None and classes.partitions and cfg.devices.device_classes and fed.deadline_includes_upload:
         upload_s_of = lambda name: full_bytes / classes.bandwidth(name)  # noqa: E731
     return ElasticFedAvg(
         state,
@@ -111,7 +111,7 @@ def make_strategy(
         full_upload_s=full_upload_s if fed.deadline_includes_upload else 0.0,
         param_names=[n for n, _ in model.named_parameters()],
         lr=cfg.train.lr,
-        blend=fed.strategy == "fleet" and fed.blend_beta is not None,
+        blend=fed.strategy == "fleet" and cfg.elastic.blend_beta is not None,
         defense=defense,
         upload_s_of=upload_s_of,
         personal=personal,
@@ -136,7 +136,7 @@ def round_bounds(ctx: RoundContext, deadline: float, nodes: list[str]) -> tuple[
     expected = deadline
     if expected <= 0:
         expected = max(full_times(strategy.state.roster, nodes).values(), default=0.0) + strategy.full_upload_s
-    return expected + fed.grace_s, fed.grace_s
+    return expected + ctx.cfg.membership.grace_s, ctx.cfg.membership.grace_s
 
 
 @dataclass
@@ -188,14 +188,13 @@ def evaluates(cfg: FleetConfig, server_round: int, sim_time_after_s: float) -> b
     (the one at ``rounds``, or the one that takes the simulated clock to ``time_budget_s``)."""
     fed = cfg.federation
     last = server_round >= fed.rounds or (fed.time_budget_s is not None and sim_time_after_s >= fed.time_budget_s)
-    return last or server_round % fed.eval_every == 0
+    return last or server_round % cfg.evaluation.every == 0
 
 
 def evaluate_phase(grid: Grid, ctx: RoundContext, phase: TrainPhase, server_round: int) -> dict | None:
     """Ask a seeded sample (``eval_devices``, else all) of the round's trained devices to score the new
     global model and their own; their weighted accuracies, or None when nobody answered in time."""
-    fed = ctx.cfg.federation
-    nodes = sample(phase.answered, fed.eval_devices, ctx.cfg.train.seed, server_round, EVAL_STREAM)
+    nodes = sample(phase.answered, ctx.cfg.evaluation.devices, ctx.cfg.train.seed, server_round, EVAL_STREAM)
     messages = ctx.strategy.evaluate_messages(server_round, phase.record, [int(n) for n in nodes], phase.deadline_s)
     ids = ctx.mailbox.push(messages, "evaluate", server_round)
     pulled = ctx.mailbox.collect(ids, phase.eval_bound_s, server_round, "evaluate")
@@ -205,16 +204,15 @@ def evaluate_phase(grid: Grid, ctx: RoundContext, phase: TrainPhase, server_roun
 
 
 def finetune_time(cfg: FleetConfig, state: ServerState) -> float:
-    """The slowest evaluated device's fine-tuning (federation.finetune_steps), each held to ``time_band``
+    """The slowest evaluated device's fine-tuning (personalization.finetune_steps), each held to ``time_band``
     times what those steps take it when it trains fully (from the full-round time it joined with): a
     device reporting an hour cannot stop the clock."""
-    fed = cfg.federation
     longest = 0.0
     for row in state.replies.evaluation:
         member = state.roster.get(str(row.get("node_id")))
         if keys.FINETUNE_TIME_S not in row or member is None:
             continue
-        cap = fed.time_band * member["profile_s"] * fed.finetune_steps / compute_steps(cfg)
+        cap = cfg.robust.time_band * member["profile_s"] * cfg.personalization.finetune_steps / compute_steps(cfg)
         longest = max(longest, min(float(row[keys.FINETUNE_TIME_S]), cap))
     return longest
 
@@ -271,7 +269,7 @@ class RoundContext:
     members: Membership
     simulated: bool  # Flower's simulation engine: wall time says nothing about the simulated deadline
     classes: FleetClasses  # simulated device classes: who is online, at what uplink, in which class
-    server_test: ArrayDataset | None = None  # federation.server_eval: the global model is also scored on this
+    server_test: ArrayDataset | None = None  # evaluation.server_test: the global model is also scored on this
 
 
 def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool, simulated: bool = False) -> dict:
@@ -286,7 +284,7 @@ def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool, simulated: bool = F
     strategy = make_strategy(cfg, state, arrays, simulated, classes)
     mailbox = Mailbox(grid, lambda node: name_of(state.roster, str(node)))
     ctx = RoundContext(cfg, strategy, mailbox, Membership(cfg, state, mailbox), simulated, classes)
-    if fed.server_eval:
+    if cfg.evaluation.server_test:
         ctx.server_test = server_test_set(cfg)
     wait_for_devices(grid, cfg)
     for server_round in range(state.round + 1, fed.rounds + 1):

@@ -95,7 +95,7 @@ def check_ray_reachable(address: str, timeout_s: float = 5.0) -> None:
             pass
     except OSError as exc:
         raise FleetError(
-            f"federation.ray_address: no Ray cluster answers at {address} ({exc.strerror or exc}); start one with "
+            f"simulation.ray_address: no Ray cluster answers at {address} ({exc.strerror or exc}); start one with "
             f"`ray start --head --port {port}` on that machine and `ray start --address {address}` on the others "
             "(docs/fleet.md, 'A Ray cluster'), or drop --ray-address to simulate on this machine alone"
         ) from None
@@ -112,11 +112,10 @@ def run_simulation(
     from flwr.simulation.run_simulation import _run_simulation
     from flwr.supercore.telemetry import EventType
 
-    fed = cfg.federation
     run, fused = _flower_run(config_path, resume)
     backend = {
-        "client_resources": {"num_cpus": fed.client_cpus, "num_gpus": 0.0},
-        "init_args": ray_init_args(fed.ray_address),
+        "client_resources": {"num_cpus": cfg.simulation.client_cpus, "num_gpus": 0.0},
+        "init_args": ray_init_args(cfg.simulation.ray_address),
     }
     log_path = run_dir(cfg) / FLOWER_LOG
     context = Context(run_id=run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config=fused)
@@ -124,7 +123,7 @@ def run_simulation(
         _run_simulation(
             server_app_attr=SERVER_APP,
             client_app_attr=client_app,
-            num_supernodes=fed.taking_part,  # newcomers (the last partitions) never take part
+            num_supernodes=cfg.devices.taking_part,  # newcomers (the last partitions) never take part
             backend_name="ray",
             backend_config=backend,
             app_dir=str(APP_ROOT),
@@ -150,8 +149,8 @@ def simulate(
     client_app: str = CLIENT_APP,
 ) -> dict:
     cfg = load_fleet_config(path, overrides)
-    if cfg.federation.ray_address is not None:
-        check_ray_reachable(cfg.federation.ray_address)  # before anything is measured
+    if cfg.simulation.ray_address is not None:
+        check_ray_reachable(cfg.simulation.ray_address)  # before anything is measured
     if resume:
         check_resumable(run_dir(cfg))  # before anything is measured, moved or launched
     cfg, config_path = prepare(cfg, resume=resume, log=log)

@@ -123,7 +123,7 @@ class ElasticFedAvg(FedAvg):
         self.defense = defense or Defense()
         self.upload_s_of = upload_s_of  # a device's full upload by name, when devices' uplinks differ
         self.server_momentum, self.server_lr = server_momentum, server_lr  # FedAvgM (None: off)
-        self.personal = frozenset(personal)  # what devices keep (federation.personal): never sent, never averaged
+        self.personal = frozenset(personal)  # what devices keep (personalization.policy): never sent, never averaged
 
     def round_deadline(self, nodes: Iterable[str]) -> float:
         """The round's deadline from the full-round times of ``nodes`` (the devices eligible now),
@@ -290,7 +290,7 @@ class ElasticFedAvg(FedAvg):
         self, server_round: int, arrays: ArrayRecord, nodes: Iterable[int], deadline_s: float = 0.0
     ) -> list[Message]:
         """The new global model to score; the round's deadline and strategy let a device fine-tune it
-        elastically first (federation.finetune_steps)."""
+        elastically first (personalization.finetune_steps)."""
         config = ConfigRecord({keys.SERVER_ROUND: server_round, keys.RUN_TAG: self.state.run_tag})
         config[keys.STRATEGY] = self.method
         config[keys.DEADLINE_S] = float(deadline_s)

@@ -31,8 +31,8 @@ CONFIG = "simulations/fleet-tiny.yaml"
 RUNS: dict[str, dict[str, object]] = {
     "fleet-head-finetune": {
         "federation.strategy": "fleet",
-        "federation.personal": "head",
-        "federation.finetune_steps": 2,
+        "personalization.policy": "head",
+        "personalization.finetune_steps": 2,
     },
     "naive-tight": {"federation.strategy": "naive", "federation.deadline_factor": 0.3},
     "ditto": {"federation.strategy": "ditto"},

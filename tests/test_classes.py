@@ -23,7 +23,7 @@ EXAMPLE = "simulations/classes.yaml"
 
 
 def fleet(classes: list[dict], num_devices: int = 20, **fed) -> object:
-    return load_fleet_config(None, {"federation.num_devices": num_devices, "federation.device_classes": classes, **fed})
+    return load_fleet_config(None, {"devices.num_devices": num_devices, "devices.device_classes": classes, **fed})
 
 
 def test_shares_become_exact_counts_spread_over_the_fleet():
@@ -73,18 +73,18 @@ def test_a_trace_sets_who_is_online_by_the_simulated_clock(tmp_path):
     [
         (
             [{"name": "a", "share": 0.5}, {"name": "b", "share": 0.4}],
-            "federation.device_classes: the shares sum to 0.9 (a 0.5, b 0.4); make them sum to 1",
+            "devices.device_classes: the shares sum to 0.9 (a 0.5, b 0.4); make them sum to 1",
         ),
         (
             [{"name": "a", "share": 1.0, "profile": "/nonexistent/pi4.yaml"}],
-            "federation.device_classes (a): profile /nonexistent/pi4.yaml is not a file; measure one",
+            "devices.device_classes (a): profile /nonexistent/pi4.yaml is not a file; measure one",
         ),
         (
             [{"name": "a", "share": 0.5, "availability": 0}, {"name": "b", "share": 0.5, "availability": 0}],
             "every class has availability 0, so no device is ever online",
         ),
         ([{"name": "a", "share": 1.0, "availability": 1.5}], "device_classes[0] (a).availability: 1.5 is not allowed"),
-        ([{"name": "a", "share": 1.0, "speed": 3}], "federation.device_classes[0].speed: unknown field"),
+        ([{"name": "a", "share": 1.0, "speed": 3}], "devices.device_classes[0].speed: unknown field"),
         ([{"name": "a", "share": 0.5}, {"name": "a", "share": 0.5}], "class names repeat (a, a)"),
     ],
 )

@@ -319,7 +319,7 @@ def tiny_deploy_config(tmp_path: Path, env: dict) -> tuple[Path, Path]:
     cfg = yaml.safe_load((ROOT / "simulations/fleet-tiny.yaml").read_text())
     cfg["name"] = "deploy"
     cfg["output_dir"] = str(tmp_path / "runs")
-    cfg["federation"]["num_devices"] = 2
+    cfg["devices"]["num_devices"] = 2
     config_path = tmp_path / "deploy.yaml"
     config_path.write_text(yaml.safe_dump(cfg))
     return config_path, measure_profile(config_path, env, tmp_path / "profile.yaml")

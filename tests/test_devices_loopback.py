@@ -84,16 +84,9 @@ def devices_config(tmp_path: Path, env: dict) -> tuple[Path, Path]:
     cfg["output_dir"] = str(tmp_path / "runs")
     cfg["model"].update(num_classes=len(CLASS_NAMES), in_channels=1)
     cfg["data"].update(dataset="imagefolder", input_size=16, class_names=CLASS_NAMES)
-    cfg["federation"].update(
-        rounds=ROUNDS,
-        min_devices=3,
-        devices_per_round=None,
-        grace_s=GRACE_S,
-        max_missed=1,
-        local_steps=2,
-        test_fraction=0.25,
-        timeout_s=300,
-    )
+    cfg["federation"].update(rounds=ROUNDS, devices_per_round=None, local_steps=2, timeout_s=300)
+    cfg["membership"] = {"min_devices": 3, "grace_s": GRACE_S, "max_missed": 1}
+    cfg["devices"].update(test_fraction=0.25)
     config_path = tmp_path / f"{NAME}.yaml"
     config_path.write_text(yaml.safe_dump(cfg))
     return config_path, measure_profile(config_path, env, tmp_path / "profile.yaml")

@@ -238,13 +238,13 @@ def test_reuse_accepts_a_raised_round_cap_once_the_time_budget_is_reached(tmp_pa
 def test_elastic_round_cap_follows_the_deadline_factor():
     from fleet.bench.fleet import elastic_round_cap
 
-    fed = fleet_config_from_dict({"federation": {"rounds": 10, "tiers": [1, 2, 3, 4]}}).federation
-    assert elastic_round_cap(fed) == 41  # rounds of at least 1/4 of FedAvg's
+    cfg = fleet_config_from_dict({"federation": {"rounds": 10}, "devices": {"tiers": [1, 2, 3, 4]}})
+    assert elastic_round_cap(cfg) == 41  # rounds of at least 1/4 of FedAvg's
     tight = fleet_config_from_dict(
-        {"federation": {"rounds": 10, "tiers": [1, 2, 3, 4], "deadline_factor": 0.5}}
-    ).federation
+        {"federation": {"rounds": 10, "deadline_factor": 0.5}, "devices": {"tiers": [1, 2, 3, 4]}}
+    )
     assert elastic_round_cap(tight) == 81  # half the deadline: rounds of 1/8 of FedAvg's
-    loose = fleet_config_from_dict({"federation": {"rounds": 10, "tiers": [1, 2], "deadline_factor": 1.5}}).federation
+    loose = fleet_config_from_dict({"federation": {"rounds": 10, "deadline_factor": 1.5}, "devices": {"tiers": [1, 2]}})
     assert elastic_round_cap(loose) == 21
 
 
@@ -273,7 +273,7 @@ def test_bench_carries_elastic_runs_to_the_horizon_past_their_round_cap(tmp_path
         "output_dir": str(tmp_path),
         "train.profile": str(tmp_path / "profile.yaml"),
         "federation.deadline_s": 0.001,
-        "federation.min_rho_margin": 0.0,
+        "elastic.min_rho_margin": 0.0,
     }
     report = bench_fleet("simulations/fleet-tiny.yaml", overrides, quiet=True)
     horizon = json.loads((tmp_path / "fleet-tiny-fedavg" / "summary.json").read_text())["sim_time_s"]

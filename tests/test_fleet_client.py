@@ -40,7 +40,7 @@ def test_rho_follows_deadline_and_profile_with_floor(setup):
     assert device_rho(cfg, profile, 0.0) == (1.0, full)
     assert device_rho(cfg, profile.scaled(2.0), full)[0] == pytest.approx(0.5)
     rho, _ = device_rho(cfg, profile.scaled(100.0), full)
-    assert rho == pytest.approx(profile.min_rho + cfg.federation.min_rho_margin)  # clamped to the floor
+    assert rho == pytest.approx(profile.min_rho + cfg.elastic.min_rho_margin)  # clamped to the floor
 
 
 def test_window_slides_to_input_and_rolls_back():
@@ -173,7 +173,7 @@ def test_window_cover_spends_the_budget_the_window_leaves(setup):
     plan = RoundPlan(server_round=3, strategy="fleet", deadline_s=deadline)  # the window's input-side position
 
     def trained(mode: str) -> tuple[set[str], dict]:
-        c = dataclasses.replace(cfg, federation=dataclasses.replace(cfg.federation, window=True, window_mode=mode))
+        c = dataclasses.replace(cfg, elastic=dataclasses.replace(cfg.elastic, window=True, window_mode=mode))
         res = local_round(c, make_model(cfg.model, 0), slow, data, None, plan, 1)
         return set(res.state["trained"]), res.metrics
 
@@ -205,21 +205,22 @@ def test_deadline_with_upload_covers_compute_and_upload(setup):
     fed = cfg.federation
     model = make_model(cfg.model, 0)
     total_bytes = sum(v.numel() * v.element_size() for v in model.state_dict().values() if v.is_floating_point())
-    deadline = fed.local_steps * profile.full_step_time + total_bytes / fed.bandwidth_bytes_per_s
+    deadline = fed.local_steps * profile.full_step_time + total_bytes / cfg.devices.bandwidth_bytes_per_s
     data = device_data(cfg, 1).train
     fast = local_round(cfg, model, profile, data, None, RoundPlan(1, "fleet", deadline), 1).metrics
     assert fast["selected"] == fast["num-tensors"] and fast["rho"] == 1.0
-    assert fast["predicted-time-s"] + fast["bytes-uploaded"] / fed.bandwidth_bytes_per_s == pytest.approx(deadline)
+    assert fast["predicted-time-s"] + fast["bytes-uploaded"] / cfg.devices.bandwidth_bytes_per_s == pytest.approx(
+        deadline
+    )
     slow = profile.scaled(2.0)
     m = local_round(cfg, make_model(cfg.model, 0), slow, data, None, RoundPlan(1, "fleet", deadline), 1).metrics
     assert 0 < m["selected"] < m["num-tensors"]
-    assert m["predicted-time-s"] + m["bytes-uploaded"] / fed.bandwidth_bytes_per_s <= deadline + 1e-9
+    assert m["predicted-time-s"] + m["bytes-uploaded"] / cfg.devices.bandwidth_bytes_per_s <= deadline + 1e-9
 
 
 def test_memory_budget_comes_from_node_config_then_profile_then_config(setup):
     cfg, profile = setup
-    fed = dataclasses.replace(cfg.federation, memory_budgets_mb=[0.0, 40.0])
-    c = dataclasses.replace(cfg, federation=fed)
+    c = dataclasses.replace(cfg, devices=dataclasses.replace(cfg.devices, memory_budgets_mb=[0.0, 40.0]))
     assert memory_budget_of(cfg, 1, {}, profile) is None
     assert memory_budget_of(c, 0, {}, profile) is None  # 0: unlimited
     assert memory_budget_of(c, 1, {}, profile) == 40.0
@@ -263,7 +264,7 @@ def test_round_under_a_memory_budget(setup, tmp_path):
 
 def test_partitions_are_disjoint_and_hold_out_pretraining_data():
     cfg = fleet_config_from_dict(
-        {"data": {"dataset": "synthetic"}, "federation": {"num_devices": 4, "pretrained_samples": 100}}
+        {"data": {"dataset": "synthetic"}, "devices": {"num_devices": 4}, "start": {"samples": 100}}
     )
     labels = torch.arange(2000).remainder(10).numpy()
     pre, parts = fleet_indices(cfg, labels)
@@ -276,7 +277,8 @@ def test_pretraining_from_other_classes_holds_out_only_those():
     cfg = fleet_config_from_dict(
         {
             "data": {"dataset": "synthetic"},
-            "federation": {"num_devices": 4, "pretrained_samples": 100, "pretrain_classes": [0, 1, 2]},
+            "devices": {"num_devices": 4},
+            "start": {"samples": 100, "classes": [0, 1, 2]},
         }
     )
     labels = torch.arange(2000).remainder(10).numpy()
@@ -291,13 +293,13 @@ def test_pretraining_from_other_classes_holds_out_only_those():
     "data, field",
     [
         ({"federation": {"strategy": "fedprox"}}, "federation.strategy"),
-        ({"federation": {"tiers": [0.5]}}, "federation.tiers"),
-        ({"federation": {"window_blocks": 9, "num_blocks": 4}}, "federation.window_blocks"),
+        ({"devices": {"tiers": [0.5]}}, "devices.tiers"),
+        ({"elastic": {"window_blocks": 9, "num_blocks": 4}}, "elastic.window_blocks"),
         ({"federation": {"rounds": "many"}}, "federation.rounds"),
-        ({"federation": {"blend_beta": 2}}, "federation.blend_beta"),
+        ({"elastic": {"blend_beta": 2}}, "elastic.blend_beta"),
         ({"federation": {"speed": 1}}, "federation.speed"),
-        ({"federation": {"pretrain_classes": [3, 12]}}, "federation.pretrain_classes"),
-        ({"federation": {"pretrain_classes": [1, 1]}}, "federation.pretrain_classes"),
+        ({"start": {"classes": [3, 12]}}, "start.classes"),
+        ({"start": {"classes": [1, 1]}}, "start.classes"),
     ],
 )
 def test_bad_federation_field_is_one_clear_line(data, field):

@@ -63,7 +63,7 @@ def run_failing(config: str, overrides: dict, timeout: float = 420) -> subproces
 
 def test_device_failing_mid_round_does_not_stop_the_fleet(tmp_path):
     # odd devices: about half a full step's activations
-    overrides = {"output_dir": str(tmp_path), "federation.memory_budgets_mb": [0, 1.0], "federation.server_eval": True}
+    overrides = {"output_dir": str(tmp_path), "devices.memory_budgets_mb": [0, 1.0], "evaluation.server_test": True}
     res = run_failing(TINY, overrides)
     assert res.returncode == 0, res.stdout[-3000:]
     run = tmp_path / "fleet-tiny"
@@ -104,7 +104,7 @@ def test_device_failing_mid_round_does_not_stop_the_fleet(tmp_path):
     assert summary["rounds"] == 2 and summary["rejections"] == 1
     assert summary["final_accuracy"] == pytest.approx(r2["global_accuracy"])
     assert (run / "accuracy.png").stat().st_size > 1000 and (run / "devices.png").stat().st_size > 1000
-    # federation.server_eval: the global model scored on the server's test set, the figure the checkpoint gives
+    # evaluation.server_test: the global model scored on the server's test set, the figure the checkpoint gives
     from fleet.federated.config import load_fleet_config
     from fleet.federated.server_eval import server_accuracy, server_test_set
     from fleet.federated.state import load_checkpoint
@@ -129,7 +129,7 @@ def test_device_failing_mid_round_does_not_stop_the_fleet(tmp_path):
 @pytest.mark.parametrize(
     "setting, error",
     [
-        ("federation.tiers=[0]", "error: federation.tiers: [0.0] is not allowed"),
+        ("devices.tiers=[0]", "error: devices.tiers: [0.0] is not allowed"),
         ("federation.devices_per_round=5", "error: federation.devices_per_round: 5 is more than the 4 simulated"),
         ("data.device_roots=/nonexistent/roots", "error: data.device_roots: "),
     ],
@@ -220,10 +220,10 @@ def test_resume_after_killed_server_loses_nothing(tmp_path):
 
 
 def test_eval_every_and_eval_devices_ask_fewer_devices_less_often(tmp_path):
-    """federation.eval_every=2 over 3 rounds: rounds 2 and 3 (the last) evaluate; eval_devices=2: a seeded
+    """evaluation.every=2 over 3 rounds: rounds 2 and 3 (the last) evaluate; eval_devices=2: a seeded
     2 of the 3 devices trained that round are asked, and only they carry accuracies."""
     args = ["simulate", TINY, "--output-dir", str(tmp_path), "--rounds", "3"]
-    for s in ("federation.devices_per_round=3", "federation.eval_every=2", "federation.eval_devices=2"):
+    for s in ("federation.devices_per_round=3", "evaluation.every=2", "evaluation.devices=2"):
         args += ["--set", s]
     res = run_fleet(args)
     assert res.returncode == 0, res.stdout[-3000:]
@@ -255,7 +255,8 @@ def test_device_classes_set_each_devices_speed_uplink_and_availability(tmp_path)
         {"name": "fast", "share": 0.5, "bandwidth_mbps": 100, "bandwidth_sigma": 0.5, "availability": 0.5},
     ]
     cfg = yaml.safe_load((ROOT / TINY).read_text())
-    cfg["federation"].update(num_devices=6, rounds=3, devices_per_round=3, device_classes=classes)
+    cfg["federation"].update(rounds=3, devices_per_round=3)
+    cfg["devices"].update(num_devices=6, device_classes=classes)
     cfg["output_dir"] = str(tmp_path / "runs")
     (tmp_path / "classes.yaml").write_text(yaml.safe_dump(cfg))
     res = run_fleet(["simulate", str(tmp_path / "classes.yaml")])
@@ -302,12 +303,13 @@ def test_device_roots_train_each_device_on_exactly_its_own_files(tmp_path):
     files = write_trees(tmp_path / "roots", trees, fmnist.images.numpy(), fmnist.labels.numpy())
     cfg = yaml.safe_load((ROOT / TINY).read_text())
     cfg["data"].update(class_names=CLASS_NAMES, device_roots=str(tmp_path / "roots"))
-    cfg["federation"].update(rounds=3, devices_per_round=2, num_devices=9)  # num_devices: set from the folders
+    cfg["federation"].update(rounds=3, devices_per_round=2)
+    cfg["devices"].update(num_devices=9)  # num_devices: set from the folders
     cfg["output_dir"] = str(tmp_path / "runs")
     (tmp_path / "roots.yaml").write_text(yaml.safe_dump(cfg))
     res = run_fleet(["simulate", str(tmp_path / "roots.yaml")])
     assert res.returncode == 0, res.stdout[-3000:]
-    assert "data.device_roots holds 4 devices: federation.num_devices = 4" in res.stdout
+    assert "data.device_roots holds 4 devices: devices.num_devices = 4" in res.stdout
     recs = read_metrics(tmp_path / "runs" / "fleet-tiny")
     assert [r["round"] for r in recs] == [1, 2, 3]
     assert sorted(recs[0]["joined"]) == sorted(trees)

@@ -287,7 +287,7 @@ def test_device_check_prints_mapping_and_counts(tmp_path: Path, fashion, fleet_y
     assert rows["sneaker"] == ["7", "sneaker", "yes", "6", "2"] and rows["bag"] == ["8", "bag", "yes", "3", "1"]
     assert rows["tshirt"] == ["0", "tshirt", "-", "0", "0"] and len(rows) == 10
     assert "2 of 10 classes, 9 train + 3 test images" in out
-    assert "25.0% of the images" in out and "federation.test_fraction=0.25" in out
+    assert "25.0% of the images" in out and "devices.test_fraction=0.25" in out
     argv = ["device", "check", "-c", str(fleet_yaml), "--data-root", str(tmp_path / "pi"), "--set", "train.seed=4"]
     assert main(argv) == 0
 

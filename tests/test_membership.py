@@ -74,14 +74,16 @@ class _Grid:
 def test_the_server_starts_at_min_devices_and_gives_up_after_timeout():
     from server.roster import wait_for_devices
 
-    cfg = fleet_config_from_dict({"federation": {"num_devices": 5, "min_devices": 2, "timeout_s": 1.0}})
+    cfg = fleet_config_from_dict(
+        {"devices": {"num_devices": 5}, "membership": {"min_devices": 2}, "federation": {"timeout_s": 1.0}}
+    )
     assert wait_for_devices(_Grid([1, 2]), cfg) == {"1", "2"}
     with pytest.raises(FleetError, match="only 1 of 2 devices connected within 1s"):
         wait_for_devices(_Grid([1]), cfg)
 
 
 def test_device_identity_from_node_config():
-    cfg = fleet_config_from_dict({"federation": {"num_devices": 4, "tiers": [1, 3]}})
+    cfg = fleet_config_from_dict({"devices": {"num_devices": 4, "tiers": [1, 3]}})
     own = {"data-root": "/data/pi", "device-name": "pi-kitchen"}
     assert partition_of(cfg, own) is None and tier_of(cfg, None, own) == 1.0  # a real device: its own profile
     assert device_name_of(cfg, own, None) == "pi-kitchen"
@@ -100,13 +102,13 @@ def test_device_identity_from_node_config():
             partition_of(cfg, {"partition-id": bad})
 
 
-@pytest.mark.parametrize("field", ["devices_per_round", "min_devices"])
-def test_sampling_more_devices_than_the_simulated_fleet_is_one_line(field):
-    cfg = fleet_config_from_dict({"federation": {"num_devices": 4, field: 5}})
-    with pytest.raises(ConfigError, match=f"federation.{field}: 5 is more than the 4 simulated devices that take part"):
+@pytest.mark.parametrize("section, field", [("federation", "devices_per_round"), ("membership", "min_devices")])
+def test_sampling_more_devices_than_the_simulated_fleet_is_one_line(section, field):
+    cfg = fleet_config_from_dict({"devices": {"num_devices": 4}, section: {field: 5}})
+    with pytest.raises(ConfigError, match=f"{section}.{field}: 5 is more than the 4 simulated devices that take part"):
         simulated_fleet(cfg, log=lambda s: None)
-    ok = fleet_config_from_dict({"federation": {"num_devices": 4, field: 4}})
-    assert simulated_fleet(ok, log=lambda s: None).federation.num_devices == 4
+    ok = fleet_config_from_dict({"devices": {"num_devices": 4}, section: {field: 4}})
+    assert simulated_fleet(ok, log=lambda s: None).devices.num_devices == 4
 
 
 def test_a_run_whose_rounds_trained_nobody_says_so(tmp_path):
@@ -139,9 +141,7 @@ def test_a_round_evaluates_every_eval_every_rounds_and_always_last():
     from fleet.federated.config import load_fleet_config
     from server.server_app import evaluates
 
-    cfg = load_fleet_config(None, {"federation.rounds": 10, "federation.eval_every": 4})
+    cfg = load_fleet_config(None, {"federation.rounds": 10, "evaluation.every": 4})
     assert [r for r in range(1, 11) if evaluates(cfg, r, 0.0)] == [4, 8, 10]
-    timed = load_fleet_config(
-        None, {"federation.rounds": 10, "federation.eval_every": 4, "federation.time_budget_s": 30}
-    )
+    timed = load_fleet_config(None, {"federation.rounds": 10, "evaluation.every": 4, "federation.time_budget_s": 30})
     assert not evaluates(timed, 5, 29.9) and evaluates(timed, 5, 30.0)  # the round that reaches the horizon is last

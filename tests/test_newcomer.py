@@ -16,7 +16,7 @@ TINY = "simulations/fleet-tiny.yaml"
 
 
 def test_each_method_records_accuracy_against_the_device_time_it_spent(tmp_path):
-    cfg = load_fleet_config(TINY, {"output_dir": str(tmp_path), "federation.shift.rotation_deg": 45})
+    cfg = load_fleet_config(TINY, {"output_dir": str(tmp_path), "devices.shift.rotation_deg": 45})
     model = make_model(cfg.model, 0)
     m = cfg.model
     meta = model_meta(m.name, m.num_classes, m.in_channels, m.small_input)
@@ -30,7 +30,7 @@ def test_each_method_records_accuracy_against_the_device_time_it_spent(tmp_path)
         times = [p["device_time_s"] for p in curve]
         assert len(curve) == 3 and times[0] == 0 and times == sorted(times) and times[-1] > 0
         assert all(0 <= p["accuracy"] <= 1 for p in curve)
-    tier = cfg.federation.tiers[3 % len(cfg.federation.tiers)]
+    tier = cfg.devices.tiers[3 % len(cfg.devices.tiers)]
     epoch_full = curves["full"][1]["device_time_s"]
     assert epoch_full == pytest.approx(tier * profile.full_step_time * 3)  # 48 samples: 3 batches of 16
     # A training probe every epoch (fleet-tiny's interval 1): its batch costs two full steps instead of one
@@ -44,10 +44,10 @@ def test_newcomers_leave_some_devices_to_take_part_and_the_sample_counts_only_th
     from fleet.base.errors import ConfigError
     from fleet.federated.prepare import simulated_fleet
 
-    with pytest.raises(ConfigError, match="^federation.newcomers: 4 leaves none of the 4 devices"):
-        load_fleet_config(TINY, {"federation.newcomers": 4})
-    cfg = load_fleet_config(TINY, {"federation.newcomers": 2, "federation.devices_per_round": 3})
-    assert cfg.federation.taking_part == 2
+    with pytest.raises(ConfigError, match="^devices.newcomers: 4 leaves none of the 4 devices"):
+        load_fleet_config(TINY, {"devices.newcomers": 4})
+    cfg = load_fleet_config(TINY, {"devices.newcomers": 2, "federation.devices_per_round": 3})
+    assert cfg.devices.taking_part == 2
     with pytest.raises(ConfigError, match="^federation.devices_per_round: 3 is more than the 2 simulated devices"):
         simulated_fleet(cfg, log=lambda s: None)
 

@@ -1,4 +1,4 @@
-"""Personal tensors (federation.personal): kept on the device, never sent, never averaged."""
+"""Personal tensors (personalization.policy): kept on the device, never sent, never averaged."""
 
 from __future__ import annotations
 
@@ -19,14 +19,14 @@ TINY = "simulations/fleet-tiny.yaml"
 
 def device(tmp_path, policy: str) -> tuple[tasks.Device, dict[str, torch.Tensor]]:
     """Device 0 of the tiny fleet under ``policy``, with a size-proportional profile, and the global model."""
-    cfg = load_fleet_config(TINY, {"output_dir": str(tmp_path / policy), "federation.personal": policy})
+    cfg = load_fleet_config(TINY, {"output_dir": str(tmp_path / policy), "personalization.policy": policy})
     model = make_model(cfg.model, 0)
     m = cfg.model
     meta = model_meta(m.name, m.num_classes, m.in_channels, m.small_input)
     path = tmp_path / "profile.yaml"
     proportional_profile(model, cfg.train.batch_size, cfg.data.input_size, meta=meta).save(path)
     cfg = load_fleet_config(
-        TINY, {"output_dir": str(tmp_path / policy), "federation.personal": policy, "train.profile": str(path)}
+        TINY, {"output_dir": str(tmp_path / policy), "personalization.policy": policy, "train.profile": str(path)}
     )
     return tasks.Device.from_configs(cfg, {"partition-id": 0}), {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -91,22 +91,23 @@ def test_the_server_rejects_a_reply_that_carries_a_personal_tensor():
 
     arrays = {"fc.weight": np.zeros((10, 4), np.float32), "conv1.weight": np.zeros(3, np.float32)}
     reason = upload_problem(arrays, 2, ["conv1.weight", "fc.weight"], frozenset({"fc.weight", "fc.bias"}))
-    assert reason == "uploads tensor 'fc.weight', which federation.personal keeps on the device"
+    assert reason == "uploads tensor 'fc.weight', which personalization.policy keeps on the device"
 
 
 def test_an_unknown_personal_policy_is_one_line():
-    with pytest.raises(ConfigError, match=r"^federation.personal: 'tail' is not allowed; use one of none, head"):
-        load_fleet_config(TINY, {"federation.personal": "tail"})
+    with pytest.raises(ConfigError, match=r"^personalization.policy: 'tail' is not allowed; use one of none, head"):
+        load_fleet_config(TINY, {"personalization.policy": "tail"})
 
 
 def test_fine_tuning_before_evaluation_is_elastic_timed_and_keeps_nothing(tmp_path):
-    """federation.finetune_steps: the device scores the global model, then a copy fine-tuned for that many
+    """personalization.finetune_steps: the device scores the global model, then a copy fine-tuned for that many
     steps within the round's share of the deadline; its simulated time is reported for the clock."""
     dev, weights = device(tmp_path, "none")
     cfg = dev.cfg
     dev = tasks.Device.from_configs(
         load_fleet_config(
-            TINY, {"output_dir": cfg.output_dir, "federation.finetune_steps": 3, "train.profile": cfg.train.profile}
+            TINY,
+            {"output_dir": cfg.output_dir, "personalization.finetune_steps": 3, "train.profile": cfg.train.profile},
         ),
         {"partition-id": 0},
     )
@@ -129,8 +130,8 @@ def test_fine_tuning_before_evaluation_is_elastic_timed_and_keeps_nothing(tmp_pa
 
 
 def test_negative_finetune_steps_are_one_line():
-    with pytest.raises(ConfigError, match=r"^federation.finetune_steps: -1 is not allowed; use an integer >= 0"):
-        load_fleet_config(TINY, {"federation.finetune_steps": -1})
+    with pytest.raises(ConfigError, match=r"^personalization.finetune_steps: -1 is not allowed; use an integer >= 0"):
+        load_fleet_config(TINY, {"personalization.finetune_steps": -1})
 
 
 def test_dittos_proximal_term_pulls_the_personal_model_toward_the_global_one(tmp_path):
@@ -179,8 +180,8 @@ def test_a_ditto_device_keeps_a_personal_model_and_sends_only_its_shared_update(
 
 
 def test_a_negative_ditto_lambda_is_one_line():
-    with pytest.raises(ConfigError, match=r"^federation.ditto_lambda: -0.5 is not allowed; use a number >= 0"):
-        load_fleet_config(TINY, {"federation.ditto_lambda": -0.5})
+    with pytest.raises(ConfigError, match=r"^personalization.ditto_lambda: -0.5 is not allowed; use a number >= 0"):
+        load_fleet_config(TINY, {"personalization.ditto_lambda": -0.5})
 
 
 def test_a_devices_reported_fine_tuning_time_is_held_to_a_band_on_the_clock():
@@ -188,7 +189,7 @@ def test_a_devices_reported_fine_tuning_time_is_held_to_a_band_on_the_clock():
     from fleet.federated.state import ServerState
     from server.server_app import finetune_time
 
-    cfg = load_fleet_config(TINY, {"federation.finetune_steps": 1, "federation.local_steps": 2})
+    cfg = load_fleet_config(TINY, {"personalization.finetune_steps": 1, "federation.local_steps": 2})
     state = ServerState(run_tag="r", roster={"7": member("a", 2.0), "8": member("b", 2.0)})
     state.replies.evaluation = [{"node_id": 7, keys.FINETUNE_TIME_S: 0.5}, {"node_id": 8, keys.FINETUNE_TIME_S: 1e6}]
     assert finetune_time(cfg, state) == pytest.approx(4.0 * 2.0 * 1 / 2)  # band 4 x the device's full time x 1/2

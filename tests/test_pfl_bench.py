@@ -63,9 +63,9 @@ def test_the_pfl_bench_runs_end_to_end_on_a_tiny_fleet(tmp_path, capsys):
     overrides = {
         "output_dir": str(tmp_path),
         "federation.rounds": 1,
-        "federation.newcomers": 1,
-        "federation.shift.rotation_deg": 45,
-        "federation.shift.domains": 2,
+        "devices.newcomers": 1,
+        "devices.shift.rotation_deg": 45,
+        "devices.shift.domains": 2,
     }
     report = bench_pfl(
         "simulations/fleet-tiny.yaml",

@@ -79,11 +79,11 @@ def test_an_unreachable_ray_address_is_one_line_naming_it(tmp_path):
     port = free_port()  # nothing listens there
     res = run_fleet(["simulate", TINY, "--output-dir", str(tmp_path), "--ray-address", f"127.0.0.1:{port}"], 120)
     assert res.returncode == 2, res.stdout[-2000:]
-    assert f"error: federation.ray_address: no Ray cluster answers at 127.0.0.1:{port}" in res.stdout
+    assert f"error: simulation.ray_address: no Ray cluster answers at 127.0.0.1:{port}" in res.stdout
     assert "ray start --head" in res.stdout and "Traceback" not in res.stdout
     assert not (tmp_path / "fleet-tiny" / "device-profile.yaml").exists()  # refused before anything was measured
     res = run_fleet(["simulate", TINY, "--output-dir", str(tmp_path), "--ray-address", "http://head"], 120)
-    assert res.returncode == 2 and "error: federation.ray_address: 'http://head' is not allowed" in res.stdout
+    assert res.returncode == 2 and "error: simulation.ray_address: 'http://head' is not allowed" in res.stdout
 
 
 @pytest.mark.slow
@@ -96,7 +96,7 @@ def test_a_simulation_runs_on_a_two_node_ray_cluster(tmp_path):
         wait_for_nodes(address, 1)
         worker = start_node(["--address", address], tmp_path / "worker.log")
         wait_for_nodes(address, 2)
-        overrides = {"output_dir": str(tmp_path / "runs"), "federation.ray_address": address}
+        overrides = {"output_dir": str(tmp_path / "runs"), "simulation.ray_address": address}
         res = run_bounded([sys.executable, "-c", SIMULATE_ON, TINY, json.dumps(overrides)], 420)
         assert res.returncode == 0 and "rounds 2" in res.stdout, res.stdout[-3000:]
         nodes = (tmp_path / "runs" / "ray-nodes.txt").read_text().split()

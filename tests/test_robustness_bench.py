@@ -273,7 +273,7 @@ def test_robustness_config_loads_and_the_cli_knows_every_attack():
     from fleet.cli import build_parser
 
     cfg = load_fleet_config("simulations/robustness.yaml")
-    assert cfg.federation.num_devices == 8 and cfg.federation.pretrained_samples > 0
+    assert cfg.devices.num_devices == 8 and cfg.start.samples > 0
     bench = build_parser()._subparsers._group_actions[0].choices["bench"]
     robustness = bench._subparsers._group_actions[0].choices["robustness"]
     assert all(a in robustness.format_help() for a in adv.ATTACKS)

@@ -12,10 +12,10 @@ from fleet.federated.config import load_fleet_config
 
 TINY = "simulations/fleet-tiny.yaml"
 SHIFT = {
-    "federation.shift.rotation_deg": 60,
-    "federation.shift.brightness": 0.3,
-    "federation.shift.contrast": 0.3,
-    "federation.shift.label_permutation": True,
+    "devices.shift.rotation_deg": 60,
+    "devices.shift.brightness": 0.3,
+    "devices.shift.contrast": 0.3,
+    "devices.shift.label_permutation": True,
 }
 
 
@@ -57,7 +57,7 @@ def test_a_fleet_device_trains_and_tests_on_its_own_domain(tmp_path):
     cfg = load_fleet_config(TINY, {"output_dir": str(tmp_path), **SHIFT})
     for pid in (1, 2):
         before, after = device_data(plain, pid), device_data(cfg, pid)
-        shift = device_shift(cfg.federation.shift, pid, cfg.federation.num_devices, 10, cfg.train.seed)
+        shift = device_shift(cfg.devices.shift, pid, cfg.devices.num_devices, 10, cfg.train.seed)
         for split in ("train", "test"):  # the same transform on both splits
             assert torch.equal(getattr(after, split).images, shift_dataset(getattr(before, split), shift).images)
             assert not torch.equal(getattr(after, split).images, getattr(before, split).images)
@@ -67,9 +67,9 @@ def test_a_fleet_device_trains_and_tests_on_its_own_domain(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"federation.shift.rotation_deg": -5}, "federation.shift.rotation_deg: -5.0 is not allowed"),
-        ({"federation.shift.contrast": 1.5}, "federation.shift.contrast: 1.5 is not allowed"),
-        ({"federation.shift.brightness": 0.2, "model.in_channels": 4}, "brightness and contrast need 1- or 3-"),
+        ({"devices.shift.rotation_deg": -5}, "devices.shift.rotation_deg: -5.0 is not allowed"),
+        ({"devices.shift.contrast": 1.5}, "devices.shift.contrast: 1.5 is not allowed"),
+        ({"devices.shift.brightness": 0.2, "model.in_channels": 4}, "brightness and contrast need 1- or 3-"),
     ],
 )
 def test_a_shift_the_data_cannot_take_is_one_line(overrides, message):
@@ -82,7 +82,7 @@ def test_a_shift_on_devices_that_read_their_own_folders_is_refused(tmp_path):
     for name in ("dev-a", "dev-b"):
         (tmp_path / name / "shirt").mkdir(parents=True)
     overrides = {"data.device_roots": str(tmp_path), "data.class_names": [str(i) for i in range(10)], **SHIFT}
-    with pytest.raises(ConfigError, match="federation.shift: the devices read their own folders"):
+    with pytest.raises(ConfigError, match="devices.shift: the devices read their own folders"):
         load_fleet_config(TINY, overrides)
 
 
@@ -137,7 +137,5 @@ def test_a_single_device_shift_it_cannot_take_is_one_line_and_exit_2(tmp_path, c
 
 
 def test_a_fleet_refuses_a_single_device_shift():
-    with pytest.raises(
-        ConfigError, match="^data.shift: a fleet gives each device its own domain with federation.shift"
-    ):
+    with pytest.raises(ConfigError, match="^data.shift: a fleet gives each device its own domain with devices.shift"):
         load_fleet_config(TINY, {"data.shift.rotation_deg": 30})

@@ -35,7 +35,7 @@ from typing import Any
 from fleet.base.errors import ConfigError, FleetError
 from fleet.bench.launch import progress_log
 from fleet.engine.config import config_to_dict
-from fleet.federated.config import FederationConfig, FleetConfig, load_fleet_config, run_dir
+from fleet.federated.config import FleetConfig, load_fleet_config, run_dir
 from fleet.federated.prepare import EFFECTIVE_CONFIG, prepare
 from fleet.federated.tracking import SUMMARY_FILE
 
@@ -138,7 +138,7 @@ def method_entry(
         "bytes_uploaded": int(sum(r.get("bytes_uploaded", 0) for r in history)),
         "rounds": len(history),
         "sim_time_s": last.get("sim_time_s", 0.0),
-        "classes": summary.get("classes") or {},  # per device class, over the whole run (federation.device_classes)
+        "classes": summary.get("classes") or {},  # per device class, over the whole run (devices.device_classes)
         "run_dir": summary["run_dir"],
     }
 
@@ -332,11 +332,12 @@ def reused_summary(method: str, want: FleetConfig) -> dict:
     return summary
 
 
-def elastic_round_cap(fed: FederationConfig) -> int:
+def elastic_round_cap(cfg: FleetConfig) -> int:
     """How many rounds an elastic method may take to fill FedAvg's horizon. Its rounds last about
     the deadline: ``deadline_factor`` of the fastest device's full round, against FedAvg's
     ``max(tiers)`` times that. Only a cap; the time budget ends the run (see :func:`_run_seed`)."""
-    return int(fed.rounds * max(fed.tiers) / min(1.0, fed.deadline_factor)) + 1
+    fed = cfg.federation
+    return int(fed.rounds * max(cfg.devices.tiers) / min(1.0, fed.deadline_factor)) + 1
 
 
 def _run_seed(
@@ -359,7 +360,7 @@ def _run_seed(
         }
         if method != "fedavg":
             extra["federation.time_budget_s"] = horizon
-            extra["federation.rounds"] = elastic_round_cap(base.federation)
+            extra["federation.rounds"] = elastic_round_cap(base)
         if method in reuse:
             summaries[method] = reused_summary(method, load_fleet_config(path, {**overrides, **extra}))
             log(f"--- seed {seed}, {method}: reusing {summaries[method]['run_dir']} ---")
@@ -370,7 +371,7 @@ def _run_seed(
         log(
             f"--- seed {seed}, {method}: "
             + (f"{cfg.federation.rounds} rounds" if horizon is None else f"{horizon:.1f}s simulated")
-            + f" on {cfg.federation.num_devices} devices ---"
+            + f" on {cfg.devices.num_devices} devices ---"
         )
         _simulate(config_path, quiet)
         summaries[method] = json.loads((run_dir(cfg) / "summary.json").read_text())
@@ -420,8 +421,8 @@ def bench_fleet(
         per_seed[seed] = seed_report(summaries, histories, target_fraction=target_fraction, final_rounds=final_rounds)
     report: dict[str, Any] = {
         "config": str(path),
-        "devices": base.federation.num_devices,
-        "tiers": base.federation.tiers,
+        "devices": base.devices.num_devices,
+        "tiers": base.devices.tiers,
         "fedavg_rounds": base.federation.rounds,
         "comparison": "equal simulated time: FedAvg's rounds set the horizon",
         "final_accuracy_is": f"mean global accuracy of the last {final_rounds} rounds within the horizon",

@@ -1,7 +1,7 @@
 """``fleet bench pfl``: personalized federated learning, every method at the same simulated time.
 
 The methods people compare personalization with (pFL-Bench's baselines) against fleet, on devices
-whose label mix *and* inputs differ (``federation.shift``):
+whose label mix *and* inputs differ (``devices.shift``):
 
 * ``fedavg_ft``: FedAvg, then each device fine-tunes the global model before it is scored;
 * ``fedbn`` / ``fedper``: FedAvg with the normalization layers / the head kept on the device;
@@ -15,7 +15,7 @@ method gets (as ``fleet bench fleet`` does). A method's **personalized accuracy*
 devices end with on their own held-out splits: the fine-tuned global model for FedAvg+FT, the
 device's own model for the others. The target is 95% of FedAvg+FT's final personalized mean.
 
-``federation.newcomers`` devices never take part. After the runs, each personalizes from fleet's
+``devices.newcomers`` devices never take part. After the runs, each personalizes from fleet's
 final global model with ``full``, ``tl``, ``bn_bias`` and ``elastic`` (rho 0.5), its accuracy
 recorded against device time (:mod:`fleet.federated.newcomer`): ElasticTrainer's claim, on a fleet.
 """
@@ -42,14 +42,14 @@ DEFAULT_CONFIG = "simulations/pfl.yaml"
 BASELINE = "fedavg_ft"  # its rounds set the horizon, its final personalized mean the target
 METHODS: dict[str, dict[str, Any]] = {
     "fedavg_ft": {"federation.strategy": "fedavg"},  # + finetune_steps (the bench's --finetune-steps)
-    "fedbn": {"federation.strategy": "fedavg", "federation.personal": "norms"},
-    "fedper": {"federation.strategy": "fedavg", "federation.personal": "head"},
+    "fedbn": {"federation.strategy": "fedavg", "personalization.policy": "norms"},
+    "fedper": {"federation.strategy": "fedavg", "personalization.policy": "head"},
     "ditto": {"federation.strategy": "ditto", "federation.deadline_factor": 1e6},  # the baseline trains fully
     "naive": {"federation.strategy": "naive"},
-    "fleet": {"federation.strategy": "fleet", "federation.personal": "none"},
-    "fleet_head": {"federation.strategy": "fleet", "federation.personal": "head"},
-    "fleet_norms": {"federation.strategy": "fleet", "federation.personal": "norms"},
-    "fleet_head_norms": {"federation.strategy": "fleet", "federation.personal": "head+norms"},
+    "fleet": {"federation.strategy": "fleet", "personalization.policy": "none"},
+    "fleet_head": {"federation.strategy": "fleet", "personalization.policy": "head"},
+    "fleet_norms": {"federation.strategy": "fleet", "personalization.policy": "norms"},
+    "fleet_head_norms": {"federation.strategy": "fleet", "personalization.policy": "head+norms"},
 }
 NEWCOMER_SOURCE = "fleet"  # whose final global model the new devices personalize from
 
@@ -113,7 +113,7 @@ def run_seed(
     horizon = None
     for method in [BASELINE] + [m for m in methods if m != BASELINE]:
         extra = {"name": f"{base.name}{tag}-{method}", **METHODS[method]}
-        extra["federation.finetune_steps"] = finetune_steps if method == BASELINE else 0
+        extra["personalization.finetune_steps"] = finetune_steps if method == BASELINE else 0
         if horizon is not None:
             extra["federation.time_budget_s"] = horizon
             extra["federation.rounds"] = elastic_round_cap(base.federation)
@@ -148,8 +148,7 @@ def newcomer_figures(
     """The newcomers personalize from the final global model of the run in ``run`` (its config, with
     ``overrides``): per method, the mean over them of the final accuracy and device time, and the mean curve."""
     cfg = load_fleet_config(run / "fleet-config.yaml", overrides)
-    fed = cfg.federation
-    if fed.newcomers == 0:
+    if cfg.devices.newcomers == 0:
         return {}
     loaded = load_checkpoint(run)
     if loaded is None:
@@ -157,7 +156,7 @@ def newcomer_figures(
     model = loaded[0]
     profile = DeviceProfile.load(cfg.train.profile)
     curves = []
-    for pid in range(fed.taking_part, fed.num_devices):
+    for pid in range(cfg.devices.taking_part, cfg.devices.num_devices):
         log(f"--- new device {pid} personalizes from {run.name} ---")
         curves.append(personalize_newcomer(cfg, model, pid, profile, epochs=epochs, lr=lr))
     out = {}

@@ -116,7 +116,7 @@ def run_one(
     if attack is not None:
         (out / ATTACK_FILE).write_text(json.dumps({"attack": attack, "partitions": partitions}))
     who = "clean" if attack is None else f"{attack}, adversarial partitions {partitions}"
-    log(f"--- {run_name}: {who}; {cfg.federation.rounds} rounds on {cfg.federation.num_devices} devices ---")
+    log(f"--- {run_name}: {who}; {cfg.federation.rounds} rounds on {cfg.devices.num_devices} devices ---")
     error = launch(config_path, HONEST_APP if attack is None else ADVERSARY_APP, timeout_s, log)
     entry = {"attack": attack, "adversaries": len(partitions), "partitions": partitions}
     entry.update(run_figures(out, error, honest_from))
@@ -155,21 +155,21 @@ def bench_robustness(
     """The clean run, then every attack with each number of adversaries; the report is also written
     to ``<output_dir>/robustness.json`` after every run, so a killed bench keeps what it measured."""
     base = load_fleet_config(path, overrides or {})
-    check_choices(attacks, adversaries, base.federation.num_devices)
+    check_choices(attacks, adversaries, base.devices.num_devices)
     log = progress_log(quiet)
     shared = shared_start(path, dict(overrides or {}), log)
     common = {**(overrides or {}), "train.profile": shared.train.profile, "model.weights": shared.model.weights}
-    common["federation.server_eval"] = True  # the final accuracy: the global model on a balanced test set
+    common["evaluation.server_test"] = True  # the final accuracy: the global model on a balanced test set
     fed = base.federation
     report: dict[str, Any] = {
         "config": str(path),
-        "devices": fed.num_devices,
+        "devices": base.devices.num_devices,
         "rounds": fed.rounds,
         "strategy": fed.strategy,
-        "aggregation": fed.aggregation,
+        "aggregation": base.robust.aggregation,
         "defenses": {f: getattr(fed, f) for f in DEFENSE_FIELDS},
         "final_accuracy_is": f"mean over the last {FINAL_ROUNDS} rounds of the global model's accuracy on the "
-        f"server's test set ({base.data.test_per_class} per class, federation.server_eval)",
+        f"server's test set ({base.data.test_per_class} per class, evaluation.server_test)",
         "honest_device_accuracy_is": f"the same mean of the global accuracy on the test splits of the devices "
         f"honest in every run (partitions >= {max(adversaries)})",
         "clean_final_accuracy": None,

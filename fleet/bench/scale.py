@@ -83,7 +83,7 @@ def run_size(path: str, common: dict, devices: int, per_round: int, timeout_s: f
     overrides = {
         **common,
         "name": f"{name}-{devices}",
-        "federation.num_devices": devices,
+        "devices.num_devices": devices,
         "federation.devices_per_round": per_round,
     }
     cfg, config_path = prepare(load_fleet_config(path, overrides), resume=False, log=log)
@@ -93,7 +93,7 @@ def run_size(path: str, common: dict, devices: int, per_round: int, timeout_s: f
     error = launch(config_path, HONEST_APP, timeout_s, log, watch)
     metrics = run_dir(cfg) / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-    parallel = workers(cfg.federation.client_cpus)
+    parallel = workers(cfg.simulation.client_cpus)
     entry = {
         "devices": devices,
         "per_round": per_round,

@@ -34,7 +34,7 @@ def run_check(args: argparse.Namespace) -> int:
     cfg = load_fleet_config(args.config, dict(parse_override(s) for s in args.set))
     data = owned_data(cfg, args.data_root, "--data-root")
     own_test = data.layout == "split" and (Path(args.data_root).expanduser() / "test").is_dir()
-    print(check_report(data, args.data_root, cfg.federation.test_fraction, own_test))
+    print(check_report(data, args.data_root, cfg.devices.test_fraction, own_test))
     return 0
 
 
@@ -51,9 +51,7 @@ def check_report(data: OwnedData, root: str, test_fraction: float, own_test: boo
     n_train, n_test = len(data.train), len(data.test)
     lines.append(f"  total: {len(held)} of {len(data.counts)} classes, {n_train} train + {n_test} test images")
     source = (
-        "the device's own test/ folder"
-        if own_test
-        else f"held out per class (federation.test_fraction={test_fraction:g})"
+        "the device's own test/ folder" if own_test else f"held out per class (devices.test_fraction={test_fraction:g})"
     )
     lines.append(f"  test split: {n_test / max(n_train + n_test, 1):.1%} of the images, {source}")
     return "\n".join(lines)

@@ -21,7 +21,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         ("rounds", "federation.rounds"),
         ("strategy", "federation.strategy"),
         ("output_dir", "output_dir"),
-        ("ray_address", "federation.ray_address"),
+        ("ray_address", "simulation.ray_address"),
     ):
         value = getattr(args, flag, None)
         if value is not None:
@@ -113,7 +113,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         raise FleetError(
             f"{len(empty)} of {summary['rounds']} rounds ended with no accepted training reply (rounds {empty}; "
             f"first rejection: {summary.get('first_rejection') or 'no device replied'}); fix what the rejections "
-            "name, e.g. fewer devices than samples (federation.num_devices, samples_per_device)"
+            "name, e.g. fewer devices than samples (devices.num_devices, samples_per_device)"
         )
     return 0
 

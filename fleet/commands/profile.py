@@ -87,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
         "train.lr": args.lr,
         "train.memory_budget_mb": args.memory_budget_mb,
     }
-    cfg = load_config(args.config, {k: v for k, v in flags.items() if v is not None}, ignore_sections=("federation",))
+    from fleet.federated.config import SECTIONS  # a fleet YAML's own sections: a profile reads none of them
+
+    cfg = load_config(args.config, {k: v for k, v in flags.items() if v is not None}, ignore_sections=SECTIONS)
     out = output_file(args.out)
     if args.threads:
         torch.set_num_threads(args.threads)

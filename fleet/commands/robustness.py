@@ -27,7 +27,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--adversaries", type=int, nargs="+", default=[1, 2], help="adversarial devices per run: partitions 0..k-1"
     )
-    p.add_argument("--aggregation", help="federation.aggregation: mean, trimmed_mean or median")
+    p.add_argument("--aggregation", help="robust.aggregation: mean, trimmed_mean or median")
     p.add_argument("--output-dir")
     p.add_argument(
         "--timeout-s", type=float, default=1800.0, help="a simulation still running after this counts as crashed"
@@ -41,7 +41,7 @@ def _overrides(args: argparse.Namespace) -> dict:
 
     overrides = set_overrides(args)
     if args.aggregation is not None:
-        overrides["federation.aggregation"] = args.aggregation
+        overrides["robust.aggregation"] = args.aggregation
     return overrides
 
 

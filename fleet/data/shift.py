@@ -56,7 +56,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 def check_shift(cfg: ShiftConfig, where: str, in_channels: int) -> None:
     """One-line ConfigError for a field out of range, or brightness/contrast on images that are neither grey nor
-    colour (``where`` names the section: ``federation.shift`` or ``data.shift``)."""
+    colour (``where`` names the section: ``devices.shift`` or ``data.shift``)."""
     for name, (ok, allowed) in RULES.items():
         if not ok(getattr(cfg, name)):
             raise ConfigError(f"{where}.{name}: {getattr(cfg, name)!r} is not allowed; use {allowed}")

@@ -26,9 +26,15 @@ METHODS = ("full", "tl", "bn_bias", "prunetrain", "elastic")
 
 @dataclass
 class ModelConfig:
+    """The network: a torchvision architecture with a resized head and stem, weights from local files only."""
+
+    # resnet18, resnet34, resnet50, mobilenet_v2, mobilenet_v3_small, efficientnet_b0 or vgg11_bn (checked when the
+    # model is built, fleet/engine/models.py)
     name: str = "resnet18"
-    num_classes: int = 10
-    in_channels: int = 1
+    num_classes: int = 10  # outputs of the head: the data's classes (data.classes: as many as it keeps)
+    in_channels: int = 1  # 1 for grayscale, 3 for RGB; another count replaces the first convolution
+    # fit the network to small inputs (e.g. 32x32), which would shrink to nothing: a stride-1 stem (ResNets: 3x3, no
+    # max-pool; vgg11_bn: pooled to a one-layer head)
     small_input: bool = False
     weights: str | None = None  # local checkpoint file (``fleet pretrain`` writes one)
     reset_head: bool = False  # load a backbone whose head has another shape
@@ -36,12 +42,16 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    """What the model trains and is tested on: local files only, nothing is downloaded."""
+
+    # fashion-mnist (Debian's IDX files), fashion-mnist-torchvision, mnist, cifar10, cifar100 (torchvision's files on
+    # disk), imagefolder (data.root), digits (scikit-learn) or synthetic (tests); checked when the data is loaded
     dataset: str = "fashion-mnist"
     root: str | None = None  # None: the dataset's default location
-    input_size: int = 32
+    input_size: int = 32  # images are resized to this many pixels square in every batch; profiles are taken at it
     classes: list[int] | None = None  # keep these labels (remapped to 0..n-1)
     train_per_class: int | None = None  # cap training samples per class (a device's small local set)
-    test_per_class: int | None = None
+    test_per_class: int | None = None  # cap test samples per class (null: the whole test split)
     # The fleet's label space in order, shared by every device: a device's class folders map onto it
     # by name, so label ids agree across the fleet even when a device holds only some classes.
     class_names: list[str] | None = None
@@ -51,22 +61,28 @@ class DataConfig:
     # One device's own input domain (fleet/data/shift.py), for `fleet train` and `fleet personalize`: its images turned
     # and re-lit as domain `domain` of `shift.domains` (null: 2, so domain 1 is turned by the whole rotation_deg),
     # in training and testing alike. Pretraining stays unshifted: the vendor's model has not seen this device's
-    # camera. A fleet gives each device its domain with federation.shift instead.
+    # camera. A fleet gives each device its domain with devices.shift instead.
     shift: ShiftConfig = field(default_factory=ShiftConfig)
-    domain: int = 1
+    domain: int = 1  # which of data.shift's domains this device's data is in (0: unshifted)
 
 
 @dataclass
 class TrainConfig:
+    """How a model is trained: by `fleet train` and `fleet personalize`, and by every fleet device (its optimizer,
+    batch, seed, profile and memory budget; a round's length is federation.local_steps)."""
+
+    # what `fleet train` trains: full, tl (head only), bn_bias (norm, bias and head tensors), prunetrain (full
+    # training with an L1 group penalty) or elastic (the tensors that fit rho); a fleet's devices follow
+    # federation.strategy instead
     method: str = "elastic"
-    epochs: int = 5
-    batch_size: int = 32
-    lr: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
+    epochs: int = 5  # passes over the training data (`fleet train`, `fleet personalize`)
+    batch_size: int = 32  # samples per training step; a device profile is measured at this batch size
+    lr: float = 0.01  # SGD learning rate
+    momentum: float = 0.9  # SGD momentum
+    weight_decay: float = 5e-4  # SGD weight decay
     rho: float = 0.5  # time budget as a fraction of full training (elastic)
     interval: int = 1  # re-select every `interval` epochs or steps
-    interval_unit: str = "epoch"
+    interval_unit: str = "epoch"  # what `interval` counts: epoch or step
     # samples an importance probe uses (null: a whole batch). The probe trains every tensor for a step and takes
     # another gradient: on a whole batch it cost about 17% of elastic training (`fleet bench personalize`)
     probe_samples: int | None = None
@@ -80,7 +96,7 @@ class TrainConfig:
     profile: str | None = None  # device profile YAML; None measures one before training
     memory_budget_mb: float | None = None  # activation memory budget (POET-style plan); None: unlimited
     spill_dir: str | None = None  # where paged activations go; None: a folder in the system temp dir
-    seed: int = 0
+    seed: int = 0  # seeds the model's initialization, shuffling and caps; in a fleet also the split and sampling
 
 
 @dataclass
@@ -88,16 +104,18 @@ class PretrainConfig:
     """How the starting checkpoint is made (no internet for ImageNet weights)."""
 
     classes: list[int] | None = None  # labels to pretrain on; None: all
-    train_per_class: int | None = None
-    epochs: int = 2
-    lr: float = 0.05
+    train_per_class: int | None = None  # cap pretraining samples per class; None: all
+    epochs: int = 2  # passes over the pretraining data
+    lr: float = 0.05  # SGD learning rate of pretraining
     checkpoint: str | None = None  # where it is cached; None: runs/pretrain-<model>-<dataset>.pt
 
 
 @dataclass
 class ExperimentConfig:
-    name: str = "experiment"
-    output_dir: str = "runs"
+    """One experiment on one device: the model, its data, its training and its starting checkpoint."""
+
+    name: str = "experiment"  # the run's folder under output_dir (runs/<name>/)
+    output_dir: str = "runs"  # where runs are written, one folder per run name
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -132,7 +150,7 @@ CLASS_NAMES_RULE = (
 )
 
 # Checks beyond the type: field path -> (predicate, what is allowed).
-RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
+RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {  # by dotted path; a section may own its RULES
     "model.num_classes": (lambda v: v >= 2, "an integer >= 2"),
     "model.in_channels": (lambda v: v >= 1, "an integer >= 1"),
     "data.input_size": (lambda v: 8 <= v <= 1024, "an integer from 8 to 1024"),
@@ -219,18 +237,28 @@ def _allows_null(tp: Any) -> bool:
     return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
 
 
-def _field_value(path: str, raw: Any, tp: Any) -> Any:
+Rule = tuple[typing.Callable[[Any], bool], str]  # (is the value allowed, what is allowed, said in the error)
+
+
+def rule_of(cls: type, name: str, path: str) -> Rule | None:
+    """A field's rule: its section's own (``RULES`` on the section's dataclass, by field name), else the
+    experiment's (:data:`RULES`, by dotted path)."""
+    own = getattr(cls, "RULES", None)
+    return own.get(name) if own is not None else RULES.get(path)
+
+
+def _field_value(path: str, raw: Any, tp: Any, rule: Rule | None) -> Any:
     """One field's checked value. A null for a field that needs a value is named as such (rather than
     "None is not a number"), since it comes from an empty YAML entry or ``--set FIELD=null``."""
-    allowed = RULES[path][1] if path in RULES else _type_name(tp)
+    allowed = rule[1] if rule is not None else _type_name(tp)
     if raw is None and not _allows_null(tp):
         raise ConfigError(f"{path}: null is not allowed, the field needs a value; use {allowed}")
     try:
         value = _coerce(path, raw, tp)
     except ConfigError as exc:  # the type is wrong: say what would be right
         raise ConfigError(f"{exc}; use {allowed}") from None
-    if path in RULES and not RULES[path][0](value):
-        raise ConfigError(f"{path}: {value!r} is not allowed; use {RULES[path][1]}")
+    if rule is not None and not rule[0](value):
+        raise ConfigError(f"{path}: {value!r} is not allowed; use {rule[1]}")
     return value
 
 
@@ -253,12 +281,13 @@ def build_dataclass(cls: type, data: Any, prefix: str) -> Any:
             values[f.name] = build_dataclass(tp, data.get(f.name), path)
             continue
         if f.name in data:
-            values[f.name] = _field_value(path, data[f.name], tp)
+            values[f.name] = _field_value(path, data[f.name], tp, rule_of(cls, f.name, path))
     obj = cls(**values)
     for f in dataclasses.fields(cls):  # defaults must pass the rules too
         path = f"{prefix}.{f.name}" if prefix else f.name
-        if path in RULES and not RULES[path][0](getattr(obj, f.name)):
-            raise ConfigError(f"{path}: {getattr(obj, f.name)!r} is not allowed; use {RULES[path][1]}")
+        rule = rule_of(cls, f.name, path)
+        if rule is not None and not rule[0](getattr(obj, f.name)):
+            raise ConfigError(f"{path}: {getattr(obj, f.name)!r} is not allowed; use {rule[1]}")
     if isinstance(obj, ExperimentConfig):  # the fleet's config too: FleetConfig is an ExperimentConfig
         check_experiment(obj)
     return obj

@@ -1,4 +1,4 @@
-"""The ``federation.device_classes`` section: its fields, its checks and its trace files.
+"""The ``devices.device_classes`` section: its fields, its checks and its trace files.
 
 Kept apart from :mod:`fleet.federated.classes` (what a class means for a device, a pure function
 of the whole config) so that the config can check its classes when it is loaded.
@@ -17,7 +17,7 @@ from fleet.federated.paths import resolve_path
 
 @dataclass
 class DeviceClassConfig:
-    """One kind of device in a simulated fleet (``federation.device_classes``; fleet/federated/classes.py)."""
+    """One kind of device in a simulated fleet (``devices.device_classes``; fleet/federated/classes.py)."""
 
     name: str = "device"
     share: float = 1.0  # of the fleet; the classes' shares sum to 1
@@ -73,7 +73,7 @@ def check_classes(classes: list[DeviceClassConfig]) -> None:
     if not classes:
         return
     for i, c in enumerate(classes):
-        where = f"federation.device_classes[{i}] ({c.name})"
+        where = f"devices.device_classes[{i}] ({c.name})"
         for field_name, ok, use in (
             ("share", 0 < c.share <= 1, "a fraction of the fleet in (0, 1]"),
             ("tier", c.tier > 0, "a slow-down factor > 0 (1 = as profiled)"),
@@ -86,20 +86,20 @@ def check_classes(classes: list[DeviceClassConfig]) -> None:
     total = sum(c.share for c in classes)
     if abs(total - 1) > 1e-6:
         shares = ", ".join(f"{c.name} {c.share:g}" for c in classes)
-        raise ConfigError(f"federation.device_classes: the shares sum to {total:g} ({shares}); make them sum to 1")
+        raise ConfigError(f"devices.device_classes: the shares sum to {total:g} ({shares}); make them sum to 1")
     names = [c.name for c in classes]
     if len(set(names)) != len(names):
-        raise ConfigError(f"federation.device_classes: class names repeat ({', '.join(names)}); name each once")
+        raise ConfigError(f"devices.device_classes: class names repeat ({', '.join(names)}); name each once")
     for c in classes:
         if c.profile is not None and not resolve_path(c.profile).is_file():
             raise ConfigError(
-                f"federation.device_classes ({c.name}): profile {c.profile} is not a file; measure one on that "
+                f"devices.device_classes ({c.name}): profile {c.profile} is not a file; measure one on that "
                 f"hardware with `fleet profile --out {Path(c.profile).name}`, or give the class a tier instead"
             )
         if c.trace is not None:
             load_trace(c.trace)
     if all(c.trace is None and c.availability == 0 for c in classes):
         raise ConfigError(
-            "federation.device_classes: every class has availability 0, so no device is ever online; "
+            "devices.device_classes: every class has availability 0, so no device is ever online; "
             "give some class an availability > 0"
         )

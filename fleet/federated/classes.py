@@ -1,6 +1,6 @@
 """Device classes: a simulated fleet drawn from kinds of hardware, links and habits.
 
-A fleet in the field is not one measured device slowed by a factor. ``federation.device_classes``
+A fleet in the field is not one measured device slowed by a factor. ``devices.device_classes``
 lists classes, each a share of the fleet with its own speed (a profile measured on that
 hardware, or a tier factor on the fleet's profile), its own uplink (a median bandwidth and a
 lognormal spread across its devices, as measured mobile uplinks are) and its own availability
@@ -45,18 +45,18 @@ def _assignment(shares: tuple[float, ...], num_devices: int, seed: int) -> tuple
 
 def class_of(cfg: FleetConfig, partition_id: int) -> DeviceClassConfig | None:
     """The class of simulated device ``partition_id`` (classes are spread over the fleet, seeded), or None."""
-    classes = cfg.federation.device_classes
+    classes = cfg.devices.device_classes
     if not classes:
         return None
     shares = tuple(c.share for c in classes)
-    return classes[_assignment(shares, cfg.federation.num_devices, cfg.train.seed)[partition_id]]
+    return classes[_assignment(shares, cfg.devices.num_devices, cfg.train.seed)[partition_id]]
 
 
 def bandwidth_of(cfg: FleetConfig, partition_id: int | None) -> float:
     """The device's uplink in bytes/s: its class's median times a seeded lognormal draw, else the fleet's."""
     cls = None if partition_id is None else class_of(cfg, partition_id)
     if cls is None:
-        return cfg.federation.bandwidth_bytes_per_s
+        return cfg.devices.bandwidth_bytes_per_s
     z = np.random.default_rng([cfg.train.seed, BANDWIDTH_STREAM, partition_id]).standard_normal()
     return cls.bandwidth_mbps * 1e6 / 8 * math.exp(cls.bandwidth_sigma * z)
 

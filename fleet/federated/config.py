@@ -1,22 +1,28 @@
-"""The fleet's config: the shared model/data/train sections plus a ``federation`` section.
+"""The fleet's config: the experiment's model/data/train sections plus one section per part of the fleet.
 
 One YAML file (see ``simulations/``) drives ``fleet simulate``, ``flwr run .``
-and the benchmark. Every field is validated on load; a bad one raises
-:class:`~fleet.base.errors.ConfigError` naming the field, its value and what is allowed.
+and the benchmarks. Each section is a small dataclass that carries its own rules
+(``RULES``, by field name): ``federation`` (the rounds), ``elastic`` (how a device
+picks its tensors), ``devices`` (the simulated devices), ``simulation`` (Flower's
+engine on Ray), ``membership`` (deployment), ``robust`` (aggregation that one device
+cannot steer), ``personalization``, ``evaluation`` and ``start`` (the starting
+model). Every field is validated on load; a bad one raises
+:class:`~fleet.base.errors.ConfigError` naming the field, its value and what is
+allowed, and a field of the old flat ``federation`` section names its new place.
+docs/config.md is generated from these dataclasses (``fleet.federated.reference``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from fleet.base.errors import ConfigError
 from fleet.data.shift import ShiftConfig, check_shift
-from fleet.engine.config import LABELS_RULE, ExperimentConfig, apply_overrides, build_dataclass, read_yaml_mapping
+from fleet.engine.config import LABELS_RULE, ExperimentConfig, Rule, apply_overrides, build_dataclass, read_yaml_mapping
 from fleet.federated.class_config import DeviceClassConfig, check_classes
 from fleet.federated.paths import resolve_path
 from fleet.federated.personal import POLICIES as PERSONAL_POLICIES
@@ -29,34 +35,57 @@ PARTITIONS = ("iid", "dirichlet", "shards")
 RUN_ONLY_KEYS = ("config", "resume", "simulation")  # run-config keys that are not fields of the YAML
 
 
+Rules = ClassVar[dict[str, Rule]]  # a section's own checks, by field name (fleet.engine.config.rule_of)
+
+
 @dataclass
 class FederationConfig:
-    """How the fleet is run: devices, rounds, budgets and the FedEL remedies."""
+    """The rounds: which strategy, how many, how long each may take, and how the server steps."""
 
     # fleet (elastic + window + blending), naive (per-device elastic), fedavg (full training), ditto (per-device
     # elastic, plus a personal model trained toward the global one with the proximal weight ditto_lambda)
     strategy: str = "fleet"
-    ditto_lambda: float = 0.1  # Ditto's pull of the personal model toward the global model (0: plain local training)
     rounds: int = 10
     time_budget_s: float | None = None  # also stop once the simulated clock reaches this (equal-time comparisons)
-    num_devices: int = 8
-    tiers: list[float] = field(default_factory=lambda: [1.0, 2.0, 3.0, 4.0])  # device i gets tiers[i % len]
-    partition: str = "dirichlet"
-    alpha: float = 0.5
-    test_fraction: float = 0.2  # each device's held-out split for personalized accuracy
-    samples_per_device: int | None = None  # cap a device's data (keeps simulations small)
     local_steps: int = 10  # training batches per device per round
     deadline_s: float | None = None  # round deadline; null: the fastest device's full-training time
     deadline_factor: float = 1.0  # scales the automatic deadline
     deadline_includes_upload: bool = (
         True  # the deadline bounds compute + upload; each tensor's upload is charged to the device's budget
     )
+    devices_per_round: int | None = None  # sample up to this many connected devices per round (seeded); null: all
+    timeout_s: float = 600.0  # bounds waiting for min_devices, and a simulated round (its wall time is not the clock's)
+    # FedAvgM: the server keeps a momentum of each tensor's aggregated update, moved only in rounds where some device
+    # trained that tensor (null: off, the plain masked average). server_lr scales the step the momentum takes.
+    # Off by default: 0.7 at lr 0.3 halved the global model's swing on the tight-deadline bench but cost 0.6-0.9 points
+    # of personalized mean (docs/results.md, "Server momentum, measured"); 0.9 at lr 1 oscillated
+    server_momentum: float | None = None
+    server_lr: float = 1.0
+
+    RULES: Rules = {
+        "strategy": (lambda v: v in STRATEGIES, "one of " + ", ".join(STRATEGIES)),
+        "rounds": (lambda v: v >= 1, "an integer >= 1"),
+        "time_budget_s": (lambda v: v is None or v > 0, "a number of simulated seconds > 0 or null (rounds only)"),
+        "local_steps": (lambda v: v >= 1, "an integer >= 1"),
+        "deadline_s": (lambda v: v is None or v > 0, "a number of seconds > 0 or null (automatic)"),
+        "deadline_factor": (lambda v: v > 0, "a number > 0"),
+        "devices_per_round": (lambda v: v is None or v >= 1, "an integer >= 1 or null (all connected)"),
+        "timeout_s": (lambda v: v > 0, "a number > 0"),
+        "server_momentum": (lambda v: v is None or 0 <= v < 1, "a number in [0, 1) (e.g. 0.9), or null (off)"),
+        "server_lr": (lambda v: 0 < v <= 10, "a number in (0, 10]"),
+    }
+
+
+@dataclass
+class ElasticConfig:
+    """How a device picks its tensors each round: when it probes importance, FedEL's window and blending."""
+
     importance_interval: int = 2  # re-probe local importance every this many rounds (DP runs every round)
     # skip a due probe that costs more than the round must shed (a device whose budget covers nearly everything);
-    # false: probe whenever due, as ElasticTrainer does (docs/fleet.md, "The probe rule, measured")
+    # false: probe whenever due, as ElasticTrainer does (docs/results.md, "The probe rule, measured")
     probe_only_when_it_pays: bool = True
     # FedEL sliding block window with rollback (fleet strategy only); off by default: it never lifted the
-    # benchmark's accuracy (docs/fleet.md)
+    # benchmark's accuracy (docs/results.md)
     window: bool = False
     window_blocks: int = 2  # blocks inside the window
     window_schedule: str = "rollback"  # rollback: slide to the input, jump back to the output; pingpong: walk back
@@ -66,69 +95,57 @@ class FederationConfig:
     window_fit: bool = True  # widen a device's window block by block while training all of it fits its budget
     num_blocks: int = 6  # the model's tensors are cut into this many contiguous blocks
     blend_beta: float | None = 0.6  # I = beta*I_local + (1-beta)*I_global; null disables blending
-    memory_budgets_mb: list[float] = field(
-        default_factory=list
-    )  # device i: [i % len] MB of activation memory, 0 = unlimited
+    min_rho_margin: float = 0.02  # rho is clamped to the device floor plus this
+
+    RULES: Rules = {
+        "importance_interval": (lambda v: v >= 1, "an integer >= 1"),
+        "window_schedule": (lambda v: v in ("rollback", "pingpong"), "rollback or pingpong"),
+        "window_mode": (lambda v: v in ("cover", "only"), "cover or only"),
+        "window_blocks": (lambda v: v >= 1, "an integer >= 1"),
+        "num_blocks": (lambda v: v >= 1, "an integer >= 1"),
+        "blend_beta": (lambda v: v is None or 0 <= v <= 1, "a number in [0, 1] or null"),
+        "min_rho_margin": (lambda v: 0 <= v < 0.5, "a number in [0, 0.5)"),
+    }
+
+
+@dataclass
+class DevicesConfig:
+    """The simulated devices: how many, how fast, on which uplinks, holding which share of the data."""
+
+    num_devices: int = 8
+    # simulation: the last this many devices of the split never take part; after a run they personalize from its
+    # final global model (fleet bench pfl: new devices, with their own data and shift)
+    newcomers: int = 0
+    tiers: list[float] = field(default_factory=lambda: [1.0, 2.0, 3.0, 4.0])  # device i gets tiers[i % len]
     # kinds of simulated devices, each a share of the fleet with its speed, uplink and availability; empty: tiers in
     # turn, bandwidth_bytes_per_s, always online (simulations/fleet.yaml ships three example classes)
     device_classes: list[DeviceClassConfig] = field(default_factory=list)
     bandwidth_bytes_per_s: float = 12.5e6  # uplink of a simulated device (100 Mbit/s Wi-Fi)
-    min_rho_margin: float = 0.02  # rho is clamped to the device floor plus this
-    timeout_s: float = 600.0  # bounds waiting for min_devices, and a simulated round (its wall time is not the clock's)
-    # Open membership (deployment): devices come and go; the fleet never waits on one that is gone
-    min_devices: int | None = None  # start once this many devices are connected; null: num_devices less newcomers
-    devices_per_round: int | None = None  # sample up to this many connected devices per round (seeded); null: all
-    grace_s: float = 30.0  # a deployed round closes at deadline + grace_s: covers a ClientApp's start (5-15 s on a Pi)
-    max_missed: int = 2  # after this many missed rounds in a row a device is benched until it answers a query
-    # Robust aggregation: every reply is untrusted, so no single device can move the model or the clocks far
-    # mean | trimmed_mean | median, per tensor over the devices that trained it; trimmed_mean by default: with one
-    # or two of 8 devices adversarial it lost 2.0-2.6 points to a scaled update where mean lost 7-12 (docs/fleet.md)
-    aggregation: str = "trimmed_mean"
-    trim_fraction: float = 0.25  # trimmed_mean: drop this share of the values at each end, per coordinate
-    # an update's norm may be this multiple of the median norm per tensor (else clipped to it), and a device's
-    # whole update this multiple of the others' on the tensors they share (else scaled to their size); null: off
-    norm_bound: float | None = 3.0
-    norm_action: str = "clip"  # clip (scale it down to the bound) or reject the reply
-    # a device whose update pulls against the others' median by more than this many typical update lengths (median
-    # over the tensors it shares with at least 3 others) is rejected whole: the only guard for tensors that
-    # attackers alone trained. Honest pulls stay well above it (docs/fleet.md: the measured ranges); null: off
-    min_pull: float | None = -0.5
-    max_samples_per_device: int = 100_000  # cap on a reply's sample weight (simulation: the device's data size)
-    time_band: float = 4.0  # a reported full-round time is clamped to [known / band, known * band]
-    # Evaluation is a round trip to every evaluated device: at hundreds of devices, ask fewer, less often
-    eval_every: int = 1  # evaluate every this many rounds (and always the run's last round)
-    eval_devices: int | None = None  # evaluate a seeded sample of this many of the round's trained devices; null: all
-    # also score the global model each round on the data's test split held by the server (data.test_per_class per
-    # class; no device's data): balanced and low-noise, where the devices' small skewed splits are not. A deployed
-    # server usually holds no data, hence off by default
-    server_eval: bool = False
-    # simulation on an existing Ray cluster (host:port of its head, as `ray start --head` prints it); every
-    # machine of the cluster needs this repo and its venv at the same path, and the data. null: a local Ray
-    ray_address: str | None = None
-    # before a device is evaluated it fine-tunes a copy of the global model for this many local steps (elastic, within
-    # the same share of the deadline a round's steps get; its simulated time goes on the clock); 0: no fine-tuning
-    finetune_steps: int = 0
-    # FedAvgM: the server keeps a momentum of each tensor's aggregated update, moved only in rounds where some device
-    # trained that tensor (null: off, the plain masked average). server_lr scales the step the momentum takes.
-    # Off by default: 0.7 at lr 0.3 halved the global model's swing on the tight-deadline bench but cost 0.6-0.9 points
-    # of personalized mean (docs/fleet.md, "Server momentum, measured"); 0.9 at lr 1 oscillated
-    server_momentum: float | None = None
-    server_lr: float = 1.0
-    # simulation: the last this many devices of the split never take part; after a run they personalize from its
-    # final global model (fleet bench pfl: new devices, with their own data and shift)
-    newcomers: int = 0
-    # tensors each device keeps for itself, never sent nor averaged: none | head (FedPer) | norms (FedBN) | head+norms
-    personal: str = "none"
+    memory_budgets_mb: list[float] = field(
+        default_factory=list
+    )  # device i: [i % len] MB of activation memory, 0 = unlimited
+    partition: str = "dirichlet"
+    alpha: float = 0.5
+    test_fraction: float = 0.2  # each device's held-out split for personalized accuracy
+    samples_per_device: int | None = None  # cap a device's data (keeps simulations small)
     # devices whose inputs differ, not only their label mix: each simulated device's images (and optionally
     # labels) go through its own fixed transform, in training and in its held-out split alike (fleet/data/shift.py)
     shift: ShiftConfig = field(default_factory=ShiftConfig)
-    client_cpus: float = 1.0  # simulation: CPUs reserved per ClientApp
-    client_threads: int = 1  # torch threads inside a ClientApp
-    pretrained_samples: int = 0  # bench: samples held out from the devices to pretrain the start model
-    pretrain_epochs: int = 2
-    pretrain_classes: list[int] | None = (
-        None  # bench: pretrain only on these labels (a start from other classes); null: all
-    )
+
+    RULES: Rules = {
+        "num_devices": (lambda v: v >= 1, "an integer >= 1"),
+        "newcomers": (lambda v: v >= 0, "an integer >= 0 (devices that never take part)"),
+        "tiers": (lambda v: len(v) >= 1 and all(t >= 1 for t in v), "a non-empty list of slow-down factors >= 1"),
+        "bandwidth_bytes_per_s": (lambda v: v > 0, "a number > 0"),
+        "memory_budgets_mb": (
+            lambda v: all(b >= 0 for b in v),
+            "a list of MB per device in turn (0 = unlimited), e.g. [0, 40]",
+        ),
+        "partition": (lambda v: v in PARTITIONS, "one of " + ", ".join(PARTITIONS)),
+        "alpha": (lambda v: v > 0, "a number > 0"),
+        "test_fraction": (lambda v: 0 < v < 1, "a number in (0, 1)"),
+        "samples_per_device": (lambda v: v is None or v >= 4, "an integer >= 4 or null"),
+    }
 
     @property
     def taking_part(self) -> int:
@@ -137,96 +154,231 @@ class FederationConfig:
 
 
 @dataclass
+class SimulationConfig:
+    """Flower's simulation engine on Ray: where it runs and what each ClientApp gets."""
+
+    # simulation on an existing Ray cluster (host:port of its head, as `ray start --head` prints it); every
+    # machine of the cluster needs this repo and its venv at the same path, and the data. null: a local Ray
+    ray_address: str | None = None
+    client_cpus: float = 1.0  # simulation: CPUs reserved per ClientApp
+    client_threads: int = 1  # torch threads inside a ClientApp (deployed ones too)
+
+    RULES: Rules = {
+        "ray_address": (
+            lambda v: v is None or RAY_ADDRESS.fullmatch(v) is not None,
+            "the Ray head's host:port, as `ray start --head` prints it (e.g. 192.168.1.10:6379), or null (a local Ray)",
+        ),
+        "client_cpus": (lambda v: v > 0, "a number > 0"),
+        "client_threads": (lambda v: v >= 1, "an integer >= 1"),
+    }
+
+
+@dataclass
+class MembershipConfig:
+    """Open membership (deployment): devices come and go; the fleet never waits on one that is gone."""
+
+    min_devices: int | None = None  # start once this many devices are connected; null: num_devices less newcomers
+    grace_s: float = 30.0  # a deployed round closes at deadline + grace_s: covers a ClientApp's start (5-15 s on a Pi)
+    max_missed: int = 2  # after this many missed rounds in a row a device is benched until it answers a query
+
+    RULES: Rules = {
+        "min_devices": (lambda v: v is None or v >= 1, "an integer >= 1 or null (devices.num_devices)"),
+        "grace_s": (lambda v: 0 < v <= 3600, "a number of seconds in (0, 3600]"),
+        "max_missed": (lambda v: v >= 1, "an integer >= 1"),
+    }
+
+
+@dataclass
+class RobustConfig:
+    """Robust aggregation: every reply is untrusted, so no single device can move the model or the clocks far."""
+
+    # mean | trimmed_mean | median, per tensor over the devices that trained it; trimmed_mean by default: with one
+    # or two of 8 devices adversarial it lost 2.0-2.6 points to a scaled update where mean lost 7-12 (docs/results.md)
+    aggregation: str = "trimmed_mean"
+    trim_fraction: float = 0.25  # trimmed_mean: drop this share of the values at each end, per coordinate
+    # an update's norm may be this multiple of the median norm per tensor (else clipped to it), and a device's
+    # whole update this multiple of the others' on the tensors they share (else scaled to their size); null: off
+    norm_bound: float | None = 3.0
+    norm_action: str = "clip"  # clip (scale it down to the bound) or reject the reply
+    # a device whose update pulls against the others' median by more than this many typical update lengths (median
+    # over the tensors it shares with at least 3 others) is rejected whole: the only guard for tensors that
+    # attackers alone trained. Honest pulls stay well above it (docs/results.md: the measured ranges); null: off
+    min_pull: float | None = -0.5
+    max_samples_per_device: int = 100_000  # cap on a reply's sample weight (simulation: the device's data size)
+    time_band: float = 4.0  # a reported full-round time is clamped to [known / band, known * band]
+
+    RULES: Rules = {
+        "aggregation": (lambda v: v in AGGREGATIONS, "one of " + ", ".join(AGGREGATIONS)),
+        "trim_fraction": (lambda v: 0 <= v < 0.5, "a number in [0, 0.5)"),
+        "norm_bound": (lambda v: v is None or v >= 1, "a multiple >= 1 of the median update norm, or null"),
+        "norm_action": (lambda v: v in NORM_ACTIONS, "clip or reject"),
+        "min_pull": (lambda v: v is None or v <= 0, "a number <= 0 (typical update lengths), or null"),
+        "max_samples_per_device": (lambda v: v >= 1, "an integer >= 1"),
+        "time_band": (lambda v: v >= 1, "a factor >= 1"),
+    }
+
+
+@dataclass
+class PersonalizationConfig:
+    """What each device keeps for itself, and how its personal model is made."""
+
+    # tensors each device keeps for itself, never sent nor averaged: none | head (FedPer) | norms (FedBN) | head+norms
+    policy: str = "none"
+    ditto_lambda: float = 0.1  # Ditto's pull of the personal model toward the global model (0: plain local training)
+    # before a device is evaluated it fine-tunes a copy of the global model for this many local steps (elastic, within
+    # the same share of the deadline a round's steps get; its simulated time goes on the clock); 0: no fine-tuning
+    finetune_steps: int = 0
+
+    RULES: Rules = {
+        "policy": (lambda v: v in PERSONAL_POLICIES, "one of " + ", ".join(PERSONAL_POLICIES)),
+        "ditto_lambda": (lambda v: v >= 0, "a number >= 0 (0: the personal model trains freely)"),
+        "finetune_steps": (lambda v: v >= 0, "an integer >= 0 (local steps; 0: no fine-tuning)"),
+    }
+
+
+@dataclass
+class EvaluationConfig:
+    """Evaluation is a round trip to every evaluated device: at hundreds of devices, ask fewer, less often."""
+
+    every: int = 1  # evaluate every this many rounds (and always the run's last round)
+    devices: int | None = None  # evaluate a seeded sample of this many of the round's trained devices; null: all
+    # also score the global model each round on the data's test split held by the server (data.test_per_class per
+    # class; no device's data): balanced and low-noise, where the devices' small skewed splits are not. A deployed
+    # server usually holds no data, hence off by default
+    server_test: bool = False
+
+    RULES: Rules = {
+        "every": (lambda v: v >= 1, "an integer >= 1 (rounds)"),
+        "devices": (lambda v: v is None or v >= 1, "an integer >= 1, or null (every trained device)"),
+    }
+
+
+@dataclass
+class StartConfig:
+    """The fleet's starting model (benches): pretrained on samples held out from every device."""
+
+    samples: int = 0  # samples held out from the devices to pretrain the start model (0: start as model.weights)
+    epochs: int = 2
+    classes: list[int] | None = None  # pretrain only on these labels (a start from other classes); null: all
+
+    RULES: Rules = {
+        "samples": (lambda v: v >= 0, "an integer >= 0"),
+        "epochs": (lambda v: v >= 1, "an integer >= 1"),
+        "classes": LABELS_RULE,
+    }
+
+
+@dataclass
 class FleetConfig(ExperimentConfig):
+    """A fleet: the experiment's model, data and training, plus one section per part of the federation."""
+
     name: str = "fleet"
     federation: FederationConfig = field(default_factory=FederationConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    devices: DevicesConfig = field(default_factory=DevicesConfig)
+    simulation: SimulationConfig = field(default_factory=SimulationConfig)
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
+    robust: RobustConfig = field(default_factory=RobustConfig)
+    personalization: PersonalizationConfig = field(default_factory=PersonalizationConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    start: StartConfig = field(default_factory=StartConfig)
 
 
-RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {
-    "federation.strategy": (lambda v: v in STRATEGIES, "one of " + ", ".join(STRATEGIES)),
-    "federation.rounds": (lambda v: v >= 1, "an integer >= 1"),
-    "federation.time_budget_s": (
-        lambda v: v is None or v > 0,
-        "a number of simulated seconds > 0 or null (rounds only)",
-    ),
-    "federation.num_devices": (lambda v: v >= 1, "an integer >= 1"),
-    "federation.tiers": (
-        lambda v: len(v) >= 1 and all(t >= 1 for t in v),
-        "a non-empty list of slow-down factors >= 1",
-    ),
-    "federation.partition": (lambda v: v in PARTITIONS, "one of " + ", ".join(PARTITIONS)),
-    "federation.ditto_lambda": (lambda v: v >= 0, "a number >= 0 (0: the personal model trains freely)"),
-    "federation.finetune_steps": (lambda v: v >= 0, "an integer >= 0 (local steps; 0: no fine-tuning)"),
-    "federation.server_momentum": (lambda v: v is None or 0 <= v < 1, "a number in [0, 1) (e.g. 0.9), or null (off)"),
-    "federation.server_lr": (lambda v: 0 < v <= 10, "a number in (0, 10]"),
-    "federation.newcomers": (lambda v: v >= 0, "an integer >= 0 (devices that never take part)"),
-    "federation.personal": (lambda v: v in PERSONAL_POLICIES, "one of " + ", ".join(PERSONAL_POLICIES)),
-    "federation.alpha": (lambda v: v > 0, "a number > 0"),
-    "federation.test_fraction": (lambda v: 0 < v < 1, "a number in (0, 1)"),
-    "federation.samples_per_device": (lambda v: v is None or v >= 4, "an integer >= 4 or null"),
-    "federation.local_steps": (lambda v: v >= 1, "an integer >= 1"),
-    "federation.deadline_s": (lambda v: v is None or v > 0, "a number of seconds > 0 or null (automatic)"),
-    "federation.deadline_factor": (lambda v: v > 0, "a number > 0"),
-    "federation.importance_interval": (lambda v: v >= 1, "an integer >= 1"),
-    "federation.window_schedule": (lambda v: v in ("rollback", "pingpong"), "rollback or pingpong"),
-    "federation.window_mode": (lambda v: v in ("cover", "only"), "cover or only"),
-    "federation.window_blocks": (lambda v: v >= 1, "an integer >= 1"),
-    "federation.num_blocks": (lambda v: v >= 1, "an integer >= 1"),
-    "federation.blend_beta": (lambda v: v is None or 0 <= v <= 1, "a number in [0, 1] or null"),
-    "federation.memory_budgets_mb": (
-        lambda v: all(b >= 0 for b in v),
-        "a list of MB per device in turn (0 = unlimited), e.g. [0, 40]",
-    ),
-    "federation.bandwidth_bytes_per_s": (lambda v: v > 0, "a number > 0"),
-    "federation.min_rho_margin": (lambda v: 0 <= v < 0.5, "a number in [0, 0.5)"),
-    "federation.timeout_s": (lambda v: v > 0, "a number > 0"),
-    "federation.min_devices": (lambda v: v is None or v >= 1, "an integer >= 1 or null (num_devices)"),
-    "federation.devices_per_round": (lambda v: v is None or v >= 1, "an integer >= 1 or null (all connected)"),
-    "federation.grace_s": (lambda v: 0 < v <= 3600, "a number of seconds in (0, 3600]"),
-    "federation.max_missed": (lambda v: v >= 1, "an integer >= 1"),
-    "federation.aggregation": (lambda v: v in AGGREGATIONS, "one of " + ", ".join(AGGREGATIONS)),
-    "federation.trim_fraction": (lambda v: 0 <= v < 0.5, "a number in [0, 0.5)"),
-    "federation.norm_bound": (lambda v: v is None or v >= 1, "a multiple >= 1 of the median update norm, or null"),
-    "federation.norm_action": (lambda v: v in NORM_ACTIONS, "clip or reject"),
-    "federation.min_pull": (lambda v: v is None or v <= 0, "a number <= 0 (typical update lengths), or null"),
-    "federation.max_samples_per_device": (lambda v: v >= 1, "an integer >= 1"),
-    "federation.time_band": (lambda v: v >= 1, "a factor >= 1"),
-    "federation.ray_address": (
-        lambda v: v is None or RAY_ADDRESS.fullmatch(v) is not None,
-        "the Ray head's host:port, as `ray start --head` prints it (e.g. 192.168.1.10:6379), or null (a local Ray)",
-    ),
-    "federation.eval_every": (lambda v: v >= 1, "an integer >= 1 (rounds)"),
-    "federation.eval_devices": (lambda v: v is None or v >= 1, "an integer >= 1, or null (every trained device)"),
-    "federation.client_cpus": (lambda v: v > 0, "a number > 0"),
-    "federation.client_threads": (lambda v: v >= 1, "an integer >= 1"),
-    "federation.pretrained_samples": (lambda v: v >= 0, "an integer >= 0"),
-    "federation.pretrain_epochs": (lambda v: v >= 1, "an integer >= 1"),
-    "federation.pretrain_classes": LABELS_RULE,
+SECTIONS = tuple(
+    f.name
+    for f in dataclasses.fields(FleetConfig)
+    if f.name not in {f.name for f in dataclasses.fields(ExperimentConfig)}
+)
+
+# The federation section was one flat list of 54 fields; each moved field names its new place when it is used.
+MOVED: dict[str, str] = {
+    **{
+        f: f"elastic.{f}"
+        for f in (
+            "importance_interval",
+            "probe_only_when_it_pays",
+            "window",
+            "window_blocks",
+            "window_schedule",
+            "window_mode",
+            "window_fit",
+            "num_blocks",
+            "blend_beta",
+            "min_rho_margin",
+        )
+    },
+    **{
+        f: f"devices.{f}"
+        for f in (
+            "num_devices",
+            "newcomers",
+            "tiers",
+            "device_classes",
+            "bandwidth_bytes_per_s",
+            "memory_budgets_mb",
+            "partition",
+            "alpha",
+            "test_fraction",
+            "samples_per_device",
+            "shift",
+        )
+    },
+    **{f: f"simulation.{f}" for f in ("ray_address", "client_cpus", "client_threads")},
+    **{f: f"membership.{f}" for f in ("min_devices", "grace_s", "max_missed")},
+    **{
+        f: f"robust.{f}"
+        for f in (
+            "aggregation",
+            "trim_fraction",
+            "norm_bound",
+            "norm_action",
+            "min_pull",
+            "max_samples_per_device",
+            "time_band",
+        )
+    },
+    "personal": "personalization.policy",
+    "ditto_lambda": "personalization.ditto_lambda",
+    "finetune_steps": "personalization.finetune_steps",
+    "eval_every": "evaluation.every",
+    "eval_devices": "evaluation.devices",
+    "server_eval": "evaluation.server_test",
+    "pretrained_samples": "start.samples",
+    "pretrain_epochs": "start.epochs",
+    "pretrain_classes": "start.classes",
 }
 
 
+def _check_moved(data: dict) -> None:
+    """A field of the old flat federation section names where it lives now, rather than being unknown."""
+    fed = data.get("federation")
+    for key in fed if isinstance(fed, dict) else ():
+        if key in MOVED:
+            section, name = MOVED[key].split(".")
+            raise ConfigError(
+                f"federation.{key}: moved to {MOVED[key]}; write it under `{section}:` as `{name}:` "
+                f"(or --set {MOVED[key]}=VALUE); docs/config.md lists every section"
+            )
+
+
 def _check_rules(cfg: FleetConfig) -> None:
-    for f in dataclasses.fields(FederationConfig):
-        path = f"federation.{f.name}"
-        value = getattr(cfg.federation, f.name)
-        if path in RULES and not RULES[path][0](value):
-            raise ConfigError(f"{path}: {value!r} is not allowed; use {RULES[path][1]}")
-    fed = cfg.federation
-    check_classes(cfg.federation.device_classes)
+    """Checks that span sections; each field's own rule is checked as the section is built."""
+    dev, el = cfg.devices, cfg.elastic
+    check_classes(dev.device_classes)
     _check_shift(cfg)
-    if fed.newcomers >= fed.num_devices:
+    if dev.newcomers >= dev.num_devices:
         raise ConfigError(
-            f"federation.newcomers: {fed.newcomers} leaves none of the {fed.num_devices} devices to take part; "
-            "use fewer than federation.num_devices"
+            f"devices.newcomers: {dev.newcomers} leaves none of the {dev.num_devices} devices to take part; "
+            "use fewer than devices.num_devices"
         )
-    if fed.window_blocks > fed.num_blocks:
+    if el.window_blocks > el.num_blocks:
         raise ConfigError(
-            f"federation.window_blocks: {fed.window_blocks} exceeds federation.num_blocks={fed.num_blocks}; "
+            f"elastic.window_blocks: {el.window_blocks} exceeds elastic.num_blocks={el.num_blocks}; "
             "use a window no larger than the number of blocks"
         )
-    if fed.pretrain_classes is not None and max(fed.pretrain_classes) >= cfg.model.num_classes:
+    if cfg.start.classes is not None and max(cfg.start.classes) >= cfg.model.num_classes:
         raise ConfigError(
-            f"federation.pretrain_classes: label {max(fed.pretrain_classes)} is not below "
+            f"start.classes: label {max(cfg.start.classes)} is not below "
             f"model.num_classes={cfg.model.num_classes}; "
             "use labels of the model's classes"
         )
@@ -234,20 +386,21 @@ def _check_rules(cfg: FleetConfig) -> None:
 
 def _check_shift(cfg: FleetConfig) -> None:
     """The shift's own fields, and whether the data can take it: it transforms slices of a shared dataset."""
-    check_shift(cfg.federation.shift, "federation.shift", cfg.model.in_channels)
+    check_shift(cfg.devices.shift, "devices.shift", cfg.model.in_channels)
     if cfg.data.shift.active:
         raise ConfigError(
-            "data.shift: a fleet gives each device its own domain with federation.shift; move the shift there"
+            "data.shift: a fleet gives each device its own domain with devices.shift; move the shift there"
         )
-    if cfg.federation.shift.active and cfg.data.device_roots is not None:
+    if cfg.devices.shift.active and cfg.data.device_roots is not None:
         raise ConfigError(
-            "federation.shift: the devices read their own folders (data.device_roots), which are already their own "
-            "domains; drop federation.shift, or simulate with a shared dataset split across devices"
+            "devices.shift: the devices read their own folders (data.device_roots), which are already their own "
+            "domains; drop devices.shift, or simulate with a shared dataset split across devices"
         )
 
 
 def fleet_config_from_dict(data: dict | None, overrides: dict[str, Any] | None = None) -> FleetConfig:
     data = apply_overrides(dict(data or {}), overrides or {})
+    _check_moved(data)
     cfg = build_dataclass(FleetConfig, data, "")
     _check_rules(cfg)
     return cfg

@@ -44,7 +44,7 @@ def tier_of(cfg: FleetConfig, partition_id: int | None, node_config: dict[str, A
     cls = class_of(cfg, partition_id)
     if cls is not None:
         return 1.0 if cls.profile is not None else cls.tier  # a class's own profile is its real speed
-    tiers = cfg.federation.tiers
+    tiers = cfg.devices.tiers
     return float(tiers[partition_id % len(tiers)])
 
 
@@ -67,10 +67,10 @@ def partition_of(cfg: FleetConfig, node_config: dict[str, Any]) -> int | None:
         )
     raw = node_config[keys.NODE_PARTITION_ID]
     pid = _number(raw)
-    if not (math.isfinite(pid) and pid == int(pid) and 0 <= pid < cfg.federation.num_devices):
+    if not (math.isfinite(pid) and pid == int(pid) and 0 <= pid < cfg.devices.num_devices):
         raise ConfigError(
-            f"node config partition-id: {raw!r} is outside 0..{cfg.federation.num_devices - 1} "
-            "(federation.num_devices); pick a partition the fleet has"
+            f"node config partition-id: {raw!r} is outside 0..{cfg.devices.num_devices - 1} "
+            "(devices.num_devices); pick a partition the fleet has"
         )
     return int(pid)
 
@@ -99,7 +99,7 @@ def device_name_of(cfg: FleetConfig, node_config: dict[str, Any], partition_id: 
 
 def simulated_names(cfg: FleetConfig) -> dict[str, int]:
     """Every simulated device's name and partition, as the devices name themselves."""
-    return {device_name_of(cfg, {}, pid): pid for pid in range(cfg.federation.num_devices)}
+    return {device_name_of(cfg, {}, pid): pid for pid in range(cfg.devices.num_devices)}
 
 
 def data_root_of(cfg: FleetConfig, node_config: dict[str, Any], partition_id: int | None) -> tuple[Path, str] | None:
@@ -111,7 +111,7 @@ def data_root_of(cfg: FleetConfig, node_config: dict[str, Any], partition_id: in
         if partition_id >= len(roots):
             raise ConfigError(
                 f"data.device_roots: {cfg.data.device_roots} holds {len(roots)} device folders, "
-                f"fewer than device {partition_id} needs; set federation.num_devices to {len(roots)}"
+                f"fewer than device {partition_id} needs; set devices.num_devices to {len(roots)}"
             )
         return roots[partition_id], "data.device_roots"
     return None
@@ -134,7 +134,7 @@ def device_profile(
     if path:
         where = "node config profile" if node_config.get(keys.NODE_PROFILE) else "train.profile"
         if not node_config.get(keys.NODE_PROFILE) and class_profile:
-            where = f"federation.device_classes ({cls.name})"
+            where = f"devices.device_classes ({cls.name})"
         base = _checked_profile(resolve_path(str(path)), cfg, model, f"profile {path} ({where})")
     else:
         if model is None:
@@ -172,7 +172,7 @@ def memory_budget_of(
 ) -> float | None:
     """The device's activation memory budget in MB (None: unlimited), from the first that sets one:
     node config ``memory-budget-mb``, the device profile's ``memory_budget_mb``,
-    ``federation.memory_budgets_mb`` (device i takes entry i % len; 0 = unlimited), ``train.memory_budget_mb``."""
+    ``devices.memory_budgets_mb`` (device i takes entry i % len; 0 = unlimited), ``train.memory_budget_mb``."""
     if keys.NODE_MEMORY_BUDGET_MB in node_config:
         try:
             mb = float(node_config[keys.NODE_MEMORY_BUDGET_MB])
@@ -186,7 +186,7 @@ def memory_budget_of(
         return mb
     if profile.memory_budget_mb is not None:
         return float(profile.memory_budget_mb)
-    budgets = cfg.federation.memory_budgets_mb
+    budgets = cfg.devices.memory_budgets_mb
     if budgets and partition_id is not None:
         mb = float(budgets[partition_id % len(budgets)])
         return mb if mb > 0 else None

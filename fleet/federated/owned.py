@@ -31,7 +31,7 @@ def owned_data(cfg: FleetConfig, root: str | Path, field: str) -> OwnedData:
         size=cfg.data.input_size,
         mean=mean,
         std=std,
-        test_fraction=cfg.federation.test_fraction,
+        test_fraction=cfg.devices.test_fraction,
         seed=cfg.train.seed,
         field=field,
     )

@@ -1,6 +1,6 @@
 """Personal tensors: the part of a device's model that never leaves the device (FedPer, FedBN).
 
-``federation.personal`` names which tensors each device keeps for itself:
+``personalization.policy`` names which tensors each device keeps for itself:
 
 * ``head``: the classifier (FedPer / FedRep: a shared body, a personal head);
 * ``norms``: every normalization layer's weight, bias and running statistics (FedBN: a

@@ -32,19 +32,19 @@ def simulated_fleet(cfg: FleetConfig, log: Callable[[str], None]) -> FleetConfig
         roots = device_roots(cfg)
         for root in roots:
             check_device_name(root.name, f"data.device_roots: sub-folder {root}")
-        if cfg.federation.num_devices != len(roots):
-            log(f"data.device_roots holds {len(roots)} devices: federation.num_devices = {len(roots)}")
+        if cfg.devices.num_devices != len(roots):
+            log(f"data.device_roots holds {len(roots)} devices: devices.num_devices = {len(roots)}")
         data = dataclasses.replace(cfg.data, device_roots=str(roots[0].parent.resolve()))
-        cfg = dataclasses.replace(
-            cfg, data=data, federation=dataclasses.replace(cfg.federation, num_devices=len(roots))
-        )
-    fed = cfg.federation
-    for name in ("devices_per_round", "min_devices"):
-        value = getattr(fed, name)
-        if value is not None and value > fed.taking_part:
+        cfg = dataclasses.replace(cfg, data=data, devices=dataclasses.replace(cfg.devices, num_devices=len(roots)))
+    taking_part = cfg.devices.taking_part
+    for path, value in (
+        ("federation.devices_per_round", cfg.federation.devices_per_round),
+        ("membership.min_devices", cfg.membership.min_devices),
+    ):
+        if value is not None and value > taking_part:
             raise ConfigError(
-                f"federation.{name}: {value} is more than the {fed.taking_part} simulated devices that take part "
-                f"(federation.num_devices less federation.newcomers); use at most {fed.taking_part}, or null"
+                f"{path}: {value} is more than the {taking_part} simulated devices that take part "
+                f"(devices.num_devices less devices.newcomers); use at most {taking_part}, or null"
             )
     return cfg
 
@@ -63,7 +63,7 @@ def prepare(cfg: FleetConfig, *, resume: bool, log: Callable[[str], None] = prin
         keep_previous_run(out, cfg.name, log)
     out.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.replace(cfg, output_dir=str(out.parent))
-    if cfg.federation.pretrained_samples > 0 and cfg.model.weights is None:
+    if cfg.start.samples > 0 and cfg.model.weights is None:
         ckpt = out / "pretrained.pt"
         if not ckpt.exists():
             from fleet.federated.pretrain import pretrain_fleet_model  # only when pretraining
@@ -72,7 +72,7 @@ def prepare(cfg: FleetConfig, *, resume: bool, log: Callable[[str], None] = prin
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, weights=str(ckpt)))
     if cfg.train.profile is None:
         threads = torch.get_num_threads()
-        torch.set_num_threads(cfg.federation.client_threads)  # profile as the ClientApps will run
+        torch.set_num_threads(cfg.simulation.client_threads)  # profile as the ClientApps will run
         try:
             profile_path = out / "device-profile.yaml"
             obtain_profile(cfg, make_model(cfg.model, cfg.train.seed), profile_path, log=log)

@@ -1,6 +1,6 @@
 """The fleet's starting checkpoint, trained on samples no device holds.
 
-``federation.pretrained_samples`` images are set aside before partitioning (see
+``start.samples`` images are set aside before partitioning (see
 :func:`fleet.federated.split.fleet_indices`), so the fleet fine-tunes a model that has
 never seen its data, as a vendor would ship one.
 """
@@ -19,27 +19,26 @@ from fleet.federated.split import fleet_indices
 
 
 def pretrain_fleet_model(cfg: FleetConfig, out: Path, log: Callable[[str], None] = print) -> Path:
-    fed = cfg.federation
     train, test = load_data(cfg.data, cfg.train.seed)
     pre, _ = fleet_indices(cfg, train.labels.numpy())
     data = train.subset(pre)
     model = make_model(dataclasses.replace(cfg.model, weights=None), cfg.train.seed)
     options = trainer_options(cfg.train, cfg.data.input_size, method="full")
 
-    classes = "" if fed.pretrain_classes is None else f" of classes {fed.pretrain_classes}"
+    classes = "" if cfg.start.classes is None else f" of classes {cfg.start.classes}"
 
     def report(epoch: int, acc: float, loss: float, seconds: float) -> None:
         log(
-            f"pretrain epoch {epoch + 1}/{fed.pretrain_epochs} on {len(data)} held-out samples{classes}: test "
+            f"pretrain epoch {epoch + 1}/{cfg.start.epochs} on {len(data)} held-out samples{classes}: test "
             f"accuracy {100 * acc:.1f}%  loss {loss:.3f}  {seconds:.0f}s"
         )
 
-    acc = train_epochs(model, options, data, test, fed.pretrain_epochs, report)
+    acc = train_epochs(model, options, data, test, cfg.start.epochs, report)
     m = cfg.model
     meta = {
         **model_meta(m.name, m.num_classes, m.in_channels, m.small_input),
         "pretrained_samples": len(data),
-        "pretrain_classes": fed.pretrain_classes,
+        "pretrain_classes": cfg.start.classes,
         "test_accuracy": acc,
     }
     save_checkpoint(model, out, meta)

@@ -248,7 +248,7 @@ def upload_problem(
     few would pass off untrained ones)."""
     for name in arrays:
         if name in personal:
-            return f"uploads tensor {name!r}, which federation.personal keeps on the device"
+            return f"uploads tensor {name!r}, which personalization.policy keeps on the device"
     for name, values in arrays.items():
         problem = bn_problem(name, values)
         if problem is not None:

@@ -67,7 +67,7 @@ def device_rho(cfg: FleetConfig, profile: DeviceProfile, deadline_s: float) -> t
     if deadline_s <= 0:
         return 1.0, full
     rho = min(1.0, deadline_s / full)
-    floor = min(1.0, profile.min_rho + cfg.federation.min_rho_margin)  # the Trainer refuses rho below the floor
+    floor = min(1.0, profile.min_rho + cfg.elastic.min_rho_margin)  # the Trainer refuses rho below the floor
     return max(rho, floor), full
 
 
@@ -76,7 +76,7 @@ def step_budget(cfg: FleetConfig, profile: DeviceProfile, round_budget_s: float)
     (the deadline minus what the device must spend anyway: an importance probe, norm statistics'
     upload). Never below the device's floor (forward pass plus ``min_rho_margin`` of a full step)."""
     per_step = round_budget_s / compute_steps(cfg) - profile.forward_time
-    floor = min(1.0, profile.min_rho + cfg.federation.min_rho_margin) * profile.full_step_time - profile.forward_time
+    floor = min(1.0, profile.min_rho + cfg.elastic.min_rho_margin) * profile.full_step_time - profile.forward_time
     return max(per_step, floor)
 
 
@@ -134,7 +134,7 @@ def round_budget(
     if not fed.deadline_includes_upload:
         return RoundBudget(deadline, full, [0.0] * len(trainer.names), 0.0)
     buffers = sum(b.numel() * b.element_size() for n, b in float_buffers(trainer.model).items() if n not in personal)
-    bandwidth = plan.bandwidth_bytes_per_s or fed.bandwidth_bytes_per_s
+    bandwidth = plan.bandwidth_bytes_per_s or cfg.devices.bandwidth_bytes_per_s
     upload = [0.0 if n in personal else s for n, s in zip(trainer.names, tensor_upload_s(trainer.params, bandwidth))]
     return RoundBudget(deadline, full, upload, buffers / bandwidth)
 
@@ -166,24 +166,23 @@ def round_policy(
 ) -> SelectionPolicy:
     """The device's selection policy: its deadline as a budget, each tensor's upload as a cost,
     and for the ``fleet`` strategy FedEL's blending and window."""
-    fed = cfg.federation
     fleet = plan.strategy == "fleet"
     blend = (
-        Blend(plan.global_importance, fed.blend_beta)
-        if fleet and fed.blend_beta is not None and plan.global_importance
+        Blend(plan.global_importance, cfg.elastic.blend_beta)
+        if fleet and cfg.elastic.blend_beta is not None and plan.global_importance
         else None
     )
     window = None
-    if fleet and fed.window:
+    if fleet and cfg.elastic.window:
         head = frozenset(head_parameter_names(trainer.model))
         window = Window(
             plan.server_round,
             head,
-            fed.num_blocks,
-            fed.window_blocks,
-            fed.window_schedule,
-            fed.window_mode,
-            fed.window_fit,
+            cfg.elastic.num_blocks,
+            cfg.elastic.window_blocks,
+            cfg.elastic.window_schedule,
+            cfg.elastic.window_mode,
+            cfg.elastic.window_fit,
         )
     return SelectionPolicy(
         budget_s=step_budget(cfg, trainer.profile, budget.deadline_s - probe_cost - budget.buffers_s),
@@ -219,9 +218,9 @@ def select_for_round(
         return 0.0, importance, imp_round
     probe_cost = 0.0
     known = len(importance) == len(trainer.names)
-    due = not known or plan.server_round - imp_round >= cfg.federation.importance_interval
+    due = not known or plan.server_round - imp_round >= cfg.elastic.importance_interval
     probe_s = RESTORE_PROBE_STEPS * (trainer.profile.full_step_time + trainer.memory_added_s())
-    if due and (probe_pays(budget, probe_s) or not cfg.federation.probe_only_when_it_pays):
+    if due and (probe_pays(budget, probe_s) or not cfg.elastic.probe_only_when_it_pays):
         importance = trainer.probe_importance(trainer.probe_batch(train))
         imp_round = plan.server_round
         probe_cost = probe_s
@@ -324,7 +323,7 @@ def ditto_personal(
     trainer = round_trainer(cfg, personal, shared.profile, None, plan, device_seed + 7919, {})
     trainer.set_mask(shared.mask)
     trainer.anchor = [start[n] for n in trainer.names]
-    trainer.prox_lambda = cfg.federation.ditto_lambda
+    trainer.prox_lambda = cfg.personalization.ditto_lambda
     train_steps(trainer, train, steps)
     return {k: t.detach().clone() for k, t in personal.state_dict().items()}
 
@@ -340,7 +339,7 @@ def finetune(
     memory: MemoryBudget | None = None,
     personal: frozenset[str] = frozenset(),
 ) -> float:
-    """Fine-tune ``model`` (the global model, about to be scored) in place for ``federation.finetune_steps``
+    """Fine-tune ``model`` (the global model, about to be scored) in place for ``personalization.finetune_steps``
     local steps; returns the simulated seconds it took on this device.
 
     Elastic like a round: the steps get the same share of the deadline a round's steps get, and the
@@ -348,7 +347,7 @@ def finetune(
     a device that never probed keeps as many tensors as fit). Nothing uploads, nothing is kept: a
     fresh optimizer, and the caller throws the model away after scoring it."""
     fed = cfg.federation
-    steps = fed.finetune_steps
+    steps = cfg.personalization.finetune_steps
     strategy = "naive" if plan.strategy == "ditto" else plan.strategy  # one model is fine-tuned, even under Ditto
     ft_fed = dataclasses.replace(fed, local_steps=steps, deadline_includes_upload=False, strategy=strategy)
     ft_cfg = dataclasses.replace(cfg, federation=ft_fed)

@@ -6,7 +6,7 @@ samples give a standard error of about 2 points). When the server holds the data
 as every simulation does, the data's own test split (``data.test_per_class`` per class,
 never part of any device's data or of pretraining) gives the global model a balanced,
 low-noise figure for benchmarks to compare. A deployed server usually holds no data, so
-this is off unless ``federation.server_eval`` asks for it.
+this is off unless ``evaluation.server_test`` asks for it.
 """
 
 from __future__ import annotations

@@ -44,23 +44,22 @@ def datasets(cfg: FleetConfig) -> tuple[ArrayDataset, ArrayDataset]:
 
 def fleet_indices(cfg: FleetConfig, labels: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     """(pretraining indices, one index array per device): disjoint, the same everywhere."""
-    fed = cfg.federation
     order = np.random.default_rng([cfg.train.seed, 7]).permutation(len(labels))
-    pool = order if fed.pretrain_classes is None else order[np.isin(labels[order], fed.pretrain_classes)]
-    pre = np.sort(pool[: fed.pretrained_samples])  # a start from other classes is held out from those alone
+    pool = order if cfg.start.classes is None else order[np.isin(labels[order], cfg.start.classes)]
+    pre = np.sort(pool[: cfg.start.samples])  # a start from other classes is held out from those alone
     rest = np.setdiff1d(order, pre)  # sorted
     parts = partition_indices(
         labels[rest],
-        fed.num_devices,
-        fed.partition,
-        alpha=fed.alpha,
+        cfg.devices.num_devices,
+        cfg.devices.partition,
+        alpha=cfg.devices.alpha,
         seed=cfg.train.seed,
         min_partition_size=MIN_PARTITION,
     )
     parts = [rest[p] for p in parts]
-    if fed.samples_per_device is not None:
+    if cfg.devices.samples_per_device is not None:
         rng = np.random.default_rng([cfg.train.seed, 11])
-        parts = [np.sort(rng.permutation(p)[: fed.samples_per_device]) for p in parts]
+        parts = [np.sort(rng.permutation(p)[: cfg.devices.samples_per_device]) for p in parts]
     return pre, parts
 
 
@@ -68,24 +67,25 @@ def device_data(cfg: FleetConfig, partition_id: int) -> DeviceData:
     """The device's own training data and held-out split."""
     train, _ = datasets(cfg)
     _, parts = fleet_indices(cfg, train.labels.numpy())
-    tr, te = split_train_test(parts[partition_id], cfg.federation.test_fraction, seed=cfg.train.seed + partition_id)
+    tr, te = split_train_test(parts[partition_id], cfg.devices.test_fraction, seed=cfg.train.seed + partition_id)
     data = DeviceData(train.subset(tr), train.subset(te))
-    fed = cfg.federation
-    if not fed.shift.active:
+    if not cfg.devices.shift.active:
         return data
-    shift = device_shift(fed.shift, partition_id, fed.num_devices, cfg.model.num_classes, cfg.train.seed)
+    shift = device_shift(
+        cfg.devices.shift, partition_id, cfg.devices.num_devices, cfg.model.num_classes, cfg.train.seed
+    )
     return DeviceData(shift_dataset(data.train, shift), shift_dataset(data.test, shift))
 
 
 def own_device_data(cfg: FleetConfig, root: Path, field: str) -> DeviceData:
     """A device's own files (its ImageFolder tree) and the split it holds out of them; read once per
     process for consecutive messages to the same device."""
-    if cfg.federation.shift.active:
+    if cfg.devices.shift.active:
         raise ConfigError(
-            f"federation.shift: this device reads its own files ({field} {root}), which are already its own "
-            "domain; drop federation.shift from the fleet's config"
+            f"devices.shift: this device reads its own files ({field} {root}), which are already its own "
+            "domain; drop devices.shift from the fleet's config"
         )
-    key = repr((str(root), cfg.data, cfg.model.in_channels, cfg.federation.test_fraction, cfg.train.seed))
+    key = repr((str(root), cfg.data, cfg.model.in_channels, cfg.devices.test_fraction, cfg.train.seed))
     if key not in _OWNED:
         _OWNED.clear()
         owned = owned_data(cfg, root, field)
@@ -102,6 +102,6 @@ def known_data_sizes(cfg: FleetConfig) -> dict[str, int]:
     _, parts = fleet_indices(cfg, train.labels.numpy())
     sizes = {}
     for pid, part in enumerate(parts):
-        tr, _ = split_train_test(part, cfg.federation.test_fraction, seed=cfg.train.seed + pid)
+        tr, _ = split_train_test(part, cfg.devices.test_fraction, seed=cfg.train.seed + pid)
         sizes[f"device-{pid}"] = len(tr)
     return sizes

@@ -59,7 +59,7 @@ class Device:
     @classmethod
     def from_configs(cls, cfg: FleetConfig, node_config: Mapping[str, Any]) -> Device:
         node_config = dict(node_config)
-        torch.set_num_threads(cfg.federation.client_threads)
+        torch.set_num_threads(cfg.simulation.client_threads)
         pid = partition_of(cfg, node_config)
         return cls(cfg, pid, device_name_of(cfg, node_config, pid), node_config)
 
@@ -130,7 +130,7 @@ def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[s
     run_tag = str(config.get(keys.RUN_TAG, ""))
     state_path = device.state_dir / STATE_FILE
     state = load_state(state_path, run_tag)
-    personal = personal_names(model, cfg.federation.personal)
+    personal = personal_names(model, cfg.personalization.policy)
     overlay_personal(model, personal, (state or {}).get("personal"))
     result = local_round(cfg, model, profile, device.data().train, state, plan, device.seed, memory, personal)
     result.metrics.update(device.identity())
@@ -151,19 +151,19 @@ def evaluate(
     device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[str, Any] | None
 ) -> dict[str, float | int]:
     """Accuracy on the device's held-out split of the global model (with its own personal tensors), of
-    that model fine-tuned (``federation.finetune_steps``), and of this device's personalized model."""
+    that model fine-tuned (``personalization.finetune_steps``), and of this device's personalized model."""
     cfg = device.cfg
     started = time.perf_counter()
     run_tag = None if config is None else str(config.get(keys.RUN_TAG, ""))
     data = device.data()
     model = device.model(weights)
     state = load_state(device.state_dir / STATE_FILE, run_tag)
-    # the device's model is the global shared tensors plus its own personal ones (federation.personal)
-    personal = personal_names(model, cfg.federation.personal)
+    # the device's model is the global shared tensors plus its own personal ones (personalization.policy)
+    personal = personal_names(model, cfg.personalization.policy)
     overlay_personal(model, personal, (state or {}).get("personal"))
     out: dict[str, float | int] = {**device.identity(), keys.NUM_EXAMPLES: len(data.test)}
     out[keys.GLOBAL_ACCURACY] = global_acc = accuracy(model, data.test, cfg.data.input_size)
-    if cfg.federation.finetune_steps and config is not None and keys.SERVER_ROUND in config:
+    if cfg.personalization.finetune_steps and config is not None and keys.SERVER_ROUND in config:
         plan = round_plan(config, cfg.federation.strategy)
         profile, memory = device_setup(device, model)
         out[keys.FINETUNE_TIME_S] = finetune(

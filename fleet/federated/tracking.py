@@ -109,7 +109,7 @@ def round_record(
 
 
 def finetuned_figures(accuracy: dict | None, devices: list[dict]) -> dict:
-    """A round's fine-tuned accuracy (federation.finetune_steps): the weighted mean and p10; nothing without it."""
+    """A round's fine-tuned accuracy (personalization.finetune_steps): the weighted mean and p10; nothing without it."""
     if accuracy is None or keys.FINETUNED_ACCURACY not in accuracy:
         return {}
     tuned = [d["finetuned_accuracy"] for d in devices if "finetuned_accuracy" in d]
@@ -169,10 +169,10 @@ class Tracker:
             "rounds": len(recs),
             "sim_time_s": last.get("sim_time_s", 0.0),
             "final_accuracy": last.get("global_accuracy"),
-            "final_server_accuracy": last.get("server_accuracy"),  # federation.server_eval only
+            "final_server_accuracy": last.get("server_accuracy"),  # evaluation.server_test only
             "personalized_accuracy_mean": float(np.mean(personal)) if personal else None,
             "personalized_accuracy_p10": p10(personal),
-            "finetuned_accuracy_mean": float(np.mean(tuned)) if tuned else None,  # federation.finetune_steps only
+            "finetuned_accuracy_mean": float(np.mean(tuned)) if tuned else None,  # personalization.finetune_steps only
             "finetuned_accuracy_p10": p10(tuned),
             "bytes_uploaded": int(sum(r["bytes_uploaded"] for r in recs)),
             "rejections": sum(len(r["rejections"]) for r in recs),
@@ -220,7 +220,7 @@ def trained_means(rows: list[dict]) -> dict:
 
 
 def class_summary(records: list[dict]) -> dict[str, dict]:
-    """Per device class (federation.device_classes): what its devices' trained rounds did, and their
+    """Per device class (devices.device_classes): what its devices' trained rounds did, and their
     personalized accuracy when last evaluated; empty without classes."""
     trained: dict[str, list[dict]] = {}
     last_eval: dict[str, dict] = {}
@@ -287,7 +287,7 @@ def plot_run(out: Path, records: list[dict], title: str) -> list[Path]:
     if not records:
         return []
     rounds = [r["round"] for r in records]
-    evaluated = [r for r in records if r["global_accuracy"] is not None]  # federation.eval_every skips rounds
+    evaluated = [r for r in records if r["global_accuracy"] is not None]  # evaluation.every skips rounds
     sim = [r["sim_time_s"] for r in evaluated]
     g = [r["global_accuracy"] for r in evaluated]
     p = [r["personal_accuracy"] for r in evaluated]

@@ -6,12 +6,15 @@ Read from the source with ``ast`` (nothing is imported), so imports nested in fu
 * the core of ``fleet/`` (everything but its top layer: ``fleet/cli.py``,
   ``fleet/commands/``, ``fleet/bench/``) never imports ``flwr``, ``client`` or ``server``;
 * ``client/`` never imports ``server`` and ``server/`` never imports ``client``;
-* no cycle among the project's modules.
+* no cycle among the project's modules;
+* each layer imports only the layers below it and the third-party libraries listed for it in
+  :data:`LAYERS` (docs/architecture.md shows the same table).
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -236,6 +239,83 @@ def report(problems: list[str], what: str) -> str:
 @pytest.fixture(scope="module")
 def project() -> dict[str, list[str]]:
     return check(ROOT)
+
+
+# Each layer (a path prefix; the longest one that matches a file is its layer): the project layers it may import
+# besides its own, and the third-party libraries it may import (the standard library always). The top layer
+# (fleet/cli.py, fleet/commands/, fleet/bench/) may import anything and is not listed.
+LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "fleet/__init__.py": ((), ()),
+    "fleet/base/": ((), ("torch",)),
+    "fleet/data/": (("fleet/base/",), ("numpy", "torch", "torchvision", "PIL", "sklearn")),  # sklearn: 'digits' only
+    "fleet/memory/": (("fleet/base/",), ("numpy", "torch")),
+    "fleet/engine/": (("fleet/base/", "fleet/data/", "fleet/memory/"), ("numpy", "torch", "torchvision", "yaml")),
+    "fleet/federated/": (
+        ("fleet/base/", "fleet/data/", "fleet/memory/", "fleet/engine/"),
+        ("numpy", "torch", "yaml", "matplotlib"),  # matplotlib: a run's plots, drawn where its records are
+    ),
+    "client/": (("fleet/base/", "fleet/data/", "fleet/memory/", "fleet/engine/", "fleet/federated/"), ("flwr",)),
+    "server/": (
+        ("fleet/base/", "fleet/data/", "fleet/memory/", "fleet/engine/", "fleet/federated/"),
+        ("flwr", "numpy"),
+    ),
+}
+STDLIB = set(sys.stdlib_module_names) | {"__future__"}
+
+
+def layer_of(file: str) -> str | None:
+    """The layer a file belongs to (None: the top layer, or outside the listed packages)."""
+    matches = [p for p in LAYERS if file == p or (p.endswith("/") and file.startswith(p))]
+    return max(matches, key=len) if matches else None
+
+
+def layer_violations(imports: list[Import], modules: dict[str, str]) -> list[str]:
+    """Imports of a layer above (or beside) the importing one, and third-party imports a layer does not list."""
+    found = []
+    for imp in imports:
+        layer = layer_of(imp.file)
+        if layer is None:
+            continue
+        below, libraries = LAYERS[layer]
+        top = top_name(imp)
+        target = resolve(imp.target, modules)
+        if target is not None:
+            target_layer = layer_of(modules[target])
+            if target_layer != layer and target_layer not in below:
+                found.append(f"{imp.describe()}  ({layer} may import {', '.join(below) or 'no other layer'})")
+        elif top not in STDLIB and top not in libraries:
+            found.append(
+                f"{imp.describe()}  ({layer} may import {', '.join(libraries) or 'only the standard library'})"
+            )
+    return found
+
+
+def test_each_layer_imports_only_the_layers_below_and_its_libraries():
+    modules = find_modules(ROOT)
+    problems = layer_violations(read_imports(ROOT, modules), modules)
+    assert not problems, report(problems, "imports across the layers")
+
+
+def test_the_layer_check_fails_on_synthetic_violations(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "fleet/__init__.py": "",
+            "fleet/base/__init__.py": "",
+            "fleet/base/errors.py": "import os\nimport torch\n",  # allowed
+            "fleet/data/__init__.py": "",
+            "fleet/data/io.py": "from fleet.engine.trainer import Trainer\nimport pandas\n",  # up a layer; unlisted
+            "fleet/engine/__init__.py": "",
+            "fleet/engine/trainer.py": "from fleet.data.io import x\nimport matplotlib\n",  # below: ok; unlisted
+            "fleet/commands/__init__.py": "import anything_at_all\n",  # the top layer: not checked
+        },
+    )
+    modules = find_modules(tmp_path)
+    found = sorted(layer_violations(read_imports(tmp_path, modules), modules))
+    assert len(found) == 3
+    assert found[0].startswith("fleet/data/io.py:1: from fleet.engine.trainer import Trainer  (fleet/data/ may import")
+    assert found[1].startswith("fleet/data/io.py:2: import pandas")
+    assert found[2].startswith("fleet/engine/trainer.py:2: import matplotlib")
 
 
 def test_fleet_core_does_not_import_flower_or_the_apps(project):

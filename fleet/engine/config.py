@@ -89,7 +89,7 @@ class TrainConfig:
     # train: the probe's two passes are two training steps on one batch, kept, so only their difference from elastic
     # steps is spent (Trainer.training_probe). restore: the spec's probe, a step on every tensor that is undone, then
     # a second gradient (2 full steps plus copies). On `fleet bench personalize`, seeds 0-2, train ended 1.4 points
-    # higher at 60% of the probes' share (docs/fleet.md, "The probe's cost")
+    # higher at 60% of the probes' share (docs/results.md, "The probe's cost")
     probe: str = "train"
     prunetrain_lambda: float = 1e-4  # L1 group penalty weight (prunetrain)
     threads: int | None = None  # torch threads; None keeps torch's default

@@ -19,7 +19,7 @@ from fleet.federated.paths import resolve_path
 class DeviceClassConfig:
     """One kind of device in a simulated fleet (``devices.device_classes``; fleet/federated/classes.py)."""
 
-    name: str = "device"
+    name: str = "device"  # names the class in metrics.jsonl, summary.json and classes.png; each class its own
     share: float = 1.0  # of the fleet; the classes' shares sum to 1
     tier: float = 1.0  # slow-down on train.profile: an assumption until someone profiles the hardware
     profile: str | None = None  # a profile measured on this hardware (`fleet profile --out`): replaces tier

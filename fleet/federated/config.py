@@ -45,7 +45,7 @@ class FederationConfig:
     # fleet (elastic + window + blending), naive (per-device elastic), fedavg (full training), ditto (per-device
     # elastic, plus a personal model trained toward the global one with the proximal weight ditto_lambda)
     strategy: str = "fleet"
-    rounds: int = 10
+    rounds: int = 10  # rounds to run (time_budget_s may stop the run sooner)
     time_budget_s: float | None = None  # also stop once the simulated clock reaches this (equal-time comparisons)
     local_steps: int = 10  # training batches per device per round
     deadline_s: float | None = None  # round deadline; null: the fastest device's full-training time
@@ -60,7 +60,7 @@ class FederationConfig:
     # Off by default: 0.7 at lr 0.3 halved the global model's swing on the tight-deadline bench but cost 0.6-0.9 points
     # of personalized mean (docs/results.md, "Server momentum, measured"); 0.9 at lr 1 oscillated
     server_momentum: float | None = None
-    server_lr: float = 1.0
+    server_lr: float = 1.0  # with server_momentum: each tensor moves by server_lr times its momentum
 
     RULES: Rules = {
         "strategy": (lambda v: v in STRATEGIES, "one of " + ", ".join(STRATEGIES)),
@@ -112,7 +112,7 @@ class ElasticConfig:
 class DevicesConfig:
     """The simulated devices: how many, how fast, on which uplinks, holding which share of the data."""
 
-    num_devices: int = 8
+    num_devices: int = 8  # devices in the fleet, newcomers included (data.device_roots: one per sub-folder)
     # simulation: the last this many devices of the split never take part; after a run they personalize from its
     # final global model (fleet bench pfl: new devices, with their own data and shift)
     newcomers: int = 0
@@ -124,8 +124,10 @@ class DevicesConfig:
     memory_budgets_mb: list[float] = field(
         default_factory=list
     )  # device i: [i % len] MB of activation memory, 0 = unlimited
+    # how one shared dataset is split over the devices: iid, dirichlet (each class's samples shared out by
+    # Dirichlet(alpha) draws) or shards (2 classes per device); the same split on every device and the server
     partition: str = "dirichlet"
-    alpha: float = 0.5
+    alpha: float = 0.5  # dirichlet: the smaller, the more skewed a device's label mix (0.1: mostly one or two classes)
     test_fraction: float = 0.2  # each device's held-out split for personalized accuracy
     samples_per_device: int | None = None  # cap a device's data (keeps simulations small)
     # devices whose inputs differ, not only their label mix: each simulated device's images (and optionally
@@ -258,7 +260,7 @@ class StartConfig:
     """The fleet's starting model (benches): pretrained on samples held out from every device."""
 
     samples: int = 0  # samples held out from the devices to pretrain the start model (0: start as model.weights)
-    epochs: int = 2
+    epochs: int = 2  # passes over the held-out samples when pretraining the start model
     classes: list[int] | None = None  # pretrain only on these labels (a start from other classes); null: all
 
     RULES: Rules = {
@@ -272,7 +274,7 @@ class StartConfig:
 class FleetConfig(ExperimentConfig):
     """A fleet: the experiment's model, data and training, plus one section per part of the federation."""
 
-    name: str = "fleet"
+    name: str = "fleet"  # the run's folder under output_dir (runs/<name>/: metrics, plots, checkpoint, devices' state)
     federation: FederationConfig = field(default_factory=FederationConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     devices: DevicesConfig = field(default_factory=DevicesConfig)

@@ -1,4 +1,4 @@
-"""Who can add a device to the fleet: the hardened SuperLink of docs/fleet.md, and its restarts.
+"""Who can add a device to the fleet: the hardened SuperLink of docs/guide.md, and its restarts.
 
 Real `flower-superlink`, `flower-supernode` and `flwr` processes on loopback, through the harness of
 test_deploy_loopback (own FLWR_HOME, free ports, bounded waits, every process killed at the end).
@@ -7,7 +7,7 @@ In Flower 1.42 the SuperLink serves its Fleet, Control and Runtime APIs on one s
 API (`flwr supernode register`) asks for no credentials. `--enable-supernode-auth` admits only
 registered keys, and anyone who reaches the Control API can register one. The documented mitigation:
 the SuperLink on 127.0.0.1, and a TLS proxy on the devices' address that forwards only `/v1/fleet/`.
-Here 127.0.0.2 plays the devices' address. The proxy is the nginx block of docs/fleet.md (when nginx
+Here 127.0.0.2 plays the devices' address. The proxy is the nginx block of docs/guide.md (when nginx
 is installed) or a small Python proxy applying the same rule.
 
 Also: a SuperLink restart with `--database` keeps registered nodes (SuperNodes reconnect, nothing is
@@ -49,7 +49,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 DEVICES_IP = "127.0.0.2"  # the server's address on the devices' network; the SuperLink listens on 127.0.0.1
 FLEET_PREFIX = "/v1/fleet/"
-DOCS = ROOT / "docs" / "fleet.md"
+DOCS = ROOT / "docs" / "guide.md"
 NGINX = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if Path(p).is_file()), None)
 # How long a heartbeat keeps a node "online" in the SuperLink's state: past this after the SuperLink
 # stopped, `flwr supernode ls` shows a node online only if it reached the restarted SuperLink.
@@ -133,7 +133,7 @@ def rogue_home(tmp_path: Path, link: Loopback, gateway: str) -> dict:
 
 def serve_fleet_gateway(host: str, port: int, upstream: str, ca: str, cert: str, key: str) -> None:
     """A TLS reverse proxy on ``host``:``port`` that forwards only the Fleet API to ``upstream`` and
-    answers 403 to everything else: the rule of docs/fleet.md's nginx block, for machines without
+    answers 403 to everything else: the rule of docs/guide.md's nginx block, for machines without
     nginx. Runs until killed (in its own process: see ``start_gateway``)."""
     import uvicorn
     from starlette.applications import Starlette
@@ -161,9 +161,9 @@ def serve_fleet_gateway(host: str, port: int, upstream: str, ca: str, cert: str,
 
 
 def documented_nginx_block() -> str:
-    """The one ```nginx block of docs/fleet.md."""
+    """The one ```nginx block of docs/guide.md."""
     blocks = re.findall(r"```nginx\n(.*?)```", DOCS.read_text(), flags=re.S)
-    assert len(blocks) == 1, f"docs/fleet.md should hold one nginx block, found {len(blocks)}"
+    assert len(blocks) == 1, f"docs/guide.md should hold one nginx block, found {len(blocks)}"
     return blocks[0]
 
 
@@ -258,7 +258,7 @@ def restart_like_systemd(link: Loopback, i: int, node_config: str, timeout: floa
 
 @pytest.mark.parametrize("proxy", ["nginx", "python"])
 def test_hardened_link_admits_only_registered_devices(tmp_path, proxy):
-    """The hardened deployment of docs/fleet.md: an intruder on the devices' network with ca.crt and
+    """The hardened deployment of docs/guide.md: an intruder on the devices' network with ca.crt and
     its own key pair cannot register the key, list anything or get a SuperNode in; registered
     devices train through the proxy; only from the SuperLink's own address can a key be registered,
     and unregistering it puts the intruder out again."""

@@ -97,7 +97,7 @@ def check_ray_reachable(address: str, timeout_s: float = 5.0) -> None:
         raise FleetError(
             f"simulation.ray_address: no Ray cluster answers at {address} ({exc.strerror or exc}); start one with "
             f"`ray start --head --port {port}` on that machine and `ray start --address {address}` on the others "
-            "(docs/fleet.md, 'A Ray cluster'), or drop --ray-address to simulate on this machine alone"
+            "(docs/guide.md, 'A Ray cluster'), or drop --ray-address to simulate on this machine alone"
         ) from None
 
 

@@ -113,7 +113,7 @@ def select_in_window(
     trains as many of the window's tensors as fit (importance breaks ties), then spends the budget
     left on the most important tensors anywhere; the backward pass already runs through every
     layer after the window, so those cost only their weight gradients. (The two modes are
-    compared in docs/fleet.md.)
+    compared in docs/results.md, "The window, measured".)
     """
     if mode == "only":
         return select_tensors([v if a else 0.0 for v, a in zip(ranked, allowed)], t_dw, t_dy, budget)

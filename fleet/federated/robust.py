@@ -124,7 +124,7 @@ def screen_devices(
     Direction is measured as *pull*, not cosine: honest non-IID updates are nearly orthogonal
     late in training, so a cosine threshold rejects honest devices, while a pull (the update's
     length along the others' median, in typical update lengths) stays small for them and is
-    large and negative for an amplified sign flip (docs/fleet.md, robustness benchmark).
+    large and negative for an amplified sign flip (docs/results.md, "Robustness").
 
     A pull counts the update's size only up to ``size_cap`` (the norm bound): an oversized update is
     scaled down anyway, and a huge update in an honest direction, a few degrees off the others'

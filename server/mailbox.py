@@ -3,22 +3,19 @@
 Flower's ``Grid.send_and_receive`` waits for the replies of one batch only and polls
 every 3 s. The fleet needs more: a round waits for its sampled devices' train replies
 until the round closes, while queries to joining or benched devices ride along and are
-picked up whenever they answer, and a reply that arrives after its round closed is
-dropped and logged, never aggregated. :class:`Mailbox` keeps every message it pushed
-until its reply is pulled (or it is given up), so nothing is waited on twice.
+picked up whenever they answer. :class:`Mailbox` keeps every message it pushed until its
+reply is pulled (or it is given up), so nothing is waited on twice, and hands each reply
+up with what it answers (:class:`Sent`): the coordinator decides what is late.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from flwr.app import Message
 from flwr.serverapp import Grid
-
-log = logging.getLogger("fleet.server")
 
 POLL_S = 0.1  # the longest pause between pulls: a reply is picked up within this of its arrival
 FIRST_POLL_S = 0.02  # the pause after a push or a reply, doubled while nothing comes, up to POLL_S
@@ -27,7 +24,7 @@ FORGET_ROUNDS = 3  # a message unanswered this many rounds later is no longer pu
 
 @dataclass
 class Sent:
-    kind: str  # "query", "train" or "evaluate"
+    kind: str  # records.QUERY, TRAIN or EVALUATE
     node: int
     server_round: int
 
@@ -41,9 +38,8 @@ def from_device(sent: Sent, msg: Message) -> bool:
 class Mailbox:
     """Every message pushed and not yet answered, and the replies that came back."""
 
-    def __init__(self, grid: Grid, name_of=lambda node: None) -> None:
+    def __init__(self, grid: Grid) -> None:
         self.grid = grid
-        self.name_of = name_of  # node id -> device name, for the log
         self.sent: dict[str, Sent] = {}
 
     def push(self, messages: Iterable[Message], kind: str, server_round: int) -> set[str]:
@@ -53,10 +49,9 @@ class Mailbox:
             self.sent[msg_id] = Sent(kind, msg.metadata.dst_node_id, server_round)
         return set(ids)
 
-    def collect(self, wait_for: set[str], timeout_s: float, server_round: int, kind: str) -> list[tuple[Sent, Message]]:
+    def collect(self, wait_for: set[str], timeout_s: float) -> list[tuple[Sent, Message]]:
         """Pull until every message in ``wait_for`` is answered or ``timeout_s`` has passed; returns
-        every reply pulled meanwhile to queries (of any round) and to this round's ``kind`` messages.
-        Any other reply is late (a train reply after its phase closed included): dropped and logged."""
+        every reply pulled meanwhile, each with the message it answers (late ones included)."""
         end = time.monotonic() + max(0.0, timeout_s)
         replies: list[tuple[Sent, Message]] = []
         waiting = set(wait_for)
@@ -66,13 +61,9 @@ class Mailbox:
                 msg_id = reply.metadata.reply_to_message_id
                 sent = self.sent.pop(msg_id, None)
                 waiting.discard(msg_id)
-                if sent is None:
-                    continue
-                if sent.kind != "query" and (sent.kind != kind or sent.server_round != server_round):
-                    self._late(sent, server_round)
-                    continue
-                replies.append((sent, reply))
-                pause = FIRST_POLL_S
+                if sent is not None:
+                    replies.append((sent, reply))
+                    pause = FIRST_POLL_S
             if not waiting or time.monotonic() >= end:
                 return replies
             time.sleep(min(pause, max(0.0, end - time.monotonic())))
@@ -83,16 +74,6 @@ class Mailbox:
             return []
         return list(self.grid.pull_messages(list(self.sent)))
 
-    def _late(self, sent: Sent, server_round: int) -> None:
-        who = self.name_of(sent.node) or f"node {sent.node}"
-        log.warning(
-            "round %d: dropped a late %s reply from %s (its phase of round %d had closed)",
-            server_round,
-            sent.kind,
-            who,
-            sent.server_round,
-        )
-
     def forget_old(self, server_round: int) -> None:
         """Stop pulling messages of rounds long closed (a dead device never answers)."""
         stale = [i for i, s in self.sent.items() if s.server_round <= server_round - FORGET_ROUNDS]
@@ -102,3 +83,7 @@ class Mailbox:
     def pending(self, kind: str) -> set[int]:
         """Nodes with a message of ``kind`` still unanswered (a query is not sent twice)."""
         return {s.node for s in self.sent.values() if s.kind == kind}
+
+    def waiting(self, kind: str) -> set[str]:
+        """Ids of the messages of ``kind`` still unanswered."""
+        return {i for i, s in self.sent.items() if s.kind == kind}

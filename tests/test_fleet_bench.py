@@ -16,8 +16,8 @@ from fleet.bench.fleet import (
     within,
 )
 from fleet.federated.config import fleet_config_from_dict
+from fleet.federated.coordinator import out_of_time
 from fleet.federated.state import ServerState
-from server.server_app import out_of_time
 
 
 def hist(points: list[tuple[float, float]]) -> list[dict]:

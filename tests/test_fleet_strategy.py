@@ -1,48 +1,36 @@
-"""ElasticFedAvg: masked aggregation and rejection of malformed replies, on real Flower messages."""
+"""The server's aggregation: masked averaging and rejection of malformed replies, through the coordinator,
+and the ServerApp's translation of real Flower messages into the records it takes."""
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, Error, Message, MessageType, Metadata, MetricRecord, RecordDict
 
 from fleet.federated.aggregate import error_summary, masked_average
+from fleet.federated.config import fleet_config_from_dict
+from fleet.federated.coordinator import Coordinator, ModelNames, PlannedRound
 from fleet.federated.membership import member
-from fleet.federated.robust import Defense
-from fleet.federated.state import ServerState
-from server.strategy import ElasticFedAvg, check_reply
+from fleet.federated.records import EVALUATE, TRAIN, Accuracy, Reply, TrainOrder
+from fleet.federated.state import RoundReplies, ServerState
 
 
 def reply(
     node: int,
     arrays: dict[str, np.ndarray] | None,
-    samples: int = 10,
+    samples: float = 10,
     partition: int | None = None,
     error: str | None = None,
-) -> Message:
-    """A train reply as the SuperLink hands it to the ServerApp."""
-    meta = Metadata(
-        run_id=1,
-        message_id=f"m{node}",
-        src_node_id=node,
-        dst_node_id=1,
-        reply_to_message_id="i",
-        group_id="1",
-        created_at=time.time(),
-        ttl=60.0,
-        message_type=MessageType.TRAIN,
-    )
+) -> Reply:
+    """A train reply as the ServerApp hands it to the coordinator (unpacked, unchecked)."""
     if error is not None:
-        return Message(error=Error(code=0, reason=error), metadata=meta)
+        return Reply(node, TRAIN, 1, error=error)
     metrics = device_metrics(samples, selected=len(arrays or {}))
     metrics["partition-id"] = node if partition is None else partition
-    content = RecordDict(
-        {"arrays": ArrayRecord({k: Array(v) for k, v in (arrays or {}).items()}), "metrics": MetricRecord(metrics)}
-    )
-    return Message(content=content, metadata=meta)
+    return Reply(node, TRAIN, 1, metrics=metrics, arrays=dict(arrays or {}))
 
 
 def device_metrics(samples: float, selected: int) -> dict:
@@ -64,12 +52,27 @@ def device_metrics(samples: float, selected: int) -> dict:
     }
 
 
-def make_strategy(global_arrays: dict[str, np.ndarray], defense: Defense | None = None) -> ElasticFedAvg:
-    """Plain masked mean unless told otherwise: these tests are about masking, not about the defense."""
-    s = ElasticFedAvg(ServerState(), param_names=list(global_arrays), defense=defense or Defense(norm_bound=None))
-    s.state.replies.sent = {k: v.copy() for k, v in global_arrays.items()}  # what train_messages keeps
-    s.state.roster = {"12": member("pi-12", 1.0)}
-    return s
+def coordinator(
+    global_arrays: dict[str, np.ndarray],
+    params: list[str] | None = None,
+    robust: dict[str, Any] | None = None,
+    **sections: dict[str, Any],
+) -> Coordinator:
+    """Plain masked mean and no norm bound unless told otherwise: these tests are about masking, not the defense."""
+    robust = {"aggregation": "mean", "norm_bound": None, **(robust or {})}
+    cfg = fleet_config_from_dict({"robust": robust, **sections})
+    arrays = {k: v.copy() for k, v in global_arrays.items()}
+    c = Coordinator(cfg, ServerState(), arrays, names=ModelNames(params or list(global_arrays)))
+    c.state.roster = {"12": member("pi-12", 1.0)}
+    return c
+
+
+def train(c: Coordinator, server_round: int, replies: list[Reply]) -> dict[str, np.ndarray]:
+    """One round's train replies into the coordinator, as the ServerApp hands them over; the new global arrays."""
+    c.state.replies = RoundReplies(sent=c.arrays)  # what open_round and plan_round leave
+    order = TrainOrder(server_round, c.cfg.federation.strategy, 0.0, "t")
+    c.close_train(PlannedRound(server_round, [], order, 60.0, 30.0), replies)
+    return c.arrays
 
 
 GLOBAL = {
@@ -80,20 +83,19 @@ GLOBAL = {
 
 
 def test_masked_average_weights_by_samples_over_senders_only():
-    s = make_strategy(GLOBAL)
+    s = coordinator(GLOBAL)
     r1 = reply(11, {"a": np.full((2, 2), 1.0, np.float32), "b": np.full(3, 3.0, np.float32)}, samples=10)
     r2 = reply(12, {"a": np.full((2, 2), 4.0, np.float32)}, samples=30)
-    record, metrics = s.aggregate_train(1, [r1, r2])
-    out = {k: a.numpy() for k, a in record.items()}
+    out = train(s, 1, [r1, r2])
     assert set(out) == set(GLOBAL)  # never truncated to a subset
     np.testing.assert_allclose(out["a"], (10 * 1.0 + 30 * 4.0) / 40)  # both trained a
     np.testing.assert_allclose(out["b"], 3.0)  # only device 11 trained b: its value, not diluted by 12
     np.testing.assert_array_equal(out["c"], GLOBAL["c"])  # trained by nobody: keeps its value
     assert out["a"].dtype == np.float32
     assert s.state.replies.senders == {"a": 2, "b": 1}
-    assert metrics["devices"] == 2
+    assert len(s.state.replies.train) == 2
     assert s.state.global_importance["c"] == 0.0
-    assert s.state.global_importance["a"] == pytest.approx(4 * 3.25**2 / s.lr)
+    assert s.state.global_importance["a"] == pytest.approx(4 * 3.25**2 / s.cfg.train.lr)
 
 
 def test_masked_average_function_matches_formula():
@@ -117,12 +119,11 @@ def test_masked_average_function_matches_formula():
     ],
 )
 def test_malformed_reply_is_rejected_and_round_goes_on(arrays, reason, caplog):
-    s = make_strategy(GLOBAL)
+    s = coordinator(GLOBAL)
     good = reply(11, {"b": np.full(3, 5.0, np.float32)}, samples=10)
     bad = reply(12, arrays, samples=1000, partition=3)
     with caplog.at_level(logging.WARNING, logger="fleet.server"):
-        record, _ = s.aggregate_train(4, [good, bad])
-    out = {k: a.numpy() for k, a in record.items()}
+        out = train(s, 4, [good, bad])
     np.testing.assert_allclose(out["b"], 5.0)  # the bad device's 1000 samples did not count
     assert len(s.state.replies.rejections) == 1
     rej = s.state.replies.rejections[0]
@@ -132,59 +133,67 @@ def test_malformed_reply_is_rejected_and_round_goes_on(arrays, reason, caplog):
 
 
 def test_failed_device_and_bad_weight_are_rejected():
-    s = make_strategy(GLOBAL)
+    s = coordinator(GLOBAL)
     failed = reply(13, None, error="device 2 failed on purpose")
     zero = reply(14, {"b": np.zeros(3, np.float32)}, samples=0)
     good = reply(11, {"a": np.ones((2, 2), np.float32)}, samples=5)
-    record, _ = s.aggregate_train(2, [failed, zero, good])
+    out = train(s, 2, [failed, zero, good])
     assert [r.node_id for r in s.state.replies.rejections] == [13, 14]
     assert "failed on purpose" in s.state.replies.rejections[0].reason
     assert "num-examples" in s.state.replies.rejections[1].reason
-    np.testing.assert_allclose(record["a"].numpy(), 1.0)
-    np.testing.assert_array_equal(record["b"].numpy(), GLOBAL["b"])
+    np.testing.assert_allclose(out["a"], 1.0)
+    np.testing.assert_array_equal(out["b"], GLOBAL["b"])
 
 
 def test_no_usable_reply_keeps_global_model():
-    s = make_strategy(GLOBAL)
-    record, metrics = s.aggregate_train(1, [reply(12, {"q": np.zeros(1, np.float32)})])
-    assert record is None and metrics is None
-    assert check_reply(reply(1, {"a": np.zeros((2, 2), np.float32)}), GLOBAL) is None
+    s = coordinator(GLOBAL)
+    before = s.arrays
+    out = train(s, 1, [reply(12, {"q": np.zeros(1, np.float32)})])
+    assert out is before and s.state.replies.train == [] and s.state.replies.senders == {}
+    train(s, 2, [reply(1, {"a": np.zeros((2, 2), np.float32)})])
+    assert s.state.replies.rejections == [] and len(s.state.replies.train) == 1  # a sound reply passes every check
+
+
+def deadline(nodes: list[str], roster: dict, **federation: Any) -> float:
+    """The deadline a coordinator sets for ``nodes`` (the deadline bounds compute only unless told)."""
+    c = coordinator(GLOBAL, federation={"deadline_includes_upload": False, **federation})
+    c.state.roster = roster
+    return c.deadline(nodes)
 
 
 def test_deadline_is_fastest_full_time_and_zero_for_fedavg():
-    s = make_strategy(GLOBAL)
-    assert s.round_deadline([]) == 0.0  # nothing known yet: devices train fully
-    s.state.roster = {"1": member("a", 4.0), "2": member("b", 1.5), "3": member("c", 6.0)}
-    assert s.round_deadline(["1", "2", "3"]) == 1.5
-    assert s.round_deadline(["1", "3"]) == 4.0  # the fastest of the devices eligible now
-    s.deadline_factor = 2.0
-    assert s.round_deadline(["1", "2"]) == 3.0
-    s.deadline_s = 0.7
-    assert s.round_deadline(["1", "2"]) == 0.7
-    s.method = "fedavg"
-    assert s.round_deadline(["1", "2"]) == 0.0
+    roster = {"1": member("a", 4.0), "2": member("b", 1.5), "3": member("c", 6.0)}
+    assert deadline([], roster) == 0.0  # nothing known yet: devices train fully
+    assert deadline(["1", "2", "3"], roster) == 1.5
+    assert deadline(["1", "3"], roster) == 4.0  # the fastest of the devices eligible now
+    assert deadline(["1", "2"], roster, deadline_factor=2.0) == 3.0
+    assert deadline(["1", "2"], roster, deadline_factor=2.0, deadline_s=0.7) == 0.7
+    assert deadline(["1", "2"], roster, deadline_factor=2.0, deadline_s=0.7, strategy="fedavg") == 0.0
 
 
 def test_deadline_adds_the_full_upload_when_it_covers_uploads():
-    s = ElasticFedAvg(ServerState(), param_names=["a"], full_upload_s=2.5)
-    s.state.roster = {"1": member("a", 4.0), "2": member("b", 1.5)}
-    assert s.round_deadline(["1", "2"]) == 4.0  # the fastest device's round: full training plus full upload
+    full_bytes = sum(a.nbytes for a in GLOBAL.values())  # every float tensor: nothing is personal here
+    c = coordinator(GLOBAL, ["a"], devices={"bandwidth_bytes_per_s": full_bytes / 2.5})  # a full upload: 2.5 s
+    c.state.roster = {"1": member("a", 4.0), "2": member("b", 1.5)}
+    assert c.deadline(["1", "2"]) == 4.0  # the fastest device's round: full training plus full upload
+
+
+RELAYED = (
+    "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:"
+    "<'\x1b[36mray::ClientAppActor.run()\x1b[39m (pid=1)\n"
+    '  File "/x/torch/serialization.py", line 1312, in _save\n    zip_file.write_record(name, storage, num_bytes)\n'
+    "OSError: [Errno 28] No space left on device\n\nDuring handling of the above exception, another "
+    "exception occurred:\n\n"
+    "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 61144000 vs 61143896\n"
+    "flwr.clientapp.client_app.ClientAppException: \nException ClientAppException occurred.'>"
+)
 
 
 def test_a_device_failure_is_logged_in_one_line():
     """A simulated ClientApp's error reaches the server wrapped in Ray's and Flower's tracebacks,
     with terminal colours; the rejection names the root cause alone."""
-    relayed = (
-        "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:"
-        "<'\x1b[36mray::ClientAppActor.run()\x1b[39m (pid=1)\n"
-        '  File "/x/torch/serialization.py", line 1312, in _save\n    zip_file.write_record(name, storage, num_bytes)\n'
-        "OSError: [Errno 28] No space left on device\n\nDuring handling of the above exception, another "
-        "exception occurred:\n\n"
-        "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 61144000 vs 61143896\n"
-        "flwr.clientapp.client_app.ClientAppException: \nException ClientAppException occurred.'>"
-    )
-    s = make_strategy(GLOBAL)
-    s.aggregate_train(1, [reply(13, None, error=relayed), reply(11, {"a": np.ones((2, 2), np.float32)})])
+    s = coordinator(GLOBAL)
+    train(s, 1, [reply(13, None, error=RELAYED), reply(11, {"a": np.ones((2, 2), np.float32)})])
     assert s.state.replies.rejections[0].reason == "device failed: OSError: [Errno 28] No space left on device"
     assert error_summary("x" * 500).endswith("...") and len(error_summary("x" * 500)) == 300
     assert error_summary("") == "no reason given"
@@ -192,22 +201,21 @@ def test_a_device_failure_is_logged_in_one_line():
     assert error_summary(deployed) == "DataError: node config data-root: class folder 'unicorn' is unknown"
 
 
-def eval_reply(node: int, metrics: dict) -> Message:
-    msg = reply(node, None)
-    return Message(content=RecordDict({"metrics": MetricRecord(metrics)}), metadata=msg.metadata)
+def eval_reply(node: int, metrics: dict) -> Reply:
+    return Reply(node, EVALUATE, 3, metrics=metrics)
 
 
 def test_bad_evaluation_replies_are_left_out_not_crashing_the_server(caplog):
     """A reply without accuracies (e.g. a train reply arriving while the round evaluates) or with an
     impossible one is left out of the round's accuracy, with a line naming the device."""
-    s = make_strategy(GLOBAL)
+    s = coordinator(GLOBAL)
     good = eval_reply(11, {"num-examples": 10, "global-accuracy": 0.5, "personal-accuracy": 0.75})
     train_like = eval_reply(12, {"num-examples": 10, "loss": 0.3})
     huge = eval_reply(13, {"num-examples": 10, "global-accuracy": 1e6, "personal-accuracy": 0.5})
     with caplog.at_level(logging.WARNING, logger="fleet.server"):
-        acc = s.aggregate_evaluate(3, [good, train_like, huge])
-    assert dict(acc) == {"global-accuracy": 0.5, "personal-accuracy": 0.75}
-    assert [r["node_id"] for r in s.state.replies.evaluation] == [11]
+        s.close_evaluate(3, [good, train_like, huge])
+    assert s.state.replies.accuracy == Accuracy(global_accuracy=0.5, personal_accuracy=0.75)  # nothing fine-tuned
+    assert [r.node_id for r in s.state.replies.evaluation] == [11]
     assert "evaluation from device pi-12 (node 12) failed: metric 'global-accuracy' is missing" in caplog.text
     assert "(node 13) failed: metric 'global-accuracy' must be in [0, 1], got 1000000.0" in caplog.text
 
@@ -237,14 +245,63 @@ def test_the_server_momentum_survives_a_checkpoint(tmp_path):
     assert loaded.round == 3 and np.array_equal(loaded.momentum["w"], state.momentum["w"])
 
 
-def test_a_strategy_with_server_momentum_steps_further_along_a_repeated_update():
-    s = make_strategy(GLOBAL)
-    s.server_momentum, s.server_lr = 0.5, 1.0
-    step = {"a": GLOBAL["a"] + 1.0}
-    first, _ = s.aggregate_train(1, [reply(12, step)])
-    after_one = first["a"].numpy()
+def test_a_coordinator_with_server_momentum_steps_further_along_a_repeated_update():
+    s = coordinator(GLOBAL, federation={"server_momentum": 0.5, "server_lr": 1.0})
+    after_one = train(s, 1, [reply(12, {"a": GLOBAL["a"] + 1.0})])["a"]
     np.testing.assert_allclose(after_one, 1.0)
-    s.state.replies.sent = {k: a.numpy() for k, a in first.items()}
-    second, _ = s.aggregate_train(2, [reply(12, {"a": after_one + 1.0})])
-    np.testing.assert_allclose(second["a"].numpy(), 1.0 + 1.0 + 0.5)  # without momentum: 2.0
-    np.testing.assert_allclose(second["c"].numpy(), 7.0)  # trained by nobody
+    second = train(s, 2, [reply(12, {"a": after_one + 1.0})])
+    np.testing.assert_allclose(second["a"], 1.0 + 1.0 + 0.5)  # without momentum: 2.0
+    np.testing.assert_allclose(second["c"], 7.0)  # trained by nobody
+
+
+# --- the ServerApp's translation: real Flower Messages into records -------------------------------
+def flower_reply(node: int, content=None, error: str | None = None, kind: str = TRAIN):
+    """A reply as the SuperLink hands it to the ServerApp, with the mailbox's note of what it answers."""
+    from flwr.app import Error, Message, Metadata
+
+    from server.mailbox import Sent
+
+    meta = Metadata(
+        run_id=1,
+        message_id=f"m{node}",
+        src_node_id=node,
+        dst_node_id=1,
+        reply_to_message_id="i",
+        group_id="1",
+        created_at=time.time(),
+        ttl=60.0,
+        message_type=kind,
+    )
+    msg = Message(error=Error(code=0, reason=error), metadata=meta) if error else Message(content, metadata=meta)
+    return Sent(kind, node, 1), msg
+
+
+def test_the_server_app_unpacks_flower_replies_into_records_and_keeps_the_checks():
+    from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+    from server.server_app import unpack
+
+    arrays = {"a": np.full((2, 2), 2.0, np.float32)}
+    good = RecordDict(
+        {
+            "arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+            "metrics": MetricRecord(device_metrics(10, 1)),
+            "device": ConfigRecord({"device-name": "pi-11"}),
+        }
+    )
+    r = unpack(*flower_reply(11, good))
+    assert (r.node_id, r.kind, r.server_round, r.name, r.error, r.problem) == (11, TRAIN, 1, "pi-11", None, None)
+    np.testing.assert_array_equal(r.arrays["a"], arrays["a"])
+    assert r.metrics == device_metrics(10, 1) and r.by_device
+    failed = unpack(*flower_reply(13, error=RELAYED))
+    two = RecordDict({"x": ArrayRecord({}), "y": ArrayRecord({}), "metrics": MetricRecord({})})
+    no_metrics = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()})})
+    s = coordinator(GLOBAL)
+    out = train(s, 1, [r, failed, unpack(*flower_reply(14, two)), unpack(*flower_reply(15, no_metrics))])
+    reasons = [j.reason for j in s.state.replies.rejections]
+    assert reasons == [
+        "device failed: OSError: [Errno 28] No space left on device",
+        "expected one ArrayRecord, got 2",
+        "no 'metrics' MetricRecord",
+    ]
+    np.testing.assert_allclose(out["a"], 2.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fleet.base.errors import ConfigError, FleetError
@@ -9,6 +11,7 @@ from fleet.federated import membership as m
 from fleet.federated.config import fleet_config_from_dict
 from fleet.federated.device import device_name_of, partition_of, state_dir_of, tier_of
 from fleet.federated.prepare import simulated_fleet
+from fleet.federated.records import Member
 
 
 def test_a_second_device_claiming_a_live_name_is_refused_in_one_line():
@@ -18,13 +21,14 @@ def test_a_second_device_claiming_a_live_name_is_refused_in_one_line():
     assert reason is not None and "\n" not in reason
     assert "'pi-a' is already used by node 11" in reason and "device-name" in reason
     assert roster == {"11": m.member("pi-a", 2.0)}  # nothing merged
+    assert roster["11"] == Member("pi-a", 2.0, 2.0, missed=0)
 
 
 @pytest.mark.parametrize("old_connected, old_missed", [(False, 0), (True, 1)])
 def test_a_restarted_device_takes_its_name_to_its_new_node(old_connected, old_missed):
     """A SuperNode restarted gets a new node id; its old node is gone, or still 'online' until its
     heartbeat expires but missing rounds."""
-    roster = {"11": {**m.member("pi-a", 2.0), "missed": old_missed}}
+    roster = {"11": dataclasses.replace(m.member("pi-a", 2.0), missed=old_missed)}
     connected = {"11", "13"} if old_connected else {"13"}
     assert m.admit(roster, "13", "pi-a", 2.5, connected) is None
     assert roster == {"13": m.member("pi-a", 2.5)}
@@ -42,7 +46,7 @@ def test_missed_rounds_bench_a_device_until_it_answers_a_query():
     assert m.admit(roster, "2", "b", 1.0, here) is None  # it answered a query: back in
     assert m.eligible(roster, here, max_missed=2) == ["1", "2", "3"]
     m.record_attendance(roster, ["3"], answered=["3"])
-    assert roster["3"]["missed"] == 0
+    assert roster["3"].missed == 0
 
 
 def test_sampling_is_seeded_by_round_and_covers_all_by_default():
@@ -72,7 +76,7 @@ class _Grid:
 
 
 def test_the_server_starts_at_min_devices_and_gives_up_after_timeout():
-    from server.roster import wait_for_devices
+    from server.server_app import wait_for_devices
 
     cfg = fleet_config_from_dict(
         {"devices": {"num_devices": 5}, "membership": {"min_devices": 2}, "federation": {"timeout_s": 1.0}}
@@ -139,7 +143,7 @@ def test_a_run_whose_rounds_trained_nobody_says_so(tmp_path):
 
 def test_a_round_evaluates_every_eval_every_rounds_and_always_last():
     from fleet.federated.config import load_fleet_config
-    from server.server_app import evaluates
+    from fleet.federated.coordinator import evaluates
 
     cfg = load_fleet_config(None, {"federation.rounds": 10, "evaluation.every": 4})
     assert [r for r in range(1, 11) if evaluates(cfg, r, 0.0)] == [4, 8, 10]

@@ -185,13 +185,17 @@ def test_a_negative_ditto_lambda_is_one_line():
 
 
 def test_a_devices_reported_fine_tuning_time_is_held_to_a_band_on_the_clock():
+    from fleet.federated.coordinator import finetune_time
     from fleet.federated.membership import member
+    from fleet.federated.records import EvaluateReply
     from fleet.federated.state import ServerState
-    from server.server_app import finetune_time
+
+    def scored(node: int, finetune_s: float) -> EvaluateReply:
+        return EvaluateReply(node, None, 10, 0.5, 0.5, finetune_time_s=finetune_s)
 
     cfg = load_fleet_config(TINY, {"personalization.finetune_steps": 1, "federation.local_steps": 2})
     state = ServerState(run_tag="r", roster={"7": member("a", 2.0), "8": member("b", 2.0)})
-    state.replies.evaluation = [{"node_id": 7, keys.FINETUNE_TIME_S: 0.5}, {"node_id": 8, keys.FINETUNE_TIME_S: 1e6}]
+    state.replies.evaluation = [scored(7, 0.5), scored(8, 1e6)]
     assert finetune_time(cfg, state) == pytest.approx(4.0 * 2.0 * 1 / 2)  # band 4 x the device's full time x 1/2
-    state.replies.evaluation = [{"node_id": 7, keys.FINETUNE_TIME_S: 0.5}]
+    state.replies.evaluation = [scored(7, 0.5)]
     assert finetune_time(cfg, state) == pytest.approx(0.5)

@@ -1,6 +1,6 @@
 """One bad reply cannot break the round: schema, capped weights, bounded updates, robust means.
 
-Real Flower Messages go into ElasticFedAvg.aggregate_train, as the ServerApp hands them over.
+Replies go into the coordinator's close_train as the ServerApp hands them over (unpacked records).
 """
 
 from __future__ import annotations
@@ -9,14 +9,15 @@ import logging
 
 import numpy as np
 import pytest
-from flwr.app import Array
 
+from fleet.federated.config import RobustConfig
+from fleet.federated.coordinator import Coordinator
+from fleet.federated.defense import sample_cap
 from fleet.federated.membership import member
-from fleet.federated.robust import Defense, plausible_times, robust_average, screen_devices, update_limits, update_norms
+from fleet.federated.records import Reply
+from fleet.federated.robust import plausible_times, robust_average, screen_devices, update_limits, update_norms
 from fleet.federated.schema import TRAIN, metric_problem
-from fleet.federated.state import ServerState
-from server.strategy import ElasticFedAvg
-from tests.test_fleet_strategy import device_metrics, reply
+from tests.test_fleet_strategy import coordinator, device_metrics, reply, train
 
 GLOBAL = {
     "w": np.zeros(4, np.float32),
@@ -26,28 +27,29 @@ GLOBAL = {
 PARAMS = ["w"]
 
 
-def strategy(**defense) -> ElasticFedAvg:
-    s = ElasticFedAvg(ServerState(), param_names=PARAMS, defense=Defense(**defense))
-    s.state.replies.sent = {k: v.copy() for k, v in GLOBAL.items()}
+def strategy(sample_caps: dict[str, int] | None = None, global_arrays=GLOBAL, params=PARAMS, **robust) -> Coordinator:
+    """The plain masked mean with the config's norm bound, pull and time band unless told otherwise."""
+    s = coordinator(global_arrays, params, robust={"norm_bound": RobustConfig.norm_bound, **robust})
+    s.sample_caps = sample_caps or {}  # a simulation knows every device's data size
     s.state.roster = {str(n): member(f"pi-{n}", 2.0) for n in range(10, 20)}
     return s
 
 
-def honest(node: int, step: float = 1.0, samples: float = 100, **metric_changes) -> object:
+def honest(node: int, step: float = 1.0, samples: float = 100, **metric_changes) -> Reply:
     arrays = {"w": np.full(4, step, np.float32), "bn.running_var": np.full(2, 1.1, np.float32)}
     msg = reply(node, arrays, samples=samples)
-    metrics = msg.content.metric_records["metrics"]
     for key, value in {**device_metrics(samples, selected=1), **metric_changes}.items():
         if value is None:
-            del metrics[key]
+            del msg.metrics[key]
         else:
-            metrics[key] = value
+            msg.metrics[key] = value
     return msg
 
 
-def aggregate(s: ElasticFedAvg, replies: list) -> dict[str, np.ndarray]:
-    record, _ = s.aggregate_train(1, replies)
-    return {k: a.numpy() for k, a in record.items()}
+def aggregate(s: Coordinator, replies: list[Reply]) -> dict[str, np.ndarray]:
+    """Round 1's replies, every call from the global model the coordinator started with."""
+    s.arrays = s.state.replies.sent or s.arrays
+    return train(s, 1, replies)
 
 
 @pytest.mark.parametrize(
@@ -78,16 +80,16 @@ def test_huge_sample_counts_are_capped_at_what_the_device_holds():
     out = aggregate(s, [honest(11, 1.0), honest(12, 4.0, samples=1e12), honest(13, 4.0, samples=1e300)])
     assert np.isfinite(out["w"]).all()
     np.testing.assert_allclose(out["w"], 3.0)  # (100 x 1 + 100 x 4 + 100 x 4) / 300
-    assert sorted(s.state.replies.defense["capped"]) == ["pi-12", "pi-13"]
-    assert Defense(max_samples=500).sample_cap("unknown") == 500  # deployment: the configured cap
+    assert sorted(s.state.replies.defense.capped) == ["pi-12", "pi-13"]
+    assert sample_cap(RobustConfig(max_samples_per_device=500), {}, "unknown") == 500  # deployment: the configured cap
 
 
 def test_scaled_and_sign_flipped_updates_are_clipped_to_the_median_norm():
-    s = strategy(norm_bound=3.0, max_samples=100)  # deployment: every weight capped at max_samples_per_device
+    s = strategy(norm_bound=3.0, max_samples_per_device=100)  # deployment: every weight capped at the config's
     # three senders: too few to screen a device against its peers, so the per-tensor bound acts alone
     out = aggregate(s, [honest(11, 1.0), honest(12, 1.0), honest(13, 1e3, samples=1e12)])
     np.testing.assert_allclose(out["w"], (1.0 + 1.0 + 3.0) / 3, rtol=1e-6)  # 1000 clipped to 3x the honest norm
-    assert s.state.replies.defense["clipped"] == {"pi-13": 1}
+    assert s.state.replies.defense.clipped == {"pi-13": 1}
     out = aggregate(s, [honest(11, 1.0), honest(12, 1.0), honest(13, -10.0)])
     np.testing.assert_allclose(out["w"], (1.0 + 1.0 - 3.0) / 3, rtol=1e-6)
     s = strategy(norm_bound=3.0, norm_action="reject")
@@ -96,31 +98,29 @@ def test_scaled_and_sign_flipped_updates_are_clipped_to_the_median_norm():
     assert "above 3x the median norm" in s.state.replies.rejections[0].reason
 
 
-def shared_and_own(node: int, shared: float, own: float | None = None) -> object:
+def shared_and_own(node: int, shared: float, own: float | None = None) -> Reply:
     """A reply whose update is ``shared`` on the tensor every device trains and ``own`` on one only it trains."""
     msg = honest(node, shared)
     if own is not None:
-        msg.content.array_records["arrays"]["v"] = Array(np.full(3, own, np.float32))
-        msg.content.metric_records["metrics"]["selected"] = 2
+        msg.arrays["v"] = np.full(3, own, np.float32)
+        msg.metrics["selected"] = 2
     return msg
 
 
 def test_a_device_is_judged_on_shared_tensors_and_the_verdict_covers_the_ones_it_alone_trained(caplog):
-    s = ElasticFedAvg(ServerState(), param_names=["w", "v"], defense=Defense(norm_bound=3.0, min_pull=-0.5))
-    s.state.replies.sent = {**{k: v.copy() for k, v in GLOBAL.items()}, "v": np.zeros(3, np.float32)}
-    s.state.roster = {str(n): member(f"pi-{n}", 2.0) for n in range(10, 20)}
+    start = {**GLOBAL, "v": np.zeros(3, np.float32)}
+    s = strategy(global_arrays=start, params=["w", "v"], norm_bound=3.0, min_pull=-0.5)
     honest_ones = [shared_and_own(n, 1.0) for n in (11, 12, 13)]
     # pi-14 scales its whole update x1000, pi-15 flips its sign: each alone trained a tensor nobody can compare
     with caplog.at_level(logging.WARNING, logger="fleet.server"):
-        record, _ = s.aggregate_train(1, [*honest_ones, shared_and_own(14, 1e3, 1e3), shared_and_own(15, -10.0, -10.0)])
-    out = {k: a.numpy() for k, a in record.items()}
+        out = aggregate(s, [*honest_ones, shared_and_own(14, 1e3, 1e3), shared_and_own(15, -10.0, -10.0)])
     rejected = s.state.replies.rejections
     assert [r.device for r in rejected] == ["pi-15"] and "pulls against the other devices'" in rejected[0].reason
     assert "(-3.00 typical updates over 1 tensors" in rejected[0].reason  # its size counts up to the bound
     # pi-14's whole update was scaled by 1/1000 (its ratio to the others on w), also on v that it alone sent
-    assert s.state.replies.defense["scaled"] == {"pi-14": pytest.approx(1000.0)}
+    assert s.state.replies.defense.scaled == {"pi-14": pytest.approx(1000.0)}
     np.testing.assert_allclose(out["v"], 1.0, rtol=1e-5)
-    assert s.state.replies.defense["screen"]["pi-11"] == {"norm_ratio": 1.0, "pull": 1.0, "tensors": 1}
+    assert s.state.replies.defense.screen["pi-11"] == {"norm_ratio": 1.0, "pull": 1.0, "tensors": 1}
 
 
 def test_two_attackers_cannot_lift_the_bound_with_the_lower_median():
@@ -139,9 +139,7 @@ def test_two_attackers_cannot_lift_the_bound_with_the_lower_median():
 def test_poisoned_normalization_statistics_are_rejected(buffer, reason):
     s = strategy()
     bad = honest(12)
-    bad.content.array_records["arrays"][next(iter(buffer))] = type(
-        next(iter(bad.content.array_records["arrays"].values()))
-    )(next(iter(buffer.values())))
+    bad.arrays.update(buffer)
     out = aggregate(s, [honest(11), bad])
     assert reason in s.state.replies.rejections[0].reason
     np.testing.assert_allclose(out["bn.running_var"], 1.1)
@@ -158,10 +156,11 @@ def test_reported_times_are_held_to_a_band_and_bytes_are_counted_by_the_server()
     s = strategy(time_band=4.0)
     aggregate(s, [honest(11, **{"full-time-s": 1e-9, "predicted-time-s": 1e12, "bytes-uploaded": 1})])
     row = s.state.replies.train[0]
-    assert row["full-time-s"] == pytest.approx(2.0 / 4)  # the device joined with 2.0 s
-    assert row["predicted-time-s"] == pytest.approx(4 * 0.5)
-    assert row["bytes-uploaded"] == 4 * 4 + 2 * 4  # what it really sent
-    assert s.state.roster["11"]["full_time_s"] == pytest.approx(0.5)
+    assert row.full_time_s == pytest.approx(2.0 / 4)  # the device joined with 2.0 s
+    assert row.predicted_time_s == pytest.approx(4 * 0.5)
+    assert row.speedup == pytest.approx(0.5 / 2.0)  # the server's figure, from the clamped times
+    assert row.bytes_uploaded == 4 * 4 + 2 * 4  # what it really sent
+    assert s.state.roster["11"].full_time_s == pytest.approx(0.5)
     times = plausible_times({"a": 1e-9, "b": 2.0, "c": 3.0, "d": 4.0}, band=4.0)
     assert times["a"] == pytest.approx(2.5 / 4) and times["d"] == 4.0  # one liar cannot set the deadline
 
@@ -206,11 +205,11 @@ def test_a_huge_update_a_few_degrees_off_the_others_is_scaled_not_rejected():
 def test_a_device_caught_pulling_back_is_not_trusted_while_its_updates_stay_oversized():
     s = strategy(norm_bound=3.0, min_pull=-0.5)
     honest_ones = [honest(n, 1.0) for n in (11, 12, 13, 14)]
-    s.aggregate_train(1, [*honest_ones, honest(15, -10.0)])  # caught: pulls back by 3 typical updates
+    train(s, 1, [*honest_ones, honest(15, -10.0)])  # caught: pulls back by 3 typical updates
     assert s.state.suspects == {"pi-15": 1}
     for r, step in ((2, 10.0), (3, 1.0)):
-        s.state.replies = type(s.state.replies)(sent={k: v.copy() for k, v in GLOBAL.items()})
-        s.aggregate_train(r, [*[honest(n, 1.0) for n in (11, 12, 13, 14)], honest(15, step)])
+        s.arrays = {k: v.copy() for k, v in GLOBAL.items()}
+        train(s, r, [*[honest(n, 1.0) for n in (11, 12, 13, 14)], honest(15, step)])
         rejected = [j.reason for j in s.state.replies.rejections]
         if r == 2:  # oversized, though in the others' direction: a suspect is not scaled down but rejected
             assert rejected == [

@@ -2,14 +2,15 @@
 
 Every reply is untrusted: it is checked tensor by tensor against the global model
 before anything of it is used, and a failed check becomes a :class:`Rejection`
-that names the device and the reason. The strategy (server/strategy.py) only
-unpacks Flower Messages and calls these functions.
+that names the device and the reason. The coordinator
+(:mod:`fleet.federated.coordinator`) calls these functions; server/ only unpacks
+Flower Messages for it.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,28 +58,16 @@ def weight_problem(weight: object) -> str | None:
     return None
 
 
-def tensor_problem(
-    name: str,
-    shape: Iterable[int],
-    dtype: str,
-    decode: Callable[[], np.ndarray],
-    global_arrays: Mapping[str, np.ndarray],
-) -> str | None:
-    """Why one uploaded tensor cannot be averaged into ``global_arrays``, or None.
-
-    ``decode`` is called only once name, shape and dtype are known good, so a huge or
-    mislabelled payload is refused before it is unpacked."""
+def tensor_problem(name: str, values: np.ndarray, global_arrays: Mapping[str, np.ndarray]) -> str | None:
+    """Why one uploaded tensor (as decoded: its real shape and dtype, not the ones its
+    envelope claims) cannot be averaged into ``global_arrays``, or None."""
     if name not in global_arrays:
         return f"unknown tensor {name!r}"
     ref = global_arrays[name]
-    if tuple(shape) != tuple(ref.shape):
-        return f"tensor {name!r} has shape {tuple(shape)}, the model has {tuple(ref.shape)}"
-    if np.dtype(dtype) != ref.dtype:
-        return f"tensor {name!r} has dtype {dtype}, the model has {ref.dtype}"
-    try:
-        values = decode()
-    except Exception as exc:  # a corrupt payload is the device's fault, not the round's
-        return f"tensor {name!r} cannot be decoded ({type(exc).__name__})"
+    if tuple(values.shape) != tuple(ref.shape):
+        return f"tensor {name!r} has shape {tuple(values.shape)}, the model has {tuple(ref.shape)}"
+    if values.dtype != ref.dtype:
+        return f"tensor {name!r} has dtype {values.dtype}, the model has {ref.dtype}"
     if values.dtype.kind == "f" and not np.isfinite(values).all():
         return f"tensor {name!r} holds non-finite values"
     return None
@@ -143,22 +132,16 @@ def global_importance(
 
 
 def round_deadline(
-    method: str, deadline_s: float | None, deadline_factor: float, full_times: Mapping[str, float], full_upload_s: float
+    method: str, deadline_s: float | None, deadline_factor: float, full_rounds: Mapping[str, float]
 ) -> float:
-    """0 (train fully) for FedAvg; else the configured deadline or the fastest device's round time
-    when it trains fully: its full-training time plus, when the deadline covers uploads, the
-    upload of the whole model. A slower device then spends on compute what it saves on upload."""
+    """0 (train fully) for FedAvg; else the configured deadline or the fastest device's round when it
+    trains fully (``full_rounds``: its full-training time plus, when the deadline covers uploads, the
+    upload of the whole model). A slower device then spends on compute what it saves on upload. The
+    server decides this here alone; a device only reads the deadline it is sent."""
     if method == "fedavg":
         return 0.0
     if deadline_s is not None:
         return deadline_s
-    if not full_times:
+    if not full_rounds:
         return 0.0
-    return deadline_factor * (min(full_times.values()) + full_upload_s)
-
-
-def weighted_mean(rows: list[dict], key: str) -> float:
-    """``key`` averaged over the rows that have it, weighted by each row's sample count (NaN: none has it)."""
-    rows = [r for r in rows if key in r]
-    total = sum(r[keys.NUM_EXAMPLES] for r in rows)
-    return float(sum(r[key] * r[keys.NUM_EXAMPLES] for r in rows) / total) if total else float("nan")
+    return deadline_factor * min(full_rounds.values())

@@ -1,6 +1,7 @@
 """Who is in the fleet: devices join, leave, die and come back; the server samples from who is here.
 
-Pure bookkeeping over plain dicts (they go into the checkpoint as they are). A device
+Pure bookkeeping over :class:`~fleet.federated.records.Member` entries (the checkpoint holds them
+as plain dicts, fleet.federated.state). A device
 becomes a member once it has answered a query (its name, its full-round time); a member
 is eligible while it is connected and has not missed ``max_missed`` rounds in a row; a
 benched member is eligible again once it answers a query.
@@ -19,29 +20,32 @@ Design notes:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-Roster = dict[str, dict]  # node id (as a string: checkpoint keys) -> member(...)
+from fleet.federated.records import Member
+
+Roster = dict[str, Member]  # node id (as a string: checkpoint keys) -> its member entry
 
 
-def member(name: str, full_time_s: float) -> dict:
-    """``profile_s``: the full-round time the device joined with; its later reports are clamped
-    around it (fleet.federated.robust.plausible)."""
-    return {"name": name, "full_time_s": float(full_time_s), "profile_s": float(full_time_s), "missed": 0}
+def member(name: str, full_time_s: float) -> Member:
+    """A device that has just joined: ``profile_s`` keeps the full-round time it joined with, and its
+    later reports are clamped around it (fleet.federated.robust.plausible)."""
+    return Member(name, float(full_time_s), float(full_time_s))
 
 
-def holder_of(roster: Mapping[str, dict], name: str) -> str | None:
-    return next((node for node, m in roster.items() if m["name"] == name), None)
+def holder_of(roster: Mapping[str, Member], name: str) -> str | None:
+    return next((node for node, m in roster.items() if m.name == name), None)
 
 
 def admit(roster: Roster, node: str, name: str, full_time_s: float, connected: Iterable[str]) -> str | None:
     """Make ``node`` the member called ``name``; the reason it is refused, or None when admitted."""
     holder = holder_of(roster, name)
     if holder is not None and holder != node:
-        if holder in set(connected) and roster[holder]["missed"] == 0:
+        if holder in set(connected) and roster[holder].missed == 0:
             return (
                 f"device name {name!r} is already used by node {holder}; "
                 "give each SuperNode its own device-name (--node-config \"device-name='pi-2'\")"
@@ -51,17 +55,17 @@ def admit(roster: Roster, node: str, name: str, full_time_s: float, connected: I
     return None
 
 
-def eligible(roster: Mapping[str, dict], connected: Iterable[str], max_missed: int) -> list[str]:
+def eligible(roster: Mapping[str, Member], connected: Iterable[str], max_missed: int) -> list[str]:
     """Connected members that have not missed ``max_missed`` rounds in a row, in name order."""
     here = set(connected)
-    nodes = [n for n, m in roster.items() if n in here and m["missed"] < max_missed]
-    return sorted(nodes, key=lambda n: roster[n]["name"])
+    nodes = [n for n, m in roster.items() if n in here and m.missed < max_missed]
+    return sorted(nodes, key=lambda n: roster[n].name)
 
 
-def benched(roster: Mapping[str, dict], connected: Iterable[str], max_missed: int) -> list[str]:
+def benched(roster: Mapping[str, Member], connected: Iterable[str], max_missed: int) -> list[str]:
     """Connected members left out for missing rounds: they are sent a query until one answers."""
     here = set(connected)
-    return sorted(n for n, m in roster.items() if n in here and m["missed"] >= max_missed)
+    return sorted(n for n, m in roster.items() if n in here and m.missed >= max_missed)
 
 
 TRAIN_STREAM, EVAL_STREAM = 13, 17  # independent seeded draws: who trains, and who of them is evaluated
@@ -85,20 +89,29 @@ def record_attendance(roster: Roster, sampled: Iterable[str], answered: Iterable
         if node not in roster:
             continue
         if node in answered:
-            roster[node]["missed"] = 0
+            roster[node].missed = 0
         else:
-            roster[node]["missed"] += 1
-            missed.append(roster[node]["name"])
+            roster[node].missed += 1
+            missed.append(roster[node].name)
     return missed
 
 
-def full_times(roster: Mapping[str, dict], nodes: Iterable[str]) -> dict[str, float]:
-    return {n: roster[n]["full_time_s"] for n in nodes if n in roster}
+def full_times(roster: Mapping[str, Member], nodes: Iterable[str]) -> dict[str, float]:
+    return {n: roster[n].full_time_s for n in nodes if n in roster}
 
 
-def name_of(roster: Mapping[str, dict], node: str) -> str | None:
+def name_of(roster: Mapping[str, Member], node: str) -> str | None:
     m = roster.get(node)
-    return None if m is None else m["name"]
+    return None if m is None else m.name
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A device that answered a query and was not admitted, and why (it is asked again later)."""
+
+    node_id: int
+    device: str | None  # the name it claimed, if any
+    reason: str
 
 
 @dataclass
@@ -109,7 +122,7 @@ class Attendance:
     sampled: list[str] = field(default_factory=list)  # device names
     missed: list[str] = field(default_factory=list)
     joined: list[str] = field(default_factory=list)
-    refused: list[dict] = field(default_factory=list)  # {"node_id", "reason"}
+    refused: list[Refusal] = field(default_factory=list)
     benched: list[str] = field(default_factory=list)
     offline: list[str] = field(default_factory=list)  # simulated device classes: eligible, but not online
 
@@ -119,7 +132,7 @@ class Attendance:
             "sampled": self.sampled,
             "missed": self.missed,
             "joined": self.joined,
-            "refused": self.refused,
+            "refused": [dataclasses.asdict(r) for r in self.refused],
             "benched": self.benched,
             "offline": self.offline,
         }

@@ -5,6 +5,8 @@ lets one reply with a huge sample count, or an update scaled a thousandfold, tak
 global model anywhere. Here, per tensor and over only the devices that trained it:
 
 * **Weights are capped** by the caller at what the device can hold (its known data size).
+* **Devices are screened** against each other (:func:`screen_devices`); what the server does with a
+  screen's verdict is its policy, in :mod:`fleet.federated.defense`.
 * **Updates are norm-bounded.** Each device's update ``W_nk - W_k`` may be at most
   ``bound`` times the lower median of the update norms of the devices that sent tensor
   ``k``; a larger one is clipped to that norm (or its reply rejected). The lower median
@@ -26,7 +28,7 @@ import os
 import statistics
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -258,22 +260,3 @@ def upload_problem(
     if params and trained != int(selected):
         return f"uploads {trained} trainable tensors but reports '{keys.SELECTED}' {int(selected)}"
     return None
-
-
-@dataclass
-class Defense:
-    """How the server guards aggregation and its clocks (the federation section's fields)."""
-
-    aggregation: str = "mean"  # the plain masked mean unless the config says otherwise (its default: trimmed_mean)
-    trim: float = 0.25
-    norm_bound: float | None = 3.0
-    norm_action: str = "clip"
-    min_pull: float | None = -0.5
-    max_samples: int = 100_000
-    time_band: float = 4.0
-    sample_caps: dict[str, int] = field(default_factory=dict)  # device name -> its data size, when known
-
-    def sample_cap(self, name: str | None) -> float:
-        """A reply's largest sample weight: the device's known data size, else ``max_samples``."""
-        known = self.sample_caps.get(name or "")
-        return float(min(known, self.max_samples) if known else self.max_samples)

@@ -2,9 +2,10 @@
 
 :class:`ServerState` holds everything that outlives a round (round number, clocks,
 the devices' full-training times, the global importance signal) and, in
-``replies``, what the current round's replies brought. The strategy reads and
-writes this object; it keeps no state of its own, so what a resumed run needs is
-exactly what the checkpoint holds. Written atomically, so a server killed at any
+``replies``, what the current round's replies brought. The coordinator
+(fleet.federated.coordinator) reads and writes this object and keeps no state of
+its own that outlives a run, so what a resumed run needs is exactly what the
+checkpoint holds. Written atomically, so a server killed at any
 moment resumes from the last completed round with nothing lost.
 """
 
@@ -23,7 +24,9 @@ import torch
 from fleet.base.atomic import load_torch, save_torch
 from fleet.base.errors import FleetError
 from fleet.federated.aggregate import Rejection
+from fleet.federated.defense import DefenseReport
 from fleet.federated.membership import Attendance, Roster
+from fleet.federated.records import Accuracy, EvaluateReply, Member, TrainReply
 
 CHECKPOINT_FILE = "checkpoint.pt"
 
@@ -33,12 +36,15 @@ class RoundReplies:
     """What one round's replies brought; a new one each round (not checkpointed: a resumed round is run again)."""
 
     sent: dict[str, np.ndarray] = field(default_factory=dict)  # the global arrays the round started from
-    train: list[dict] = field(default_factory=list)  # accepted train replies' metrics, with node_id
-    evaluation: list[dict] = field(default_factory=list)  # accepted evaluate replies' metrics, with node_id
+    train: list[TrainReply] = field(default_factory=list)  # accepted train replies (aggregated)
+    answered: list[str] = field(default_factory=list)  # nodes whose train reply came without a device failure
+    round_time_s: float = 0.0  # the slowest accepted device's compute plus upload (the simulated clock's step)
+    evaluation: list[EvaluateReply] = field(default_factory=list)  # accepted evaluate replies
+    accuracy: Accuracy | None = None  # the round's evaluation; None when it did not evaluate or nobody answered
     rejections: list[Rejection] = field(default_factory=list)  # train replies the round went on without
     senders: dict[str, int] = field(default_factory=dict)  # tensor -> devices that trained it this round
     attendance: Attendance = field(default_factory=Attendance)  # who was here, sampled, missed, joined
-    defense: dict = field(default_factory=dict)  # what robust aggregation did: "capped" devices, "clipped" tensors
+    defense: DefenseReport = field(default_factory=DefenseReport)  # what robust aggregation did
     timings: dict[str, float] = field(default_factory=dict)  # the server's wall seconds per part of the round
 
     def lap(self, key: str, started: float) -> float:
@@ -71,7 +77,10 @@ class ServerState:
         self.wall_time_s += wall_s
 
     def persistent(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in TENSORS}
+        """Plain values only: the checkpoint is read back with weights_only, which loads no classes."""
+        meta = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in TENSORS}
+        meta["roster"] = {node: m.as_dict() for node, m in self.roster.items()}
+        return meta
 
 
 TENSORS = ("replies", "momentum")  # not in the checkpoint's meta: the round's replies, and arrays kept as tensors
@@ -93,6 +102,7 @@ def load_checkpoint(out: Path) -> tuple[dict[str, torch.Tensor], ServerState] | 
         return None
     known = {f.name for f in dataclasses.fields(ServerState)} - set(TENSORS)
     state = ServerState(**{k: v for k, v in obj["meta"].items() if k in known})
+    state.roster = {node: Member.from_dict(m) for node, m in state.roster.items()}
     state.momentum = {k: v.numpy() for k, v in obj.get("momentum", {}).items()}
     return obj["model"], state
 

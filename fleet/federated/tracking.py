@@ -15,29 +15,18 @@ from pathlib import Path
 import numpy as np
 
 from fleet.base.atomic import write_json, write_text_atomic
-from fleet.federated import keys
+from fleet.federated.classes import FleetClasses
+from fleet.federated.records import Accuracy, EvaluateReply, TrainReply
 from fleet.federated.state import ServerState
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 
 
-def round_time(devices: list[dict], bandwidth: Callable[[str | None], float]) -> float:
-    """The slowest device's simulated training time plus its upload time over its own uplink
+def round_time(train: list[TrainReply], bandwidth: Callable[[str | None], float]) -> float:
+    """The slowest device's round: its simulated training time plus its upload over its own uplink
     (``bandwidth`` of its name, in bytes/s)."""
-    return max(
-        (d[keys.PREDICTED_TIME_S] + d.get(keys.BYTES_UPLOADED, 0) / bandwidth(d.get("device")) for d in devices),
-        default=0.0,
-    )
-
-
-def round_speedup(row: dict, full_bytes: int, bandwidth: float) -> float:
-    """A device's whole round against training and uploading everything: (full compute + full upload) /
-    (its compute + its upload). ``speedup`` compares compute alone, which hides what selection saves on
-    the uplink: a fast device short only of part of its upload reads below 1x there (its probe), while
-    its round, uploading less, is shorter."""
-    used = row["predicted_time_s"] + row.get("bytes_uploaded", 0) / bandwidth
-    return (row["full_time_s"] + full_bytes / bandwidth) / used if used > 0 else 0.0
+    return max((r.round_time_s(bandwidth(r.device)) for r in train), default=0.0)
 
 
 def device_key(row: dict) -> str:
@@ -45,34 +34,31 @@ def device_key(row: dict) -> str:
     return str(row.get("device") or f"node-{row.get('node_id')}")
 
 
-def device_rows(train: list[dict], evaluation: list[dict]) -> list[dict]:
-    """One row per device: its train metrics joined with its evaluation, keyed by device name.
+def device_name(reply: TrainReply | EvaluateReply) -> str:
+    """A reply's device: its name (the server's roster), else its node id (as :func:`device_key` reads it)."""
+    return reply.device or f"node-{reply.node_id}"
 
-    Metric keys become snake_case (``bytes-uploaded`` -> ``bytes_uploaded``); a device's test
-    samples are ``test_examples`` and, when it also trained, its train samples ``train_examples``."""
-    by_name: dict[str, dict] = {}
-    for r in train:
-        by_name.setdefault(device_key(r), {}).update(r)
-    for r in evaluation:
-        row = by_name.setdefault(device_key(r), {})
-        shown = (
-            "node_id",
-            "device",
-            keys.PARTITION_ID,
-            keys.GLOBAL_ACCURACY,
-            keys.PERSONAL_ACCURACY,
-            keys.FINETUNED_ACCURACY,
-            keys.FINETUNE_TIME_S,
-            keys.EVAL_TIME_S,
-        )
-        row.update({k: r[k] for k in shown if k in r})
-        row["test-examples"] = r[keys.NUM_EXAMPLES]
+
+def device_rows(
+    train: list[TrainReply], evaluation: list[EvaluateReply], classes: FleetClasses, full_bytes: int
+) -> list[dict]:
+    """One row per device, by name: its train reply joined with its evaluation, its class (simulated
+    device classes) and its round speedup (against training and uploading all ``full_bytes``). A
+    device's test samples are ``test_examples`` and, when it also trained, its sample weight
+    ``train_examples``."""
+    trained = {device_name(r): r for r in train}
+    evaluated = {device_name(e): e for e in evaluation}
     rows = []
-    for name in sorted(by_name):
-        row = {k.replace("-", "_"): v for k, v in by_name[name].items() if k != keys.NUM_EXAMPLES}
-        row["device"] = name
-        if keys.NUM_EXAMPLES in by_name[name] and "test-examples" in by_name[name]:
-            row["train_examples"] = by_name[name][keys.NUM_EXAMPLES]
+    for name in sorted(trained.keys() | evaluated.keys()):
+        t, e = trained.get(name), evaluated.get(name)
+        row = {**(t.row() if t else {}), **(e.row() if e else {}), "device": name}
+        if t is not None and e is not None:
+            row["train_examples"] = t.num_examples
+        class_name = classes.class_name(name)
+        if class_name is not None:
+            row["class"] = class_name
+        if t is not None:
+            row["round_speedup"] = t.round_speedup(full_bytes, classes.bandwidth(name))
         rows.append(row)
     return rows
 
@@ -82,12 +68,11 @@ def round_record(
     strategy: str,
     deadline_s: float,
     round_time_s: float,
-    accuracy: dict | None,
     param_names: list[str],
+    rows: list[dict],
 ) -> dict:
-    """The metrics.jsonl line of the round ``state`` has just finished."""
-    train = state.replies.train
-    devices = device_rows(train, state.replies.evaluation)
+    """The metrics.jsonl line of the round ``state`` has just finished; ``rows``: its :func:`device_rows`."""
+    accuracy = state.replies.accuracy
     return {
         "round": state.round,
         "strategy": strategy,
@@ -95,25 +80,25 @@ def round_record(
         "round_time_s": round_time_s,
         "sim_time_s": state.sim_time_s,
         "wall_time_s": state.wall_time_s,
-        "global_accuracy": None if accuracy is None else accuracy[keys.GLOBAL_ACCURACY],
-        "personal_accuracy": None if accuracy is None else accuracy[keys.PERSONAL_ACCURACY],
-        "personal_accuracy_p10": p10([d["personal_accuracy"] for d in devices if "personal_accuracy" in d]),
-        **finetuned_figures(accuracy, devices),
-        "bytes_uploaded": int(sum(d.get(keys.BYTES_UPLOADED, 0) for d in train)),
+        "global_accuracy": None if accuracy is None else accuracy.global_accuracy,
+        "personal_accuracy": None if accuracy is None else accuracy.personal_accuracy,
+        "personal_accuracy_p10": p10([d["personal_accuracy"] for d in rows if "personal_accuracy" in d]),
+        **finetuned_figures(accuracy, rows),
+        "bytes_uploaded": int(sum(r.bytes_uploaded for r in state.replies.train)),
         "tensors_trained_by_nobody": sum(1 for k in param_names if k not in state.replies.senders),
         "rejections": [r.as_dict() for r in state.replies.rejections],
-        "defense": state.replies.defense,
+        "defense": state.replies.defense.as_dict(),
         "server_s": state.replies.timings,  # the server's wall seconds per part of the round
-        "devices": devices,
+        "devices": rows,
     }
 
 
-def finetuned_figures(accuracy: dict | None, devices: list[dict]) -> dict:
+def finetuned_figures(accuracy: Accuracy | None, devices: list[dict]) -> dict:
     """A round's fine-tuned accuracy (personalization.finetune_steps): the weighted mean and p10; nothing without it."""
-    if accuracy is None or keys.FINETUNED_ACCURACY not in accuracy:
+    if accuracy is None or accuracy.finetuned_accuracy is None:
         return {}
     tuned = [d["finetuned_accuracy"] for d in devices if "finetuned_accuracy" in d]
-    return {"finetuned_accuracy": accuracy[keys.FINETUNED_ACCURACY], "finetuned_accuracy_p10": p10(tuned)}
+    return {"finetuned_accuracy": accuracy.finetuned_accuracy, "finetuned_accuracy_p10": p10(tuned)}
 
 
 def trained_rows(records: list[dict]) -> dict[str, list[dict]]:

@@ -1,0 +1,433 @@
+"""The server's half of a round, Flower-free: who takes part, what they are asked, what is kept.
+
+server/ unpacks Flower Messages into :mod:`fleet.federated.records` and calls a :class:`Coordinator`;
+everything a round decides is decided here, once: who is admitted or refused, who is sampled, the
+deadline and the wall-time bounds, every check on a reply, the defense, the average, whether the
+round evaluates, the simulated clock and the round's metrics.jsonl record. The Coordinator owns the
+:class:`~fleet.federated.state.ServerState` and the current global arrays; the config's sections
+(federation, membership, robust, evaluation, personalization, devices) are read as they are.
+
+A round, as server/server_app.py drives it::
+
+    start = coordinator.open_round(connected)
+    ask coordinator.queries(...), pass the answers to coordinator.take(...)
+    plan = coordinator.plan_round(...)            # sampled nodes, TrainOrder, wait bounds
+    send plan.order; coordinator.close_train(plan, coordinator.take(...))
+    if coordinator.evaluates(round): coordinator.close_evaluate(round, coordinator.take(...))
+    record = coordinator.close_round(plan, start)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from fleet.base.errors import FleetError
+from fleet.data.datasets import ArrayDataset
+from fleet.engine.experiment import make_model
+from fleet.federated import keys, schema
+from fleet.federated.aggregate import (
+    Rejection,
+    error_summary,
+    global_importance,
+    momentum_step,
+    round_deadline,
+    tensor_problem,
+    weight_problem,
+)
+from fleet.federated.classes import FleetClasses
+from fleet.federated.config import FleetConfig
+from fleet.federated.defense import Candidate, defend, sample_cap
+from fleet.federated.device import DEVICE_NAME
+from fleet.federated.membership import (
+    EVAL_STREAM,
+    Refusal,
+    admit,
+    benched,
+    eligible,
+    full_times,
+    name_of,
+    record_attendance,
+    sample,
+)
+from fleet.federated.personal import personal_names
+from fleet.federated.records import (
+    QUERY,
+    Accuracy,
+    EvaluateReply,
+    QueryReply,
+    Reply,
+    TrainOrder,
+    TrainReply,
+)
+from fleet.federated.robust import plausible, plausible_times, robust_average, upload_problem
+from fleet.federated.round import compute_steps
+from fleet.federated.server_eval import server_accuracy
+from fleet.federated.split import known_data_sizes
+from fleet.federated.state import RoundReplies, ServerState
+from fleet.federated.tracking import device_rows, round_record, round_time
+
+log = logging.getLogger("fleet.server")
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    """The model's tensor names the server needs: the trainable ones, and those devices keep."""
+
+    params: list[str]
+    personal: frozenset[str] = frozenset()  # personalization.policy: never sent, never averaged
+
+    @classmethod
+    def of(cls, cfg: FleetConfig) -> ModelNames:
+        model = make_model(cfg.model, cfg.train.seed)
+        return cls([n for n, _ in model.named_parameters()], personal_names(model, cfg.personalization.policy))
+
+    @property
+    def shared(self) -> list[str]:
+        return [n for n in self.params if n not in self.personal]
+
+
+@dataclass(frozen=True)
+class PlannedRound:
+    """A round as planned before its messages go out."""
+
+    server_round: int
+    nodes: list[str]  # the sampled node ids
+    order: TrainOrder  # what every sampled device is asked
+    train_bound_s: float  # the longest the server waits for the train replies (wall seconds)
+    eval_bound_s: float  # ... and for the evaluate replies
+
+    @property
+    def deadline_s(self) -> float:
+        return self.order.deadline_s
+
+
+def shared_bytes(arrays: dict[str, np.ndarray], personal: frozenset[str]) -> int:
+    """Bytes of a full upload: every float tensor but the personal ones, which never leave a device."""
+    return sum(a.nbytes for name, a in arrays.items() if a.dtype.kind == "f" and name not in personal)
+
+
+def devices_wanted(cfg: FleetConfig) -> int:
+    """How many devices the server waits for: ``membership.min_devices``, else the devices taking part."""
+    return cfg.membership.min_devices or cfg.devices.taking_part
+
+
+def evaluates(cfg: FleetConfig, server_round: int, sim_time_after_s: float) -> bool:
+    """Whether this round evaluates: every ``evaluation.every`` rounds, and always the run's last round
+    (the one at ``rounds``, or the one that takes the simulated clock to ``time_budget_s``)."""
+    fed = cfg.federation
+    last = server_round >= fed.rounds or (fed.time_budget_s is not None and sim_time_after_s >= fed.time_budget_s)
+    return last or server_round % cfg.evaluation.every == 0
+
+
+def out_of_time(cfg: FleetConfig, state: ServerState) -> bool:
+    """True once the simulated clock has reached ``federation.time_budget_s`` (if set):
+    rounds that started before the horizon still finish."""
+    budget = cfg.federation.time_budget_s
+    return budget is not None and state.sim_time_s >= budget
+
+
+def finetune_time(cfg: FleetConfig, state: ServerState) -> float:
+    """The slowest evaluated device's fine-tuning (personalization.finetune_steps), each held to ``time_band``
+    times what those steps take it when it trains fully (from the full-round time it joined with): a
+    device reporting an hour cannot stop the clock."""
+    longest = 0.0
+    for row in state.replies.evaluation:
+        member = state.roster.get(str(row.node_id))
+        if row.finetune_time_s is None or member is None:
+            continue
+        cap = cfg.robust.time_band * member.profile_s * cfg.personalization.finetune_steps / compute_steps(cfg)
+        longest = max(longest, min(float(row.finetune_time_s), cap))
+    return longest
+
+
+class Coordinator:
+    """The server's round: membership, planning, checks, defense, aggregation, clocks, the record."""
+
+    def __init__(
+        self,
+        cfg: FleetConfig,
+        state: ServerState,
+        arrays: dict[str, np.ndarray],
+        *,
+        names: ModelNames | None = None,
+        classes: FleetClasses | None = None,
+        simulated: bool = False,
+        server_test: ArrayDataset | None = None,
+    ) -> None:
+        self.cfg, self.state, self.arrays = cfg, state, arrays  # arrays: the global model, as the round stands
+        self.names = names or ModelNames.of(cfg)
+        self.classes = classes or FleetClasses(cfg, {})  # simulated device classes: online, uplink, class name
+        self.simulated = simulated  # simulated devices share this machine: wall time says nothing of the deadline
+        self.sample_caps = known_data_sizes(cfg) if simulated else {}  # a simulation knows every device's data
+        self.full_bytes = shared_bytes(arrays, self.names.personal)
+        self.server_test = server_test  # evaluation.server_test: the global model is also scored on this
+        self.refusals: dict[str, str] = {}  # node -> the last reason it was refused (logged once)
+
+    # --- membership ---------------------------------------------------------------------------
+    def name_of(self, node: str | int) -> str | None:
+        return name_of(self.state.roster, str(node))
+
+    def device_of(self, reply: Reply) -> str | None:
+        """The roster's name for the reply's node, else the name the reply claims."""
+        return self.name_of(reply.node_id) or reply.name
+
+    def eligible(self, connected: Iterable[str]) -> list[str]:
+        return eligible(self.state.roster, connected, self.cfg.membership.max_missed)
+
+    def enough(self, eligible_nodes: list[str]) -> bool:
+        return len(eligible_nodes) >= devices_wanted(self.cfg)
+
+    def queries(self, connected: set[str], asked: set[str]) -> list[str]:
+        """Connected nodes to ask who they are: new ones and benched members, unless a query is out to them."""
+        roster = self.state.roster
+        bench = set(benched(roster, connected, self.cfg.membership.max_missed))
+        return sorted(n for n in connected if (n not in roster or n in bench) and n not in asked)
+
+    def take(self, server_round: int, phase: str, replies: list[Reply], connected: set[str]) -> list[Reply]:
+        """The replies to this round's ``phase`` messages. A query reply (of any round) admits or refuses its
+        device on the way; any other reply is late, its phase closed: dropped, and said so. A reply the
+        transport wrote for a silent device is no answer."""
+        kept = []
+        for reply in replies:
+            if reply.kind != QUERY and (reply.kind != phase or reply.server_round != server_round):
+                who = self.name_of(reply.node_id) or f"node {reply.node_id}"
+                log.warning(
+                    "round %d: dropped a late %s reply from %s (its phase of round %d had closed)",
+                    server_round,
+                    reply.kind,
+                    who,
+                    reply.server_round,
+                )
+            elif not reply.by_device:
+                log.debug("round %d: %s", server_round, "" if reply.error is None else error_summary(reply.error))
+            elif reply.kind == QUERY:
+                self._admit(server_round, reply, connected)
+            else:
+                kept.append(reply)
+        return kept
+
+    def _admit(self, server_round: int, reply: Reply, connected: set[str]) -> None:
+        """Make the device a member under the name it gives, or refuse it with the reason (it is asked again
+        in later rounds: its owner may fix a bad data tree or a taken name)."""
+        node, reason = str(reply.node_id), _query_problem(reply)
+        if reason is None:
+            query = QueryReply.from_metrics(reply.node_id, str(reply.name), reply.metrics)
+            reason = admit(self.state.roster, node, query.name, query.full_time_s, connected)
+        if reason is not None:
+            self.state.replies.attendance.refused.append(Refusal(reply.node_id, reply.name, reason))
+            if self.refusals.get(node) != reason:
+                who = f"device {reply.name} (node {node})" if reply.name else f"node {node}"
+                log.warning("round %d: refused %s: %s", server_round, who, reason)
+            self.refusals[node] = reason
+            return
+        self.refusals.pop(node, None)
+        self.state.replies.attendance.joined.append(str(reply.name))
+        log.info("round %d: device %s (node %s) joined", server_round, reply.name, node)
+
+    # --- planning -------------------------------------------------------------------------------
+    def open_round(self, connected: set[str]) -> float:
+        """A fresh round: nothing of the last one's replies is kept. Returns when it started (wall clock)."""
+        self.state.replies = RoundReplies()
+        self.state.replies.attendance.connected = len(connected)
+        return time.perf_counter()
+
+    def lap(self, key: str, started: float) -> float:
+        """Record the server's wall seconds of one part of the round; returns the next part's start."""
+        return self.state.replies.lap(key, started)
+
+    def plan_round(self, server_round: int, eligible_nodes: list[str], connected: set[str]) -> PlannedRound:
+        """Who of the eligible devices is online and sampled, the deadline, the bounds, the order; a FleetError
+        when nobody could take part (every query refused or unanswered)."""
+        state, att, fed = self.state, self.state.replies.attendance, self.cfg.federation
+        roster = state.roster
+        att.benched = [roster[n].name for n in benched(roster, connected, self.cfg.membership.max_missed)]
+        if not eligible_nodes:
+            reasons = "; ".join(sorted(set(self.refusals.values()))) or "none answered its query"
+            raise FleetError(f"round {server_round}: no device could take part within {fed.timeout_s:.0f}s ({reasons})")
+        online = [n for n in eligible_nodes if self.classes.online(roster[n].name, server_round, state.sim_time_s)]
+        att.offline = [roster[n].name for n in eligible_nodes if n not in online]
+        nodes = sample(online, fed.devices_per_round, self.cfg.train.seed, server_round)
+        att.sampled = [roster[n].name for n in nodes]
+        log.info("round %d: sampled %d of %d online devices: %s", server_round, len(nodes), len(online), att.sampled)
+        deadline = self.deadline(online)
+        blend = fed.strategy == "fleet" and self.cfg.elastic.blend_beta is not None
+        signal = dict(state.global_importance) if blend else {}
+        order = TrainOrder(server_round, fed.strategy, deadline, state.run_tag, signal)
+        state.replies.sent = self.arrays
+        return PlannedRound(server_round, nodes, order, *self.bounds(deadline, nodes))
+
+    def full_upload_s(self, node: str) -> float:
+        """Seconds the node's device takes to upload every shared tensor over its uplink (0 when the
+        deadline bounds compute only)."""
+        if not self.cfg.federation.deadline_includes_upload:
+            return 0.0
+        return self.full_bytes / self.classes.bandwidth(self.name_of(node))
+
+    def deadline(self, nodes: Iterable[str]) -> float:
+        """The round's deadline from the full rounds of ``nodes`` (the devices online now): each one's
+        full-training time, held to a band around the fleet's median so that one device cannot set it
+        alone, plus its full upload."""
+        times = plausible_times(full_times(self.state.roster, nodes), self.cfg.robust.time_band)
+        full_rounds = {n: t + self.full_upload_s(n) for n, t in times.items()}
+        fed = self.cfg.federation
+        return round_deadline(fed.strategy, fed.deadline_s, fed.deadline_factor, full_rounds)
+
+    def bounds(self, deadline: float, nodes: list[str]) -> tuple[float, float]:
+        """(train, evaluate) wall-time bounds of a round. Deployed: the deadline (a FedAvg round: the
+        slowest sampled device's full round and upload) plus ``grace_s``, and ``grace_s`` to evaluate.
+        Simulated devices share this machine's CPUs, so their wall time is not the deadline's:
+        ``timeout_s`` bounds both."""
+        fed, grace = self.cfg.federation, self.cfg.membership.grace_s
+        if self.simulated:
+            return fed.timeout_s, fed.timeout_s
+        expected = deadline
+        if expected <= 0:
+            full = full_times(self.state.roster, nodes)
+            expected = max((t + self.full_upload_s(n) for n, t in full.items()), default=0.0)
+        return expected + grace, grace
+
+    # --- training -------------------------------------------------------------------------------
+    def close_train(self, plan: PlannedRound, replies: list[Reply]) -> None:
+        """Count who answered, check every reply, defend, average: the new global model in ``arrays``."""
+        got = self.state.replies
+        got.attendance.missed = record_attendance(self.state.roster, plan.nodes, {str(r.node_id) for r in replies})
+        for name in got.attendance.missed:
+            log.warning(
+                "round %d: no reply from device %s within %.0fs; went on without it",
+                plan.server_round,
+                name,
+                plan.train_bound_s,
+            )
+        got.answered = sorted({str(r.node_id) for r in replies if r.error is None})
+        candidates = [c for c in (self._check(plan.server_round, r) for r in replies) if c is not None]
+        self._aggregate(plan.server_round, candidates)
+        got.round_time_s = round_time(got.train, self.classes.bandwidth)
+
+    def _check(self, server_round: int, reply: Reply) -> Candidate | None:
+        """The reply typed, its weight capped and its times clamped, or None (rejected, with the reason)."""
+        reason = self._train_problem(reply)
+        name = self.device_of(reply)
+        if reason is not None:
+            self._reject(server_round, reply.node_id, name, reason)
+            return None
+        told = float(reply.metrics[keys.NUM_EXAMPLES])
+        weight = min(told, sample_cap(self.cfg.robust, self.sample_caps, name))
+        if weight < told:
+            self.state.replies.defense.capped.append(name)
+        counted = int(sum(a.nbytes for a in reply.arrays.values()))  # counted here, not told
+        checked = TrainReply.from_metrics(
+            reply.node_id, name, reply.metrics, num_examples=weight, bytes_uploaded=counted
+        )
+        return Candidate(self._clamp_times(checked), reply.arrays)
+
+    def _train_problem(self, reply: Reply) -> str | None:
+        """Why a train reply cannot be aggregated, or None: the device failed, the message is malformed,
+        its weight, a tensor, a metric, or what it uploads against what it says it trained."""
+        if reply.error is not None:
+            return f"device failed: {error_summary(reply.error)}"
+        problem = reply.problem or weight_problem(reply.metrics.get(keys.NUM_EXAMPLES))
+        for name, values in reply.arrays.items():
+            problem = problem or tensor_problem(name, values, self.state.replies.sent)
+        problem = problem or schema.metric_problem(reply.metrics, schema.TRAIN)
+        names = self.names
+        return problem or upload_problem(reply.arrays, reply.metrics[keys.SELECTED], names.params, names.personal)
+
+    def _clamp_times(self, reply: TrainReply) -> TrainReply:
+        """A device's reported full-round time and round time, held to a band around the full time it
+        joined with: it may drift (a hot Pi slows down), not move the fleet's deadline or clock at will."""
+        member = self.state.roster.get(str(reply.node_id))
+        if member is None:
+            return reply
+        band = self.cfg.robust.time_band
+        member.full_time_s = full = plausible(reply.full_time_s, member.profile_s, band)
+        return dataclasses.replace(reply, full_time_s=full, predicted_time_s=min(reply.predicted_time_s, band * full))
+
+    def _aggregate(self, server_round: int, candidates: list[Candidate]) -> None:
+        """The defense, then per tensor a robust average over the devices that sent it, server momentum
+        and the next round's global importance."""
+        state, robust, fed = self.state, self.cfg.robust, self.cfg.federation
+        current = state.replies.sent
+        kept, rejected = defend(
+            server_round, candidates, current, self.names.params, robust, state.suspects, state.replies.defense
+        )
+        for c, reason in rejected:
+            self._reject(server_round, c.reply.node_id, c.reply.device, reason)
+        if not kept:
+            log.warning("round %d: no usable training replies; the global model is unchanged", server_round)
+            return
+        updates = [(c.arrays, c.reply.num_examples) for c in kept]
+        new, state.replies.senders = robust_average(current, updates, robust.aggregation, robust.trim_fraction)
+        shared = self.names.shared
+        if fed.server_momentum is not None:
+            new, state.momentum = momentum_step(
+                current, new, state.replies.senders, state.momentum, shared, fed.server_momentum, fed.server_lr
+            )
+        state.replies.train = [c.reply for c in kept]
+        state.global_importance = global_importance(new, current, shared, self.cfg.train.lr)
+        self.arrays = new
+
+    def _reject(self, server_round: int, node_id: int, device: str | None, reason: str) -> None:
+        rejection = Rejection(server_round, node_id, device, reason)
+        self.state.replies.rejections.append(rejection)
+        log.warning("round %d: rejected reply from %s: %s", server_round, rejection.who(), reason)
+
+    # --- evaluation and the close -----------------------------------------------------------------
+    def evaluates(self, server_round: int) -> bool:
+        return evaluates(self.cfg, server_round, self.state.sim_time_s + self.state.replies.round_time_s)
+
+    def evaluation_nodes(self, server_round: int) -> list[str]:
+        """A seeded sample (``evaluation.devices``, else all) of the devices that trained without failing."""
+        ev = self.cfg.evaluation
+        return sample(self.state.replies.answered, ev.devices, self.cfg.train.seed, server_round, EVAL_STREAM)
+
+    def close_evaluate(self, server_round: int, replies: list[Reply]) -> None:
+        """Keep the evaluate replies that fit schema.EVALUATE (a line for each that does not) and weigh
+        their accuracies into the round's."""
+        rows = []
+        for reply in replies:
+            if reply.error is not None:
+                reason = error_summary(reply.error)
+            else:
+                reason = reply.problem or schema.metric_problem(reply.metrics, schema.EVALUATE)
+            if reason is not None:
+                who = Rejection(server_round, reply.node_id, self.device_of(reply), reason).who()
+                log.warning("round %d: evaluation from %s failed: %s", server_round, who, reason)
+                continue
+            rows.append(EvaluateReply.from_metrics(reply.node_id, self.device_of(reply), reply.metrics))
+        self.state.replies.evaluation = rows
+        self.state.replies.accuracy = Accuracy.of(rows)
+
+    def close_round(self, plan: PlannedRound, started: float) -> dict:
+        """Advance the clocks (fine-tuning before evaluation is on the devices' clock) and return the
+        round's metrics.jsonl record."""
+        state, got = self.state, self.state.replies
+        round_time_s = got.round_time_s + finetune_time(self.cfg, state)
+        wall = time.perf_counter() - started
+        state.finish_round(plan.server_round, round_time_s, wall)
+        scored = None
+        if self.server_test is not None:
+            t = time.perf_counter()
+            scored = server_accuracy(self.cfg, self.arrays, self.server_test)
+            self.lap("server_eval_s", t)
+        rows = device_rows(got.train, got.evaluation, self.classes, self.full_bytes)
+        rec = round_record(state, self.cfg.federation.strategy, plan.deadline_s, round_time_s, self.names.params, rows)
+        rec.update({"round_wall_s": wall, "wall_bound_s": plan.train_bound_s, **got.attendance.as_dict()})
+        if scored is not None:
+            rec["server_accuracy"] = scored
+        return rec
+
+
+def _query_problem(reply: Reply) -> str | None:
+    """Why a query reply cannot admit its device, or None."""
+    if reply.error is not None:
+        return error_summary(reply.error)
+    reason = schema.metric_problem(reply.metrics, schema.QUERY)
+    if reason is None and (reply.name is None or not DEVICE_NAME.fullmatch(reply.name)):
+        reason = f"query reply without a usable '{keys.DEVICE_NAME}' ({reply.name!r})"
+    return reason

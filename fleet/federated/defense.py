@@ -1,0 +1,154 @@
+"""The server's policy against bad updates: which replies are scaled, clipped or rejected, and why.
+
+:mod:`fleet.federated.robust` measures (update norms, a device's screen against the others, robust
+means); this module decides, from ``robust`` (the config's RobustConfig section, read as it is) and
+what earlier rounds learned (the suspects). It returns its verdicts rather than logging them, so the
+coordinator reports every rejection of a round in one place and one wording.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fleet.federated.config import RobustConfig
+from fleet.federated.records import TrainReply
+from fleet.federated.robust import Screen, bound_update, scale_update, screen_devices, update_limits, update_norms
+
+
+@dataclass
+class Candidate:
+    """A train reply that passed its checks, on its way into the average (``reply.num_examples``: its
+    capped weight)."""
+
+    reply: TrainReply
+    arrays: dict[str, np.ndarray]
+
+
+Rejected = tuple[Candidate, str]  # a candidate the defense turned away, and why
+
+
+@dataclass
+class DefenseReport:
+    """What the defense did in one round (metrics.jsonl's ``defense``)."""
+
+    capped: list[str] = field(default_factory=list)  # devices whose sample count was capped
+    screen: dict[str, dict] = field(default_factory=dict)  # device -> its Screen (as_dict)
+    scaled: dict[str, float] = field(default_factory=dict)  # device -> the factor its update was scaled down by
+    clipped: dict[str, int] = field(default_factory=dict)  # device -> tensors clipped to the norm bound
+
+    def as_dict(self) -> dict[str, Any]:
+        """The screens always (what every device measured); the rest only when it happened."""
+        out: dict[str, Any] = {"capped": self.capped} if self.capped else {}
+        out["screen"] = self.screen
+        out.update({k: v for k, v in (("scaled", self.scaled), ("clipped", self.clipped)) if v})
+        return out
+
+
+def sample_cap(robust: RobustConfig, known: Mapping[str, int], name: str | None) -> float:
+    """A reply's largest sample weight: the device's ``known`` data size (a simulation knows every
+    device's), else ``max_samples_per_device``."""
+    size = known.get(name or "")
+    cap = robust.max_samples_per_device
+    return float(min(size, cap) if size else cap)
+
+
+def defend(
+    server_round: int,
+    candidates: list[Candidate],
+    current: Mapping[str, np.ndarray],
+    param_names: list[str],
+    robust: RobustConfig,
+    suspects: dict[str, int],
+    report: DefenseReport,
+) -> tuple[list[Candidate], list[Rejected]]:
+    """Screen each device against the others, then hold every update to ``norm_bound`` x the lower
+    median norm per tensor; (kept, rejected with the reason), in the order they were decided."""
+    kept, rejected = screen(server_round, candidates, current, param_names, robust, suspects, report)
+    kept, late = bound(kept, current, robust, report)
+    return kept, rejected + late
+
+
+def screen(
+    server_round: int,
+    candidates: list[Candidate],
+    current: Mapping[str, np.ndarray],
+    param_names: list[str],
+    robust: RobustConfig,
+    suspects: dict[str, int],
+    report: DefenseReport,
+) -> tuple[list[Candidate], list[Rejected]]:
+    """Each device judged on the tensors others trained too, the verdict applied to its whole
+    reply: pulling against the fleet (``pull`` below ``min_pull``) is rejected; oversized
+    (above ``norm_bound`` x the others') is scaled down as a whole to their size, or rejected,
+    and always rejected from a device caught pulling back in an earlier round (a suspect).
+
+    The suspects' memory is for late rounds: honest updates grow nearly orthogonal, so an
+    amplified sign flip's pull, its size counted only up to the bound, can read small and pass,
+    scaled down but still reversed. An honest device is never oversized, so it never meets it."""
+    cap = robust.norm_bound if robust.norm_bound is not None else math.inf
+    screens = screen_devices(current, [c.arrays for c in candidates], param_names, size_cap=cap)
+    kept, rejected = [], []
+    for i, c in enumerate(candidates):
+        name, sc = c.reply.device, screens.get(i)
+        if sc is None:  # it shares no tensor with enough others to be judged
+            kept.append(c)
+            continue
+        report.screen[name] = sc.as_dict()
+        reason = screen_problem(sc, robust, suspects.get(name))
+        if reason is not None:
+            suspects.setdefault(name, server_round)
+            rejected.append((c, reason))
+            continue
+        if oversized(sc, robust):
+            # to a typical update's size, not to the bound: inflating an update past the bound buys nothing
+            c.arrays = scale_update(current, c.arrays, 1.0 / sc.norm_ratio, param_names)
+            report.scaled[name] = round(sc.norm_ratio, 3)
+        else:
+            suspects.pop(name, None)  # back to an ordinary size: trusted again
+        kept.append(c)
+    return kept, rejected
+
+
+def bound(
+    candidates: list[Candidate], current: Mapping[str, np.ndarray], robust: RobustConfig, report: DefenseReport
+) -> tuple[list[Candidate], list[Rejected]]:
+    """Updates held to ``norm_bound`` x the lower median norm per tensor: clipped, or rejected."""
+    if robust.norm_bound is None or not candidates:
+        return candidates, []
+    norms = update_norms(current, [c.arrays for c in candidates])  # computed once for the limits and the clips
+    limits = update_limits(norms, robust.norm_bound)
+    kept, rejected = [], []
+    for c, sent_norms in zip(candidates, norms):
+        bounded, clipped = bound_update(current, c.arrays, limits, sent_norms)
+        if clipped and robust.norm_action == "reject":
+            reason = (
+                f"update of {len(clipped)} tensors above {robust.norm_bound:g}x the median norm (first {clipped[0]!r})"
+            )
+            rejected.append((c, reason))
+            continue
+        if clipped:
+            report.clipped[c.reply.device] = len(clipped)
+        c.arrays = bounded
+        kept.append(c)
+    return kept, rejected
+
+
+def oversized(sc: Screen, robust: RobustConfig) -> bool:
+    return robust.norm_bound is not None and sc.norm_ratio > robust.norm_bound
+
+
+def screen_problem(sc: Screen, robust: RobustConfig, suspect_since: int | None = None) -> str | None:
+    """Why a device's screen rejects its reply, or None; ``suspect_since``: the round the screen first
+    rejected it, while it has stayed a suspect."""
+    shared = f"over {sc.tensors} tensors other devices trained too"
+    if robust.min_pull is not None and sc.pull < robust.min_pull:
+        return f"its update pulls against the other devices' ({sc.pull:.2f} typical updates {shared})"
+    too_big = f"its update is {sc.norm_ratio:.1f}x the other devices' (median {shared}; bound {robust.norm_bound:g})"
+    if oversized(sc, robust) and (robust.norm_action == "reject" or suspect_since is not None):
+        return too_big + ("" if suspect_since is None else f", and it pulled back in round {suspect_since}")
+    return None

@@ -51,7 +51,7 @@ def read_metrics(run: Path) -> list[dict]:
 FAILING_SIMULATE = (
     "import json, sys\n"
     "from fleet.commands.fleet import summary_table\n"
-    "from server.simulation import simulate\n"
+    "from fleet.commands.simulation import simulate\n"
     "summary = simulate(sys.argv[1], json.loads(sys.argv[2]), client_app='tests.failing_client_app:app')\n"
     "print(summary_table(summary))\n"
 )
@@ -163,8 +163,8 @@ def test_profile_of_another_batch_size_stops_the_launch_in_one_line(tmp_path):
 def test_flwr_without_the_simulation_internals_is_named_in_one_line(tmp_path, monkeypatch):
     """`fleet simulate` leans on flwr 1.42's simulation internals; another flwr must say so, not crash."""
     from fleet.base.errors import FleetError
+    from fleet.commands.simulation import run_simulation
     from fleet.federated.config import fleet_config_from_dict
-    from server.simulation import run_simulation
 
     monkeypatch.setitem(sys.modules, "flwr.simulation.run_simulation", None)  # what a release without it looks like
     with pytest.raises(

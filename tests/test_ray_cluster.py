@@ -25,7 +25,7 @@ from tests.test_fleet_simulation import ROOT, TINY, run_bounded, run_fleet
 RAY = str(Path(sys.executable).parent / "ray")
 SIMULATE_ON = (  # `fleet simulate` with the node-noting test ClientApp
     "import json, sys\n"
-    "from server.simulation import simulate\n"
+    "from fleet.commands.simulation import simulate\n"
     "summary = simulate(sys.argv[1], json.loads(sys.argv[2]), client_app='tests.ray_node_client_app:app')\n"
     "print('rounds', summary['rounds'])\n"
 )

@@ -24,16 +24,7 @@ from typing import Any
 from fleet.federated.config import FleetConfig, load_fleet_config
 from fleet.federated.prepare import prepare
 
-SIMULATE = (  # one simulation, as `fleet simulate` runs it, with the ClientApp named on the command line
-    "import sys\n"
-    "from fleet.base.errors import FleetError\n"
-    "from server.simulation import simulate\n"
-    "try:\n"
-    "    simulate(sys.argv[1], None, client_app=sys.argv[2])\n"
-    "except FleetError as exc:\n"
-    "    print(f'error: {exc}', flush=True)\n"
-    "    sys.exit(2)\n"
-)
+SIMULATE = "fleet.bench.simulate_main"  # one simulation, as `fleet simulate` runs it: python -m SIMULATE CONFIG APP
 HONEST_APP = "client.client_app:app"
 ACTOR = "ClientAppActor"  # Ray names an actor's process ray::<class>
 
@@ -129,7 +120,7 @@ def launch(
 
     Its output is echoed line by line. On a timeout the whole group (Ray's workers included) is
     killed; it is also cleared after a normal exit, so no simulation outlives its turn."""
-    cmd = [sys.executable, "-c", SIMULATE, str(config_path), client_app]
+    cmd = [sys.executable, "-m", SIMULATE, str(config_path), client_app]
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, **pipes)

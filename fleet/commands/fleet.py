@@ -104,7 +104,7 @@ def summary_table(summary: dict) -> str:
 
 def run_simulate(args: argparse.Namespace) -> int:
     from fleet.base.errors import FleetError
-    from server.simulation import simulate
+    from fleet.commands.simulation import simulate
 
     summary = simulate(args.config, _overrides(args), resume=args.resume, verbose=args.verbose)
     print(summary_table(summary))

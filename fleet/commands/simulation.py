@@ -6,7 +6,29 @@ The launcher measures the profile and pretrains the starting model once,
 writes the effective config next to the run, then hands over to Flower.
 
 The terminal shows fleet's own lines; Flower's and Ray's INFO chatter goes to
-``<run>/flower.log`` (:mod:`server.flower_log`).
+``<run>/flower.log`` (:mod:`fleet.commands.flower_log`).
+
+Why flwr's internals, not its public API. ``flwr.simulation.run_simulation(server_app,
+client_app, num_supernodes, backend_name, backend_config, enable_tf_gpu_growth,
+verbose_logging)`` (flwr 1.42, deprecated there in favour of ``flwr run``) carries the Ray
+init args (``backend_config["init_args"]``, the cluster's address included) but not the rest:
+
+* no run config: it hands the ServerApp ``Context(run_config={})`` and builds its own empty
+  ``Run`` (no FAB id, no ``override_config``), so every ClientApp's context gets an empty run
+  config too (``DeprecatedRunInfoStore.register_context`` -> ``get_fused_config(run)`` -> ``{}``).
+  fleet's apps read the fleet YAML's path (``config``), ``resume`` and ``simulation`` from the
+  run config, on the server and on every device (a Ray cluster's remote nodes included, where
+  no environment variable of this process would reach);
+* no app directory: it calls ``_run_simulation`` with ``app_dir=""`` and ``is_app=False``, so
+  the apps cannot be loaded by their component names (``server.server_app:app``, or a test's
+  or bench's ClientApp named on the command line) with pyproject.toml's defaults fused in.
+
+So the launch calls ``flwr.simulation.run_simulation._run_simulation`` with its own ``Run``
+(``flwr.supercore.run.Run``, ``generate_rand_int_from_bytes``, ``NOOP_FEDERATION_ID``,
+``TaskIdentity``), the run config fused by ``flwr.common.config.get_fused_config_from_dir`` and
+``EventType.PYTHON_API_RUN_SIMULATION_LEAVE``, as ``flwr-simulation`` does for ``flwr run``. A
+flwr without them stops with one line (:func:`_require_flwr_internals`); pyproject.toml pins
+1.42.x.
 """
 
 from __future__ import annotations
@@ -19,12 +41,12 @@ from pathlib import Path
 from typing import Any
 
 from fleet.base.errors import FleetError
+from fleet.commands.flower_log import FLOWER_LOG, flower_output
 from fleet.federated.config import FleetConfig, load_fleet_config, run_dir
 from fleet.federated.paths import APP_ROOT
 from fleet.federated.prepare import prepare
 from fleet.federated.state import check_resumable
 from fleet.federated.tracking import SUMMARY_FILE
-from server.flower_log import FLOWER_LOG, flower_output
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # no internet on devices; read when flwr is imported
 

@@ -13,10 +13,11 @@ import torch
 from torch import nn
 
 from fleet.data.datasets import load_dataset
+from fleet.engine.config import TrainConfig
 from fleet.engine.device_profile import DeviceProfile, TensorTiming
 from fleet.engine.models import build_model, input_channels, model_meta
 from fleet.engine.profiler import profile_device, tensor_order
-from fleet.engine.trainer import TrainerOptions, make_optimizer
+from fleet.engine.trainer import make_optimizer
 
 INPUT = 16
 BATCH = 8
@@ -97,12 +98,11 @@ def size_profile() -> DeviceProfile:
 @pytest.fixture(scope="session")
 def small_profile():
     """Really measured on this machine: its timings vary from run to run; assert structure only."""
-    opts = TrainerOptions(batch_size=BATCH, input_size=INPUT)
     return profile_device(
         small_model(),
         dict(SMALL_META),
         batch_size=BATCH,
         input_size=INPUT,
-        make_optimizer=lambda ps: make_optimizer(ps, opts),
+        make_optimizer=lambda ps: make_optimizer(ps, TrainConfig(batch_size=BATCH)),
         repeats=3,
     )

@@ -83,28 +83,19 @@ def test_console_script_exit_code(tmp_path):
     assert r.stderr.count("\n") == 1 and "not valid YAML" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_trainer_options_mirror_the_train_section_and_take_changes(tmp_path):
-    from fleet.engine.experiment import trainer_options
+def test_the_trainer_takes_the_train_section_itself(tmp_path):
+    """No mirror of the train section is copied by hand: the Trainer reads the config it is given, and a
+    caller that trains otherwise gives it a changed copy."""
+    import dataclasses
 
-    cfg = load_config(
-        write(tmp_path, "train:\n  method: prunetrain\n  rho: 0.4\n  lr: 0.02\n  seed: 3\n  interval: 2\n")
-    )
-    opts = trainer_options(cfg.train, 24)
-    assert (opts.method, opts.rho, opts.lr, opts.seed, opts.interval, opts.input_size) == (
-        "prunetrain",
-        0.4,
-        0.02,
-        3,
-        2,
-        24,
-    )
-    assert (opts.momentum, opts.weight_decay, opts.batch_size) == (
-        cfg.train.momentum,
-        cfg.train.weight_decay,
-        cfg.train.batch_size,
-    )
-    changed = trainer_options(cfg.train, 24, method="full", seed=9, rho=1.0)
-    assert (changed.method, changed.seed, changed.rho, changed.lr) == ("full", 9, 1.0, 0.02)
-    assert cfg.train.method == "prunetrain"  # the config itself is untouched
-    with pytest.raises(TypeError):
-        trainer_options(cfg.train, 24, no_such_field=1)
+    from fleet.engine.trainer import Trainer
+    from tests.conftest import small_model
+
+    cfg = load_config(write(tmp_path, "train:\n  method: prunetrain\n  lr: 0.02\n  seed: 3\n  batch_size: 4\n"))
+    trainer = Trainer(small_model(), cfg.train, input_size=24)
+    assert trainer.config is cfg.train and trainer.input_size == 24 and all(trainer.mask)
+    group = trainer.optimizer.param_groups[0]
+    assert (group["lr"], group["momentum"], group["weight_decay"]) == (0.02, cfg.train.momentum, cfg.train.weight_decay)
+    head_only = Trainer(small_model(), dataclasses.replace(cfg.train, method="tl", seed=9), input_size=24)
+    assert (head_only.config.method, head_only.config.lr, cfg.train.method) == ("tl", 0.02, "prunetrain")
+    assert not all(head_only.mask)  # tl: the head only

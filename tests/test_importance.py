@@ -3,15 +3,16 @@
 import torch
 
 from fleet.data.datasets import batches
+from fleet.engine.config import TrainConfig
 from fleet.engine.importance import evaluate_importance, importance_from_update, normalize
-from fleet.engine.trainer import TrainerOptions, make_optimizer
+from fleet.engine.trainer import make_optimizer
 from tests.conftest import INPUT, small_model
 
 
 def _setup(synthetic):
     model = small_model()
     params = list(model.parameters())
-    opt = make_optimizer(params, TrainerOptions())
+    opt = make_optimizer(params, TrainConfig())
     gen = torch.Generator().manual_seed(0)
     it = batches(synthetic[0], 8, shuffle=True, generator=gen, input_size=INPUT)
     # A few real steps so momentum buffers exist.
@@ -50,7 +51,7 @@ def test_probe_restores_weights_buffers_optimizer_and_flags(synthetic):
 def test_probe_on_fresh_model_leaves_no_optimizer_state(synthetic):
     model = small_model()
     params = list(model.parameters())
-    opt = make_optimizer(params, TrainerOptions())
+    opt = make_optimizer(params, TrainConfig())
     x, y = next(batches(synthetic[0], 8, shuffle=False, input_size=INPUT))
     evaluate_importance(model, params, opt, x, y)
     assert len(opt.state) == 0

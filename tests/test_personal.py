@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -137,7 +139,6 @@ def test_negative_finetune_steps_are_one_line():
 def test_dittos_proximal_term_pulls_the_personal_model_toward_the_global_one(tmp_path):
     """The same personal model, trained the same steps on the same batches: with ditto_lambda it ends
     nearer the global weights it is anchored to than without."""
-    from fleet.engine.experiment import trainer_options
     from fleet.engine.trainer import Trainer
     from fleet.federated.round import train_steps
     from fleet.federated.split import device_data
@@ -149,8 +150,9 @@ def test_dittos_proximal_term_pulls_the_personal_model_toward_the_global_one(tmp
 
     def distance(prox: float) -> float:
         model = dev.model({k: v.clone() for k, v in start.items()})
-        trainer = Trainer(model, trainer_options(dev.cfg.train, 16, method="full", seed=1), dev.profile(model))
-        trainer.anchor, trainer.prox_lambda = [weights[n] for n in trainer.names], prox
+        train = dataclasses.replace(dev.cfg.train, method="full", seed=1)
+        trainer = Trainer(model, train, dev.profile(model), input_size=16)
+        trainer.set_anchor(weights, prox)
         train_steps(trainer, data, 5)
         return sum(float(((p.detach() - weights[n]) ** 2).sum()) for n, p in zip(trainer.names, trainer.params))
 

@@ -10,12 +10,14 @@ import torch
 from fleet.base.errors import BudgetError
 from fleet.cli import main
 from fleet.data.datasets import batches
-from fleet.engine.trainer import Trainer, TrainerOptions
+from fleet.engine.config import TrainConfig
+from fleet.engine.trainer import Trainer
 from tests.conftest import BATCH, INPUT, proportional_profile, small_model
 
 
-def make(method="elastic", profile=None, **kw):
-    return Trainer(small_model(), TrainerOptions(method=method, batch_size=BATCH, input_size=INPUT, **kw), profile)
+def make(method="elastic", profile=None, frozen_norm_stats=False, **kw):
+    train = TrainConfig(method=method, batch_size=BATCH, **kw)
+    return Trainer(small_model(), train, profile, input_size=INPUT, frozen_norm_stats=frozen_norm_stats)
 
 
 def first_batch(synthetic):
@@ -170,9 +172,9 @@ def test_memory_budget_plans_per_selection_and_keeps_results(tmp_path, synthetic
 
     # Batch 32 at 32x32: the size the planner's targets are set for (tiny steps are dominated by
     # tensors too small to page).
-    opts = dict(method="full", batch_size=32, input_size=32)
-    plain = Trainer(small_model(), TrainerOptions(**opts))
-    budgeted = Trainer(small_model(), TrainerOptions(**opts))
+    train = TrainConfig(method="full", batch_size=32)
+    plain = Trainer(small_model(), train, input_size=32)
+    budgeted = Trainer(small_model(), train, input_size=32)
     probe = MemoryBudget.measure(budgeted.model, (32, 1, 32, 32), 1000.0, str(tmp_path))
     budget = int(0.5 * probe.profile.unconstrained_peak_bytes)
     budgeted.memory = MemoryBudget(probe.profile, budget, str(tmp_path))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from fleet.base.atomic import write_json
 from fleet.engine.config import ExperimentConfig, config_to_dict
-from fleet.engine.experiment import load_data, make_model, obtain_profile, trainer_options
+from fleet.engine.experiment import load_data, make_model, obtain_profile
 from fleet.engine.pretrain import ensure_pretrained
 from fleet.engine.train_run import experiment_dir, format_epoch, trainer_record
 from fleet.engine.trainer import EpochStats, Trainer
@@ -31,8 +31,9 @@ def personalize(
     trainers = {
         m: Trainer(
             make_model(cfg.model, cfg.train.seed),
-            trainer_options(cfg.train, cfg.data.input_size, method=m),
+            dataclasses.replace(cfg.train, method=m),
             profile,
+            input_size=cfg.data.input_size,
         )
         for m in methods
     }

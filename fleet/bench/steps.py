@@ -14,10 +14,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from fleet.engine.config import TrainConfig
 from fleet.engine.device_profile import DeviceProfile
 from fleet.engine.models import build_model, input_channels, model_meta
 from fleet.engine.profiler import profile_device, tensor_order
-from fleet.engine.trainer import TrainerOptions, make_optimizer
+from fleet.engine.trainer import make_optimizer
 
 
 class StepBench:
@@ -32,7 +33,7 @@ class StepBench:
         order = tensor_order(model, self.x)
         self.names = [n for n, _, _ in order]
         self.params = [p for _, _, p in order]
-        self.optimizer = make_optimizer(self.params, TrainerOptions())
+        self.optimizer = make_optimizer(self.params, TrainConfig())
 
     def step(self, mask: Sequence[bool]) -> float:
         for p, m in zip(self.params, mask):
@@ -80,12 +81,11 @@ def measure_profile(
     torch.manual_seed(0)
     model = build_model(model_name, num_classes, in_channels=in_channels, small_input=small_input)
     meta = model_meta(model_name, num_classes, in_channels, small_input)
-    opts = TrainerOptions()
     return profile_device(
         model,
         meta,
         batch_size=batch_size,
         input_size=input_size,
-        make_optimizer=lambda ps: make_optimizer(ps, opts),
+        make_optimizer=lambda ps: make_optimizer(ps, TrainConfig()),
         repeats=repeats,
     )

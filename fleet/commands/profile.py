@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from fleet.engine.config import load_config
-    from fleet.engine.experiment import make_model, trainer_options
+    from fleet.engine.experiment import make_model
     from fleet.engine.models import model_meta
     from fleet.engine.profiler import profile_device
     from fleet.engine.trainer import make_optimizer
@@ -95,14 +95,13 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     model = make_model(cfg.model)
     size = cfg.data.input_size
-    opts = trainer_options(cfg.train, size)
     start = time.perf_counter()
     profile = profile_device(
         model,
         model_meta(cfg.model.name, cfg.model.num_classes, cfg.model.in_channels, cfg.model.small_input),
         batch_size=cfg.train.batch_size,
         input_size=size,
-        make_optimizer=lambda ps: make_optimizer(ps, opts),
+        make_optimizer=lambda ps: make_optimizer(ps, cfg.train),
         repeats=args.repeats,
     )
     profile.memory_budget_mb = cfg.train.memory_budget_mb

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -13,11 +12,11 @@ from torch import nn
 from fleet.base.errors import ConfigError
 from fleet.data.datasets import ArrayDataset, check_fashion_mnist, load_dataset
 from fleet.data.shift import device_shift, shift_dataset
-from fleet.engine.config import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
+from fleet.engine.config import DataConfig, ExperimentConfig, ModelConfig
 from fleet.engine.device_profile import DeviceProfile
 from fleet.engine.models import build_model, head_parameter_names, input_channels, model_meta
 from fleet.engine.profiler import profile_device, tensor_order
-from fleet.engine.trainer import TrainerOptions, make_optimizer
+from fleet.engine.trainer import make_optimizer
 
 
 def cap_per_class(ds: ArrayDataset, per_class: int | None, seed: int) -> ArrayDataset:
@@ -102,26 +101,6 @@ def model_with_weights(cfg: ModelConfig, weights: Mapping[str, torch.Tensor]) ->
     return model
 
 
-def trainer_options(cfg: TrainConfig, input_size: int, **changes) -> TrainerOptions:
-    """The trainer's options for ``cfg``; ``changes`` override fields (e.g. ``method="full"``, ``seed``, ``rho``)."""
-    options = TrainerOptions(
-        method=cfg.method,
-        lr=cfg.lr,
-        momentum=cfg.momentum,
-        weight_decay=cfg.weight_decay,
-        rho=cfg.rho,
-        interval=cfg.interval,
-        interval_unit=cfg.interval_unit,
-        batch_size=cfg.batch_size,
-        prunetrain_lambda=cfg.prunetrain_lambda,
-        input_size=input_size,
-        seed=cfg.seed,
-        probe_samples=cfg.probe_samples,
-        probe=cfg.probe,
-    )
-    return dataclasses.replace(options, **changes)
-
-
 def check_profile(profile: DeviceProfile, model: nn.Module, batch_size: int, input_size: int, source: str) -> None:
     example = torch.zeros(1, input_channels(model), input_size, input_size)
     order = tensor_order(model, example)
@@ -152,13 +131,12 @@ def obtain_profile(
         except Exception:  # a stale cache is simply re-measured
             pass
     log(f"profiling {cfg.model.name} at batch {batch}, input {size} on this device ...")
-    opts = trainer_options(cfg.train, size)
     profile = profile_device(
         model,
         model_meta(cfg.model.name, cfg.model.num_classes, cfg.model.in_channels, cfg.model.small_input),
         batch_size=batch,
         input_size=size,
-        make_optimizer=lambda ps: make_optimizer(ps, opts),
+        make_optimizer=lambda ps: make_optimizer(ps, cfg.train),
         repeats=repeats,
         seed=cfg.train.seed,
     )

@@ -16,10 +16,10 @@ from torch import nn
 
 from fleet.data.datasets import ArrayDataset
 from fleet.data.shift import ShiftConfig
-from fleet.engine.config import ExperimentConfig
-from fleet.engine.experiment import check_model_fits_data, load_data, make_model, trainer_options
+from fleet.engine.config import ExperimentConfig, TrainConfig
+from fleet.engine.experiment import check_model_fits_data, load_data, make_model
 from fleet.engine.models import load_checkpoint_meta, model_meta, save_checkpoint
-from fleet.engine.trainer import Trainer, TrainerOptions
+from fleet.engine.trainer import Trainer
 
 
 def checkpoint_path(cfg: ExperimentConfig) -> Path:
@@ -49,15 +49,17 @@ def pretrain_config(cfg: ExperimentConfig) -> ExperimentConfig:
 
 def train_epochs(
     model: nn.Module,
-    options: TrainerOptions,
+    config: TrainConfig,
+    input_size: int,
     train_ds: ArrayDataset,
     test_ds: ArrayDataset,
     epochs: int,
     report: Callable[[int, float, float, float], None],
 ) -> float:
-    """Train ``model`` for ``epochs``, evaluating after each; ``report(epoch, accuracy,
-    loss, seconds)`` is called per epoch. Returns the last accuracy (0 without epochs)."""
-    trainer = Trainer(model, options)
+    """Train ``model`` under ``config`` (its images resized to ``input_size``) for ``epochs``, evaluating after
+    each; ``report(epoch, accuracy, loss, seconds)`` is called per epoch. Returns the last accuracy (0 without
+    epochs)."""
+    trainer = Trainer(model, config, input_size=input_size)
     accuracy = 0.0
     for epoch in range(epochs):
         start = time.perf_counter()
@@ -74,7 +76,6 @@ def pretrain(cfg: ExperimentConfig, out: Path | None = None, log: Callable[[str]
     train_ds, test_ds = load_data(pcfg.data, pcfg.train.seed)
     check_model_fits_data(pcfg, train_ds, test_ds, classes_field="pretrain.classes")
     model = make_model(pcfg.model, pcfg.train.seed)
-    options = trainer_options(pcfg.train, pcfg.data.input_size)
     log(
         f"pretraining {pcfg.model.name} on {len(train_ds)} {train_ds.name} samples (classes "
         f"{pcfg.data.classes or 'all'})"
@@ -86,7 +87,7 @@ def pretrain(cfg: ExperimentConfig, out: Path | None = None, log: Callable[[str]
             f"loss {loss:.3f}  {seconds:6.1f}s"
         )
 
-    accuracy = train_epochs(model, options, train_ds, test_ds, pcfg.train.epochs, report)
+    accuracy = train_epochs(model, pcfg.train, pcfg.data.input_size, train_ds, test_ds, pcfg.train.epochs, report)
     meta = {
         **model_meta(pcfg.model.name, pcfg.model.num_classes, pcfg.model.in_channels, pcfg.model.small_input),
         "dataset": pcfg.data.dataset,

@@ -11,7 +11,7 @@ import torch
 from fleet.base.atomic import write_json
 from fleet.engine.config import ExperimentConfig, config_to_dict
 from fleet.engine.device_profile import DeviceProfile
-from fleet.engine.experiment import check_model_fits_data, load_data, make_model, obtain_profile, trainer_options
+from fleet.engine.experiment import check_model_fits_data, load_data, make_model, obtain_profile
 from fleet.engine.trainer import EpochStats, Trainer
 
 
@@ -46,8 +46,8 @@ def epoch_record(s: EpochStats) -> dict:
 
 def trainer_record(trainer: Trainer, history: list[EpochStats], profile: DeviceProfile | None) -> dict:
     return {
-        "method": trainer.options.method,
-        "rho": trainer.options.rho if trainer.options.method == "elastic" else None,
+        "method": trainer.config.method,
+        "rho": trainer.config.rho if trainer.config.method == "elastic" else None,
         "final_accuracy": history[-1].accuracy if history else None,
         "train_time_s": sum(s.train_time_s for s in history),
         "probe_time_s": sum(s.probe_time_s for s in history),  # importance probes, inside train_time_s
@@ -92,7 +92,7 @@ def run_training(cfg: ExperimentConfig, log: Callable[[str], None] = print) -> t
             f"memory budget {cfg.train.memory_budget_mb:g} MB for activations "
             f"(unconstrained peak {memory.profile.unconstrained_peak_bytes / 1e6:.1f} MB); spill dir {memory.spill_dir}"
         )
-    trainer = Trainer(model, trainer_options(cfg.train, cfg.data.input_size), profile, memory)
+    trainer = Trainer(model, cfg.train, profile, memory, input_size=cfg.data.input_size)
     log(
         f"training {cfg.model.name} with {cfg.train.method} on {len(train_ds)} samples "
         f"({train_ds.name}), testing on {len(test_ds)}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -22,6 +22,7 @@ from torch import nn
 
 from fleet.base.errors import BudgetError
 from fleet.data.datasets import ArrayDataset, batches
+from fleet.engine.config import TrainConfig
 from fleet.engine.device_profile import DeviceProfile
 from fleet.engine.importance import evaluate_importance, importance_from_update, normalize
 from fleet.engine.methods import group_lasso_penalty, static_mask
@@ -69,38 +70,27 @@ class EpochStats:
     selected: int = 0
 
 
-@dataclass
-class TrainerOptions:
-    method: str = "elastic"
-    lr: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    rho: float = 0.5
-    interval: int = 1
-    interval_unit: str = "epoch"
-    batch_size: int = 32
-    prunetrain_lambda: float = 1e-4
-    input_size: int | None = None
-    seed: int = 0
-    probe_samples: int | None = None  # samples an importance probe uses; None: a whole batch
-    probe: str = "train"  # "train": two kept training steps on every tensor; "restore": a step that is undone
-    # normalization layers normalize with the statistics the model arrived with, and keep them, instead of each
-    # batch's: a device personalizing on a few hundred images of one or two classes has batch statistics too
-    # unlike its test data's, and its accuracy jumped 88% -> 6% -> 85% over epochs with them (fleet bench pfl)
-    frozen_norm_stats: bool = False
-
-
 DEFAULT_POLICY = SelectionPolicy()
 
 
-def make_optimizer(params: Sequence[nn.Parameter], options: TrainerOptions) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=options.lr, momentum=options.momentum, weight_decay=options.weight_decay)
+def make_optimizer(params: Sequence[nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
+    """SGD with the train section's learning rate, momentum and weight decay."""
+    return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
 
 
 @dataclass
 class Trainer:
+    """One model trained elastically (or by a baseline ``method``) under the train section ``config``.
+
+    The Trainer reads its settings from the config itself rather than from a copy of it, so a new
+    train setting reaches it without a mirror to keep in step; a caller that trains differently
+    (a fleet device's round trains ``full`` and selects through a policy) passes a changed copy
+    (``dataclasses.replace(cfg.train, method="full")``). What is not the train section's is given
+    beside it: the input size the data is resized to, and ``frozen_norm_stats``.
+    """
+
     model: nn.Module
-    options: TrainerOptions
+    config: TrainConfig
     profile: DeviceProfile | None = None
     memory: MemoryBudget | None = None  # run every step under a memory plan for the current selection
     names: list[str] = field(init=False)
@@ -108,10 +98,14 @@ class Trainer:
     mask: list[bool] = field(init=False)
     selections: list[Selection] = field(default_factory=list)
     step_count: int = 0
-    # a proximal term prox_lambda / 2 * ||w - anchor||^2 over the trained tensors (Ditto's personal model: it is
-    # pulled toward the global model it started the round with); None: plain training
-    anchor: list[torch.Tensor] | None = None
-    prox_lambda: float = 0.0
+    input_size: int | None = field(default=None, kw_only=True)  # images are resized to this; None: as stored
+    # normalization layers normalize with the statistics the model arrived with, and keep them, instead of each
+    # batch's: a device personalizing on a few hundred images of one or two classes has batch statistics too
+    # unlike its test data's, and its accuracy jumped 88% -> 6% -> 85% over epochs with them (fleet bench pfl)
+    frozen_norm_stats: bool = field(default=False, kw_only=True)
+    # a proximal term prox_lambda / 2 * ||w - anchor||^2 over the trained tensors (set_anchor); None: plain training
+    _anchor: list[torch.Tensor] | None = field(default=None, init=False, repr=False)
+    _prox_lambda: float = field(default=0.0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         example = torch.zeros(1, *self._input_shape())
@@ -120,23 +114,31 @@ class Trainer:
         self.params = [p for _, _, p in order]
         layer_of = {name: module for name, module in parametric_layers(self.model, example)}
         self.layers = [layer_of[layer] for _, layer, _ in order]
-        self.optimizer = make_optimizer(self.params, self.options)
-        self.generator = torch.Generator().manual_seed(self.options.seed)
-        if self.options.method == "elastic":
+        self.optimizer = make_optimizer(self.params, self.config)
+        self.generator = torch.Generator().manual_seed(self.config.seed)
+        if self.config.method == "elastic":
             if self.profile is None:
                 raise BudgetError(
                     "train.method: elastic needs a device profile; pass --profile or let fleet measure one"
                 )
-            if self.profile.min_rho > self.options.rho:
+            if self.profile.min_rho > self.config.rho:
                 raise BudgetError(
-                    f"train.rho: {self.options.rho} is below this device's floor {self.profile.min_rho:.3f} "
+                    f"train.rho: {self.config.rho} is below this device's floor {self.profile.min_rho:.3f} "
                     f"(a forward pass alone costs that fraction of a full step); use rho >= {self.profile.min_rho:.2f}"
                 )
-        self.set_mask(static_mask(self.options.method, self.names, self.layers, head_parameter_names(self.model)))
+        self.set_mask(static_mask(self.config.method, self.names, self.layers, head_parameter_names(self.model)))
 
     def _input_shape(self) -> tuple[int, int, int]:
-        size = self.options.input_size or 32
+        size = self.input_size or 32
         return (input_channels(self.model), size, size)
+
+    def set_anchor(self, weights: Mapping[str, torch.Tensor], prox_lambda: float) -> None:
+        """Add ``prox_lambda / 2 * ||w - weights||^2`` over the trained tensors to the loss (by tensor name).
+
+        Ditto's personal model is pulled this way toward the global model it started the round from;
+        the anchor is part of the objective, so the Trainer owns it rather than having it patched in."""
+        self._anchor = [weights[n] for n in self.names]
+        self._prox_lambda = prox_lambda
 
     # --- selection --------------------------------------------------------
     def set_mask(self, mask: Sequence[bool]) -> None:
@@ -159,7 +161,7 @@ class Trainer:
 
         Importance is measured on ``probe``, or given (a device re-using last round's probe).
         ``policy`` sets the budget, extra per-tensor costs, blending and a window; the default is
-        plain ElasticTrainer: the profile's budget at ``options.rho``, the exact DP.
+        plain ElasticTrainer: the profile's budget at ``config.rho``, the exact DP.
         """
         if self.profile is None:
             raise BudgetError("a selection needs a device profile; pass --profile or let fleet measure one")
@@ -169,7 +171,7 @@ class Trainer:
             importance = self.probe_importance(probe)
         importance = list(importance)
         ranked = policy.blend(importance, self.names) if policy.blend is not None else importance
-        budget = policy.budget_s if policy.budget_s is not None else self.profile.backward_budget(self.options.rho)
+        budget = policy.budget_s if policy.budget_s is not None else self.profile.backward_budget(self.config.rho)
         costs = list(self.profile.t_dw)
         if policy.extra_costs is not None:
             costs = [c + e for c, e in zip(costs, policy.extra_costs)]
@@ -216,14 +218,14 @@ class Trainer:
         A last batch of a single sample is left out of the pass (another sample each pass): BatchNorm
         cannot train on one sample, and a device whose data size is one more than a multiple of the
         batch size would fail its round on it."""
-        opts = self.options
-        single_last = len(data) > opts.batch_size and len(data) % opts.batch_size == 1
+        batch_size = self.config.batch_size
+        single_last = len(data) > batch_size and len(data) % batch_size == 1
         return batches(
             data,
-            opts.batch_size,
+            batch_size,
             shuffle=True,
             generator=self.generator,
-            input_size=opts.input_size,
+            input_size=self.input_size,
             drop_last=single_last,
         )
 
@@ -231,25 +233,25 @@ class Trainer:
         """A freshly shuffled batch (its first ``probe_samples``), so importance is not judged on the same
         images each time."""
         x, y = next(self.shuffled_batches(data))
-        n = self.options.probe_samples
+        n = self.config.probe_samples
         return (x[:n], y[:n]) if n else (x, y)
 
     def _due(self, epoch: int, step_in_epoch: int) -> bool:
-        if self.options.method != "elastic":
+        if self.config.method != "elastic":
             return False
-        if self.options.interval_unit == "epoch":
-            return step_in_epoch == 0 and epoch % self.options.interval == 0
-        return self.step_count % self.options.interval == 0
+        if self.config.interval_unit == "epoch":
+            return step_in_epoch == 0 and epoch % self.config.interval == 0
+        return self.step_count % self.config.interval == 0
 
     # --- training ---------------------------------------------------------
     def _loss(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the data loss, the loss to minimize: plus PruneTrain's penalty or Ditto's proximal term)."""
         loss = nn.functional.cross_entropy(self.model(x), y)
         total = loss
-        if self.options.method == "prunetrain" and self.options.prunetrain_lambda > 0:
-            total = loss + self.options.prunetrain_lambda * group_lasso_penalty(self.params)
-        if self.anchor is not None and self.prox_lambda > 0:
-            total = total + self.prox_lambda / 2 * self._distance_to_anchor()
+        if self.config.method == "prunetrain" and self.config.prunetrain_lambda > 0:
+            total = loss + self.config.prunetrain_lambda * group_lasso_penalty(self.params)
+        if self._anchor is not None and self._prox_lambda > 0:
+            total = total + self._prox_lambda / 2 * self._distance_to_anchor()
         return loss, total
 
     def _backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -268,10 +270,10 @@ class Trainer:
 
     def _distance_to_anchor(self) -> torch.Tensor:
         """``||w - anchor||^2`` over the tensors being trained (a frozen tensor cannot move toward it)."""
-        pairs = [(p, a) for p, a, m in zip(self.params, self.anchor or [], self.mask) if m]
+        pairs = [(p, a) for p, a, m in zip(self.params, self._anchor or [], self.mask) if m]
         return sum(((p - a) ** 2).sum() for p, a in pairs) if pairs else torch.zeros(())
 
-    # A training probe (``options.probe == "train"``) is the restoring probe's two passes made
+    # A training probe (``config.probe == "train"``) is the restoring probe's two passes made
     # into two training steps on the same batch, so that nothing is computed only to be undone:
     # 1. a step that trains every tensor gives each tensor's update ``dw``;
     # 2. a second step takes every tensor's gradient at the updated weights, scores ``-<g, dw>``
@@ -306,7 +308,7 @@ class Trainer:
     def train_mode(self) -> None:
         """The model in training mode, its normalization layers in eval mode with ``frozen_norm_stats``."""
         self.model.train()
-        if self.options.frozen_norm_stats:
+        if self.frozen_norm_stats:
             for module in self.model.modules():
                 if isinstance(module, nn.modules.batchnorm._BatchNorm):
                     module.eval()
@@ -324,7 +326,7 @@ class Trainer:
         probe_steps = 0
         for i, (x, y) in enumerate(self.shuffled_batches(data)):
             due = self._due(epoch, i)
-            if due and self.options.probe == "train":
+            if due and self.config.probe == "train":
                 start = time.perf_counter()
                 losses += self.training_probe(x, y, epoch)
                 probe_steps_time += time.perf_counter() - start
@@ -359,7 +361,7 @@ class Trainer:
 
     def evaluate(self, data: ArrayDataset, batch_size: int = 256) -> float:
         """Top-1 accuracy on ``data``."""
-        acc = accuracy(self.model, data, self.options.input_size, batch_size)
+        acc = accuracy(self.model, data, self.input_size, batch_size)
         self.train_mode()
         return acc
 

@@ -11,12 +11,13 @@ the benchmark calls it after a run, on the run's final checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from fleet.engine.device_profile import DeviceProfile
-from fleet.engine.experiment import check_profile, model_with_weights, trainer_options
+from fleet.engine.experiment import check_profile, model_with_weights
 from fleet.engine.trainer import Trainer
 from fleet.federated.config import FleetConfig
 from fleet.federated.device import tier_of
@@ -49,16 +50,8 @@ def personalize_newcomer(
         model = model_with_weights(cfg.model, {k: v.clone() for k, v in weights.items()})
         if i == 0:  # a profile of another model or input would time the wrong tensors
             check_profile(profile, model, cfg.train.batch_size, cfg.data.input_size, cfg.train.profile or "profile")
-        options = trainer_options(
-            cfg.train,
-            cfg.data.input_size,
-            method=method,
-            rho=rho,
-            seed=cfg.train.seed,
-            lr=lr or cfg.train.lr,
-            frozen_norm_stats=frozen_norm_stats,
-        )
-        trainer = Trainer(model, options, device)
+        train = dataclasses.replace(cfg.train, method=method, rho=rho, lr=lr or cfg.train.lr)
+        trainer = Trainer(model, train, device, input_size=cfg.data.input_size, frozen_norm_stats=frozen_norm_stats)
         points = [{"device_time_s": 0.0, "accuracy": trainer.evaluate(data.test)}]
         spent = 0.0
         for epoch in range(epochs):

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from fleet.engine.experiment import load_data, make_model, trainer_options
+from fleet.engine.experiment import load_data, make_model
 from fleet.engine.models import model_meta, save_checkpoint
 from fleet.engine.pretrain import train_epochs
 from fleet.federated.config import FleetConfig
@@ -23,7 +23,7 @@ def pretrain_fleet_model(cfg: FleetConfig, out: Path, log: Callable[[str], None]
     pre, _ = fleet_indices(cfg, train.labels.numpy())
     data = train.subset(pre)
     model = make_model(dataclasses.replace(cfg.model, weights=None), cfg.train.seed)
-    options = trainer_options(cfg.train, cfg.data.input_size, method="full")
+    train_cfg = dataclasses.replace(cfg.train, method="full")
 
     classes = "" if cfg.start.classes is None else f" of classes {cfg.start.classes}"
 
@@ -33,7 +33,7 @@ def pretrain_fleet_model(cfg: FleetConfig, out: Path, log: Callable[[str], None]
             f"accuracy {100 * acc:.1f}%  loss {loss:.3f}  {seconds:.0f}s"
         )
 
-    acc = train_epochs(model, options, data, test, cfg.start.epochs, report)
+    acc = train_epochs(model, train_cfg, cfg.data.input_size, data, test, cfg.start.epochs, report)
     m = cfg.model
     meta = {
         **model_meta(m.name, m.num_classes, m.in_channels, m.small_input),

@@ -22,7 +22,7 @@ from torch import nn
 
 from fleet.data.datasets import ArrayDataset
 from fleet.engine.device_profile import DeviceProfile
-from fleet.engine.experiment import model_with_weights, trainer_options
+from fleet.engine.experiment import model_with_weights
 from fleet.engine.models import head_parameter_names
 from fleet.engine.policies import Blend, SelectionPolicy, Window
 from fleet.engine.trainer import RESTORE_PROBE_STEPS, Trainer
@@ -150,8 +150,8 @@ def round_trainer(
 ) -> Trainer:
     """The round's trainer, with the device's momentum from earlier rounds (stale entries dropped)."""
     seed = cfg.train.seed + 1000 * plan.server_round + device_seed
-    options = trainer_options(cfg.train, cfg.data.input_size, method="full", rho=1.0, seed=seed)
-    trainer = Trainer(model, options, profile, memory)
+    train = dataclasses.replace(cfg.train, method="full", seed=seed)
+    trainer = Trainer(model, train, profile, memory, input_size=cfg.data.input_size)
     if "optimizer" in prev_state:
         try:
             trainer.optimizer.load_state_dict(prev_state["optimizer"])
@@ -322,8 +322,7 @@ def ditto_personal(
     personal = model_with_weights(cfg.model, {k: t.clone() for k, t in initial.items()})
     trainer = round_trainer(cfg, personal, shared.profile, None, plan, device_seed + 7919, {})
     trainer.set_mask(shared.mask)
-    trainer.anchor = [start[n] for n in trainer.names]
-    trainer.prox_lambda = cfg.personalization.ditto_lambda
+    trainer.set_anchor(start, cfg.personalization.ditto_lambda)
     train_steps(trainer, train, steps)
     return {k: t.detach().clone() for k, t in personal.state_dict().items()}
 

@@ -14,7 +14,7 @@ from fleet.engine.models import model_meta
 from fleet.engine.policies import blend_importance, fitted_window_mask, select_in_window, window_mask, window_position
 from fleet.federated.config import fleet_config_from_dict, load_fleet_config
 from fleet.federated.device import device_memory, memory_budget_of
-from fleet.federated.round import RoundPlan, device_rho, drop_stale_momentum, local_round
+from fleet.federated.round import DeviceRound, RoundPlan, RoundResult, drop_stale_momentum, rho_floor, step_budget
 from fleet.federated.split import device_data, fleet_indices
 from tests.conftest import proportional_profile
 
@@ -34,13 +34,22 @@ def setup(tmp_path_factory):
     return cfg, profile
 
 
-def test_rho_follows_deadline_and_profile_with_floor(setup):
+def train_round(cfg, model, profile, data, plan, memory=None) -> RoundResult:
+    """Device 1's training round from no earlier state."""
+    return DeviceRound(cfg, model, profile, data, 1, memory=memory).train(plan)
+
+
+def test_step_budget_follows_deadline_and_profile_with_floor(setup):
     cfg, profile = setup
-    full = cfg.federation.local_steps * profile.full_step_time
-    assert device_rho(cfg, profile, 0.0) == (1.0, full)
-    assert device_rho(cfg, profile.scaled(2.0), full)[0] == pytest.approx(0.5)
-    rho, _ = device_rho(cfg, profile.scaled(100.0), full)
-    assert rho == pytest.approx(profile.min_rho + cfg.elastic.min_rho_margin)  # clamped to the floor
+    steps = cfg.federation.local_steps
+    slow = profile.scaled(2.0)
+    full = steps * profile.full_step_time  # half of what the slow device needs: rho 0.5
+    assert step_budget(cfg, slow, full, steps) + slow.forward_time == pytest.approx(0.5 * slow.full_step_time)
+    slowest = profile.scaled(100.0)
+    floor = rho_floor(cfg, slowest)
+    assert floor == pytest.approx(profile.min_rho + cfg.elastic.min_rho_margin)
+    budget = step_budget(cfg, slowest, full, steps)  # clamped to the floor
+    assert budget + slowest.forward_time == pytest.approx(floor * slowest.full_step_time)
 
 
 def test_window_slides_to_input_and_rolls_back():
@@ -132,7 +141,7 @@ def test_blend_mixes_normalized_signals():
     assert out == pytest.approx([0.6, 0.4])
 
 
-def test_local_round_uploads_only_trained_tensors(setup):
+def test_a_round_uploads_only_trained_tensors(setup):
     cfg, profile = setup
     cfg = dataclasses.replace(
         cfg, federation=dataclasses.replace(cfg.federation, deadline_includes_upload=False, local_steps=10)
@@ -142,7 +151,7 @@ def test_local_round_uploads_only_trained_tensors(setup):
     data = device_data(cfg, 1)
     deadline = cfg.federation.local_steps * profile.full_step_time
     plan = RoundPlan(server_round=1, strategy="fleet", deadline_s=deadline)
-    res = local_round(cfg, model, slow, data.train, None, plan, 1)
+    res = train_round(cfg, model, slow, data.train, plan)
     m = res.metrics
     params = {n for n, _ in model.named_parameters()}
     trained = [n for n in res.arrays if n in params]
@@ -152,11 +161,9 @@ def test_local_round_uploads_only_trained_tensors(setup):
     assert m["predicted-time-s"] <= deadline + 1e-9
     assert m["rho"] < 0.5
     assert m["full-time-s"] == pytest.approx(cfg.federation.local_steps * slow.full_step_time)
-    assert set(res.state) >= {"optimizer", "personal", "importance"}
+    assert res.state.optimizer and res.state.personal and len(res.state.importance) == m["num-tensors"]
     # FedAvg trains and uploads every tensor
-    full = local_round(
-        cfg, make_model(cfg.model, 0), slow, data.train, None, dataclasses.replace(plan, strategy="fedavg"), 1
-    )
+    full = train_round(cfg, make_model(cfg.model, 0), slow, data.train, dataclasses.replace(plan, strategy="fedavg"))
     assert full.metrics["selected"] == full.metrics["num-tensors"] and full.metrics["rho"] == 1.0
 
 
@@ -174,8 +181,8 @@ def test_window_cover_spends_the_budget_the_window_leaves(setup):
 
     def trained(mode: str) -> tuple[set[str], dict]:
         c = dataclasses.replace(cfg, elastic=dataclasses.replace(cfg.elastic, window=True, window_mode=mode))
-        res = local_round(c, make_model(cfg.model, 0), slow, data, None, plan, 1)
-        return set(res.state["trained"]), res.metrics
+        res = train_round(c, make_model(cfg.model, 0), slow, data, plan)
+        return set(res.state.trained), res.metrics
 
     only, m_only = trained("only")
     cover, m_cover = trained("cover")
@@ -193,7 +200,7 @@ def test_probe_round_meets_the_deadline(setup):
     slow = profile.scaled(2.0)
     deadline = 0.8 * cfg.federation.local_steps * slow.full_step_time
     plan = RoundPlan(server_round=1, strategy="naive", deadline_s=deadline)
-    m = local_round(cfg, make_model(cfg.model, 0), slow, device_data(cfg, 1).train, None, plan, 1).metrics
+    m = train_round(cfg, make_model(cfg.model, 0), slow, device_data(cfg, 1).train, plan).metrics
     assert m["predicted-time-s"] <= deadline + 1e-9
     assert m["predicted-time-s"] >= 2.0 * slow.full_step_time  # the probe was charged
 
@@ -207,13 +214,13 @@ def test_deadline_with_upload_covers_compute_and_upload(setup):
     total_bytes = sum(v.numel() * v.element_size() for v in model.state_dict().values() if v.is_floating_point())
     deadline = fed.local_steps * profile.full_step_time + total_bytes / cfg.devices.bandwidth_bytes_per_s
     data = device_data(cfg, 1).train
-    fast = local_round(cfg, model, profile, data, None, RoundPlan(1, "fleet", deadline), 1).metrics
+    fast = train_round(cfg, model, profile, data, RoundPlan(1, "fleet", deadline)).metrics
     assert fast["selected"] == fast["num-tensors"] and fast["rho"] == 1.0
     assert fast["predicted-time-s"] + fast["bytes-uploaded"] / cfg.devices.bandwidth_bytes_per_s == pytest.approx(
         deadline
     )
     slow = profile.scaled(2.0)
-    m = local_round(cfg, make_model(cfg.model, 0), slow, data, None, RoundPlan(1, "fleet", deadline), 1).metrics
+    m = train_round(cfg, make_model(cfg.model, 0), slow, data, RoundPlan(1, "fleet", deadline)).metrics
     assert 0 < m["selected"] < m["num-tensors"]
     assert m["predicted-time-s"] + m["bytes-uploaded"] / cfg.devices.bandwidth_bytes_per_s <= deadline + 1e-9
 
@@ -245,7 +252,7 @@ def test_round_under_a_memory_budget(setup, tmp_path):
     assert again.profile == memory.profile  # measured once per device, then read back
     memory.budget_bytes = budget = int(0.5 * memory.profile.unconstrained_peak_bytes)
     data = device_data(cfg, 1).train
-    full = local_round(cfg, model, profile, data, None, RoundPlan(1, "fedavg", 0.0), 1, memory).metrics
+    full = train_round(cfg, model, profile, data, RoundPlan(1, "fedavg", 0.0), memory).metrics
     assert full["selected"] == full["num-tensors"]
     assert full["memory-budget-bytes"] == budget and 0 < full["memory-peak-bytes"] <= budget
     assert full["memory-added-s"] > 0
@@ -254,12 +261,12 @@ def test_round_under_a_memory_budget(setup, tmp_path):
     cfg = dataclasses.replace(cfg, federation=dataclasses.replace(cfg.federation, local_steps=10))
     slow = profile.scaled(2.0)
     deadline = 0.8 * cfg.federation.local_steps * slow.full_step_time
-    m = local_round(cfg, make_model(cfg.model, 0), slow, data, None, RoundPlan(1, "naive", deadline), 1, memory).metrics
+    m = train_round(cfg, make_model(cfg.model, 0), slow, data, RoundPlan(1, "naive", deadline), memory).metrics
     assert 0 < m["selected"] < m["num-tensors"] and m["predicted-time-s"] <= deadline + 1e-9
     assert list(tmp_path.glob("spill/*")) == []  # spill files cleaned up
     memory.budget_bytes, memory.plans = 1000, {}
     with pytest.raises(BudgetError, match="memory-budget-mb"):
-        local_round(cfg, make_model(cfg.model, 0), profile, data, None, RoundPlan(1, "fedavg", 0.0), 1, memory)
+        train_round(cfg, make_model(cfg.model, 0), profile, data, RoundPlan(1, "fedavg", 0.0), memory)
 
 
 def test_partitions_are_disjoint_and_hold_out_pretraining_data():
@@ -332,3 +339,64 @@ def test_a_profile_file_is_read_once_per_process_until_it_changes(setup, tmp_pat
     dataclasses.replace(profile, t_fw=profile.t_fw * 3).save(path)
     again = device_profile(cfg, model, {}, tmp_path)
     assert again is not first and again.full_step_time > first.full_step_time
+
+
+def test_device_state_is_a_record_on_disk_and_reads_the_dict_earlier_versions_saved(tmp_path):
+    """The state file is the record's fields as a plain dict (loaded with weights_only); a state saved as the
+    dict of earlier versions loads as the record, and a foreign, damaged or other run's file is ignored."""
+    from fleet.base.atomic import save_torch
+    from fleet.federated.device import DeviceState, load_state, save_state
+
+    path = tmp_path / "state.pt"
+    state = DeviceState(
+        run_tag="t", round=3, rounds_trained=2, importance=[0.5, 1.0], importance_round=3, trained=["a"]
+    )
+    save_state(path, state)
+    assert load_state(path, "t") == state and load_state(path) == state
+    assert load_state(path, "another run") is None
+    old = {"round": 2, "rounds_trained": 1, "optimizer": {"state": {}, "param_groups": []}, "run_tag": "t"}
+    old |= {"personal": {"w": torch.ones(2)}, "importance": [1.0], "importance_round": 2, "trained": []}
+    save_torch(path, old)
+    loaded = load_state(path, "t")
+    assert loaded.rounds_trained == 1 and loaded.trained == [] and torch.equal(loaded.personal["w"], torch.ones(2))
+    save_torch(path, {"round": 2, "importance": "lots", "run_tag": "t"})
+    assert load_state(path, "t") is None
+    save_torch(path, {"round": 2, "importance": [1.0]})  # no run tag: belongs to no run
+    assert load_state(path, "t") is None and load_state(path).round == 2
+    path.write_bytes(b"not a torch file")
+    assert load_state(path, "t") is None
+
+
+def test_a_second_round_starts_from_the_state_the_first_kept(setup):
+    """The next round reads the state the first kept: its importance (not yet due again), its count."""
+    cfg, profile = setup
+    cfg = dataclasses.replace(
+        cfg,
+        federation=dataclasses.replace(cfg.federation, deadline_includes_upload=False, local_steps=10),
+        elastic=dataclasses.replace(cfg.elastic, importance_interval=2),
+    )
+    slow = profile.scaled(2.0)
+    data = device_data(cfg, 1).train
+    plan = RoundPlan(1, "naive", 0.6 * cfg.federation.local_steps * slow.full_step_time)
+    first = train_round(cfg, make_model(cfg.model, 0), slow, data, plan)
+    assert first.state.round == 1 and first.state.rounds_trained == 1 and first.state.importance_round == 1
+    assert 0 < len(first.state.trained) < first.metrics["num-tensors"]
+    again = DeviceRound(cfg, make_model(cfg.model, 0), slow, data, 1, first.state)
+    second = again.train(dataclasses.replace(plan, server_round=2))
+    assert second.metrics["rounds-trained"] == 2 and second.state.importance_round == 1  # interval 2: no probe yet
+    assert second.state.importance == first.state.importance
+
+
+def test_fine_tuning_gets_its_steps_share_of_the_deadline_and_no_upload(setup):
+    from fleet.federated.round import finetune_work, round_work
+
+    cfg, _ = setup
+    cfg = dataclasses.replace(cfg, personalization=dataclasses.replace(cfg.personalization, finetune_steps=3))
+    steps = cfg.federation.local_steps
+    ditto = RoundPlan(4, "ditto", 12.0)
+    assert round_work(cfg, ditto).compute_steps == 2 * steps  # the shared update and the personal model
+    work = finetune_work(cfg, ditto)
+    assert (work.strategy, work.steps, work.models, work.with_upload) == ("naive", 3, 1, False)
+    assert work.deadline_s == pytest.approx(12.0 * 3 / (2 * steps))
+    assert finetune_work(cfg, RoundPlan(4, "fleet", 12.0)).deadline_s == pytest.approx(12.0 * 3 / steps)
+    assert finetune_work(cfg, RoundPlan(4, "fedavg", 12.0)).deadline_s == 0.0  # FedAvg+FT fine-tunes every tensor

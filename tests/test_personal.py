@@ -48,7 +48,7 @@ def test_personal_tensors_are_trained_but_never_appear_in_a_reply(tmp_path, poli
     assert result.metrics[keys.SELECTED] == len(params - personal)  # the reply's trainable tensors, exactly
     assert result.metrics[keys.PERSONAL_SELECTED] == len(params & personal)
     assert result.metrics[keys.BYTES_UPLOADED] == sum(a.numel() * a.element_size() for a in result.arrays.values())
-    mine = result.state["personal"]
+    mine = result.state.personal
     assert any(not torch.equal(mine[n], weights[n]) for n in personal if weights[n].is_floating_point())  # trained
     arrays = {k: v.numpy() for k, v in result.arrays.items()}
     assert upload_problem(arrays, result.metrics[keys.SELECTED], sorted(params), personal) is None
@@ -61,12 +61,12 @@ def test_a_fedbn_device_keeps_its_own_norm_statistics_across_rounds(tmp_path):
     for policy in ("norms", "none"):
         dev, weights = device(tmp_path, policy)
         tasks.train(dev, {k: v.clone() for k, v in weights.items()}, round_config(1))
-        round1 = tasks.load_state(dev.state_dir / tasks.STATE_FILE, "t")["personal"]
+        round1 = tasks.load_state(dev.state_dir / tasks.STATE_FILE, "t").personal
         foreign = {k: v.clone() for k, v in weights.items()}
         foreign["bn1.running_mean"].fill_(7.0)
         foreign["bn1.weight"].fill_(3.0)
         result = tasks.train(dev, foreign, round_config(2))
-        kept[policy] = (round1, result.state["personal"], result.arrays)
+        kept[policy] = (round1, result.state.personal, result.arrays)
     round1, round2, sent = kept["norms"]
     assert round2["bn1.running_mean"].abs().max() < 3.5  # decayed from its own, not from 7.0
     assert torch.allclose(round2["bn1.weight"], round1["bn1.weight"], atol=0.05)  # its own, trained on
@@ -170,14 +170,14 @@ def test_a_ditto_device_keeps_a_personal_model_and_sends_only_its_shared_update(
     )
     config = {**round_config(1), keys.STRATEGY: "ditto"}
     result = tasks.train(ditto, {k: v.clone() for k, v in weights.items()}, config)
-    personal, sent = result.state["personal"], result.arrays
+    personal, sent = result.state.personal, result.arrays
     assert any(not torch.equal(personal[n], sent[n]) for n in sent if n.endswith("weight"))  # two models
     full_step = ditto.profile().full_step_time
     steps = ditto.cfg.federation.local_steps
     assert result.metrics[keys.FULL_TIME_S] == pytest.approx(2 * steps * full_step)  # both models on its clock
     assert result.metrics[keys.PREDICTED_TIME_S] == pytest.approx(2 * steps * full_step)  # no deadline: all trained
     again = tasks.train(ditto, {k: v.clone() for k, v in weights.items()}, {**config, keys.SERVER_ROUND: 2})
-    moved = again.state["personal"]["fc.weight"] - personal["fc.weight"]
+    moved = again.state.personal["fc.weight"] - personal["fc.weight"]
     assert float(moved.abs().max()) > 0  # round 2 trains on from its own personal model
 
 

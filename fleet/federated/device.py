@@ -9,9 +9,11 @@ from __future__ import annotations
 import math
 import re
 import socket
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from fleet.base.atomic import load_torch, save_torch
@@ -220,15 +222,60 @@ def state_dir_of(cfg: FleetConfig, name: str, node_config: dict[str, Any]) -> Pa
 
 # --- device state that must outlive a round --------------------------------
 
+NEVER = -(10**9)  # the round of an importance never probed: any round is due for a probe
 
-def save_state(path: Path, state: dict) -> None:
+
+@dataclass
+class DeviceState:
+    """What a device keeps between rounds in its state directory: in deployment a new ClientApp process
+    starts for every message, so its momentum, importance and personalized weights survive only here.
+
+    On disk it is a plain dict of these fields (``torch.load(weights_only=True)`` reads no classes), with the
+    keys the dict-shaped state of earlier versions had, so a state saved by them loads as this record."""
+
+    run_tag: str | None = None  # the run the state belongs to; another run's state is ignored
+    round: int = 0  # the last round the device trained in
+    rounds_trained: int = 0
+    optimizer: dict | None = None  # the shared model's optimizer state (momentum); None: fresh
+    personal: dict[str, torch.Tensor] | None = None  # its personalized model, every tensor; None: never trained
+    importance: list[float] = field(default_factory=list)  # its last local importance, one per tensor
+    importance_round: int = NEVER  # the round that importance was probed in
+    trained: list[str] | None = None  # the tensors it trained last round; None: no record (keep all momentum)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict, for :func:`save_state`."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, raw: object) -> DeviceState | None:
+        """The state a file held, or None when it is not one (the device then starts afresh rather than
+        failing its round on a damaged or foreign file). Unknown keys are ignored, missing ones default."""
+        if not isinstance(raw, dict):
+            return None
+        names = {f.name for f in fields(cls)}
+        state = cls(**{k: v for k, v in raw.items() if k in names})
+        return state if state.well_formed() else None
+
+    def well_formed(self) -> bool:
+        """Every field of the type it is declared with."""
+        optional = (self.run_tag, str), (self.optimizer, dict), (self.personal, dict), (self.trained, list)
+        return (
+            all(v is None or isinstance(v, t) for v, t in optional)
+            and all(isinstance(v, int) for v in (self.round, self.rounds_trained, self.importance_round))
+            and isinstance(self.importance, list)
+            and all(isinstance(v, float) for v in self.importance)
+        )
+
+
+def save_state(path: Path, state: DeviceState) -> None:
     """Atomic: a device killed mid-write keeps its previous state."""
-    save_torch(path, state)
+    save_torch(path, state.to_dict())
 
 
-def load_state(path: Path, run_tag: str | None = None) -> dict | None:
-    """The device's state from earlier rounds of this run (another run's state is ignored)."""
-    state = load_torch(path)
-    if state is not None and run_tag is not None and state.get("run_tag") != run_tag:
+def load_state(path: Path, run_tag: str | None = None) -> DeviceState | None:
+    """The device's state from earlier rounds of this run (another run's state, or a file that holds no
+    state, is ignored); ``run_tag`` None accepts any run's."""
+    state = DeviceState.from_dict(load_torch(path))
+    if state is not None and run_tag is not None and state.run_tag != run_tag:
         return None
     return state

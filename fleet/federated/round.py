@@ -1,12 +1,20 @@
-"""A device's local work in one round: pick its tensors under its own budget, train, report.
+"""A device's local work for one message: a training round, or fine-tuning before evaluation.
 
-Flower-free: the ClientApp translates the server's Message into a :class:`RoundPlan`
-and the :class:`RoundResult` back into a reply. Selection follows docs/algorithms.md
-section 5: the round deadline ``D`` and the device's own profile give its budget
-(``rho_n = min(1, D / T_full,n)``, less what the round costs anyway: an importance
-probe, the upload), and :meth:`fleet.engine.trainer.Trainer.reselect` makes the selection
-under a :class:`~fleet.engine.policies.SelectionPolicy` (FedEL's window and blending for the
-``fleet`` strategy).
+Flower-free: the ClientApp translates the server's Message into a :class:`RoundPlan` and the
+:class:`RoundResult` back into a reply. A :class:`DeviceRound` holds one device as a message
+finds it (its config, the model holding the global weights and its own personal tensors, its
+profile, data, memory budget and :class:`~fleet.federated.device.DeviceState`) and runs one of
+its modes, each described by a :class:`LocalWork`: how many steps, on how many models, within
+which share of the deadline, with or without the upload in the budget.
+
+* :meth:`DeviceRound.train`: a training round. The round deadline ``D`` and the device's own
+  profile give its budget (docs/algorithms.md section 5: ``rho_n = min(1, D / T_full,n)``, less
+  what the round costs anyway: an importance probe, the upload), and
+  :meth:`fleet.engine.trainer.Trainer.reselect` selects under a
+  :class:`~fleet.engine.policies.SelectionPolicy` (FedEL's window and blending for the ``fleet``
+  strategy). Under Ditto a second step trains the device's personal model.
+* :meth:`DeviceRound.finetune`: the global model fine-tuned before it is scored, elastic like a
+  round but with a fresh optimizer, no probe and nothing uploaded or kept.
 """
 
 from __future__ import annotations
@@ -28,7 +36,10 @@ from fleet.engine.policies import Blend, SelectionPolicy, Window
 from fleet.engine.trainer import RESTORE_PROBE_STEPS, Trainer
 from fleet.federated import keys
 from fleet.federated.config import FleetConfig
+from fleet.federated.device import DeviceState
 from fleet.memory.budgeted import MemoryBudget
+
+PERSONAL_SEED_OFFSET = 7919  # Ditto's personal model draws its batches apart from the shared update's
 
 
 @dataclass
@@ -46,7 +57,7 @@ class RoundPlan:
 class RoundResult:
     arrays: dict[str, torch.Tensor]  # only what the device trained (plus its norm statistics)
     metrics: dict[str, float | int]
-    state: dict  # device state to keep for the next round
+    state: DeviceState  # device state to keep for the next round
 
 
 def compute_steps(cfg: FleetConfig) -> int:
@@ -61,22 +72,61 @@ def full_round_time(cfg: FleetConfig, profile: DeviceProfile) -> float:
     return compute_steps(cfg) * profile.full_step_time
 
 
-def device_rho(cfg: FleetConfig, profile: DeviceProfile, deadline_s: float) -> tuple[float, float]:
-    """(rho, full-training time of this round's local work) from the deadline and the device's profile."""
-    full = full_round_time(cfg, profile)
-    if deadline_s <= 0:
-        return 1.0, full
-    rho = min(1.0, deadline_s / full)
-    floor = min(1.0, profile.min_rho + cfg.elastic.min_rho_margin)  # the Trainer refuses rho below the floor
-    return max(rho, floor), full
+@dataclass(frozen=True)
+class LocalWork:
+    """What one mode of a device's round asks of it; its budget and selection follow from this alone."""
+
+    strategy: str  # how tensors are chosen: fleet (FedEL's window and blending), naive, ditto, fedavg
+    steps: int  # local steps of each model
+    models: int  # models trained on those steps: 2 under Ditto (the shared update and the personal model)
+    deadline_s: float  # this work's share of the round deadline; <= 0: none, every tensor is trained
+    with_upload: bool  # the upload is paid out of ``deadline_s`` (federation.deadline_includes_upload)
+
+    @property
+    def compute_steps(self) -> int:
+        """Steps the device computes, every model's."""
+        return self.steps * self.models
+
+    def full_time_s(self, profile: DeviceProfile) -> float:
+        """Seconds the work takes on this device when it trains every tensor."""
+        return self.compute_steps * profile.full_step_time
 
 
-def step_budget(cfg: FleetConfig, profile: DeviceProfile, round_budget_s: float) -> float:
-    """Backward seconds per local step when the round's local work may take ``round_budget_s``
-    (the deadline minus what the device must spend anyway: an importance probe, norm statistics'
-    upload). Never below the device's floor (forward pass plus ``min_rho_margin`` of a full step)."""
-    per_step = round_budget_s / compute_steps(cfg) - profile.forward_time
-    floor = min(1.0, profile.min_rho + cfg.elastic.min_rho_margin) * profile.full_step_time - profile.forward_time
+def round_work(cfg: FleetConfig, plan: RoundPlan) -> LocalWork:
+    """A training round: ``federation.local_steps`` on the shared model, as many again on the personal one
+    under Ditto, within the whole deadline (none under FedAvg, which trains fully)."""
+    ditto = plan.strategy == "ditto"
+    return LocalWork(
+        strategy=plan.strategy,
+        steps=cfg.federation.local_steps,
+        models=2 if ditto else 1,
+        deadline_s=plan.deadline_s if plan.strategy != "fedavg" else 0.0,
+        with_upload=cfg.federation.deadline_includes_upload,
+    )
+
+
+def finetune_work(cfg: FleetConfig, plan: RoundPlan) -> LocalWork:
+    """Fine-tuning before evaluation: ``personalization.finetune_steps`` on one model (under Ditto too: the
+    global model is fine-tuned, its tensors chosen as ``naive`` chooses), within the share of the deadline
+    a round gives that many steps; nothing is uploaded, so no upload is in its budget."""
+    strategy = "naive" if plan.strategy == "ditto" else plan.strategy
+    steps = cfg.personalization.finetune_steps
+    share = plan.deadline_s * steps / round_work(cfg, plan).compute_steps
+    return LocalWork(strategy, steps, 1, share if strategy != "fedavg" else 0.0, with_upload=False)
+
+
+def rho_floor(cfg: FleetConfig, profile: DeviceProfile) -> float:
+    """The least fraction of a full step a device's selection may cost: its forward pass (no selection is
+    cheaper) plus ``elastic.min_rho_margin``, so something is left to train however short the deadline."""
+    return min(1.0, profile.min_rho + cfg.elastic.min_rho_margin)
+
+
+def step_budget(cfg: FleetConfig, profile: DeviceProfile, work_budget_s: float, compute_steps: int) -> float:
+    """Backward seconds per local step when ``compute_steps`` steps may take ``work_budget_s`` (the deadline
+    minus what the device must spend anyway: an importance probe, norm statistics' upload). Never below the
+    device's floor (:func:`rho_floor` of a full step, less its forward pass)."""
+    per_step = work_budget_s / compute_steps - profile.forward_time
+    floor = rho_floor(cfg, profile) * profile.full_step_time - profile.forward_time
     return max(per_step, floor)
 
 
@@ -125,48 +175,50 @@ class RoundBudget:
 
 
 def round_budget(
-    cfg: FleetConfig, trainer: Trainer, plan: RoundPlan, personal: frozenset[str] = frozenset()
+    cfg: FleetConfig, trainer: Trainer, plan: RoundPlan, work: LocalWork, personal: frozenset[str] = frozenset()
 ) -> RoundBudget:
-    """A personal tensor costs compute like any other but no upload: it never leaves the device."""
-    fed = cfg.federation
-    full = full_round_time(cfg, trainer.profile)
-    deadline = plan.deadline_s if plan.strategy != "fedavg" else 0.0
-    if not fed.deadline_includes_upload:
-        return RoundBudget(deadline, full, [0.0] * len(trainer.names), 0.0)
+    """What ``work`` may cost on this device. A personal tensor costs compute like any other but no
+    upload: it never leaves the device."""
+    full = work.full_time_s(trainer.profile)
+    if not work.with_upload:
+        return RoundBudget(work.deadline_s, full, [0.0] * len(trainer.names), 0.0)
     buffers = sum(b.numel() * b.element_size() for n, b in float_buffers(trainer.model).items() if n not in personal)
     bandwidth = plan.bandwidth_bytes_per_s or cfg.devices.bandwidth_bytes_per_s
     upload = [0.0 if n in personal else s for n, s in zip(trainer.names, tensor_upload_s(trainer.params, bandwidth))]
-    return RoundBudget(deadline, full, upload, buffers / bandwidth)
+    return RoundBudget(work.deadline_s, full, upload, buffers / bandwidth)
+
+
+def round_seed(cfg: FleetConfig, server_round: int, device_seed: int) -> int:
+    """Seeds a round's batch order: another each round and on each device, the same on a rerun."""
+    return cfg.train.seed + 1000 * server_round + device_seed
 
 
 def round_trainer(
-    cfg: FleetConfig,
-    model: nn.Module,
-    profile: DeviceProfile,
-    memory: MemoryBudget | None,
-    plan: RoundPlan,
-    device_seed: int,
-    prev_state: dict,
+    cfg: FleetConfig, model: nn.Module, profile: DeviceProfile, memory: MemoryBudget | None, seed: int
 ) -> Trainer:
-    """The round's trainer, with the device's momentum from earlier rounds (stale entries dropped)."""
-    seed = cfg.train.seed + 1000 * plan.server_round + device_seed
+    """A trainer for a round's model with a fresh optimizer. It trains ``full`` (every tensor) until the
+    round's :class:`~fleet.engine.policies.SelectionPolicy` selects, so ``train.method`` and ``train.rho``
+    (``fleet train``'s) play no part on a device."""
     train = dataclasses.replace(cfg.train, method="full", seed=seed)
-    trainer = Trainer(model, train, profile, memory, input_size=cfg.data.input_size)
-    if "optimizer" in prev_state:
+    return Trainer(model, train, profile, memory, input_size=cfg.data.input_size)
+
+
+def restore_momentum(trainer: Trainer, state: DeviceState) -> None:
+    """The device's momentum from earlier rounds, less that of tensors it did not train last round."""
+    if state.optimizer is not None:
         try:
-            trainer.optimizer.load_state_dict(prev_state["optimizer"])
+            trainer.optimizer.load_state_dict(state.optimizer)
         except (ValueError, KeyError, RuntimeError):
             pass  # another model layout: start with fresh momentum
-    drop_stale_momentum(trainer.optimizer, trainer.names, trainer.params, prev_state.get("trained"))
-    return trainer
+    drop_stale_momentum(trainer.optimizer, trainer.names, trainer.params, state.trained)
 
 
 def round_policy(
-    cfg: FleetConfig, trainer: Trainer, plan: RoundPlan, budget: RoundBudget, probe_cost: float
+    cfg: FleetConfig, trainer: Trainer, plan: RoundPlan, work: LocalWork, budget: RoundBudget, probe_cost: float
 ) -> SelectionPolicy:
     """The device's selection policy: its deadline as a budget, each tensor's upload as a cost,
     and for the ``fleet`` strategy FedEL's blending and window."""
-    fleet = plan.strategy == "fleet"
+    fleet = work.strategy == "fleet"
     blend = (
         Blend(plan.global_importance, cfg.elastic.blend_beta)
         if fleet and cfg.elastic.blend_beta is not None and plan.global_importance
@@ -184,9 +236,10 @@ def round_policy(
             cfg.elastic.window_mode,
             cfg.elastic.window_fit,
         )
+    steps = work.compute_steps
     return SelectionPolicy(
-        budget_s=step_budget(cfg, trainer.profile, budget.deadline_s - probe_cost - budget.buffers_s),
-        extra_costs=[u / compute_steps(cfg) for u in budget.upload_s],  # a tensor's upload, spread over the steps
+        budget_s=step_budget(cfg, trainer.profile, budget.deadline_s - probe_cost - budget.buffers_s, steps),
+        extra_costs=[u / steps for u in budget.upload_s],  # a tensor's upload, spread over the steps
         blend=blend,
         window=window,
         charge_memory=True,
@@ -201,93 +254,46 @@ def probe_pays(budget: RoundBudget, probe_s: float) -> bool:
     return shortfall > probe_s
 
 
+@dataclass
+class Importance:
+    """A device's local importance, one per tensor, and the round it was probed in."""
+
+    values: list[float]
+    probed_round: int
+
+
 def select_for_round(
     cfg: FleetConfig,
     trainer: Trainer,
-    train: ArrayDataset,
+    data: ArrayDataset,
     plan: RoundPlan,
-    prev_state: dict,
-    personal: frozenset[str] = frozenset(),
-) -> tuple[float, list[float], int]:
-    """Select this round's tensors through :meth:`Trainer.reselect`; returns (probe cost in
-    simulated seconds, the local importance, the round it was probed in)."""
-    budget = round_budget(cfg, trainer, plan, personal)
-    importance = [float(v) for v in prev_state.get("importance", [])]
-    imp_round = int(prev_state.get("importance_round", -(10**9)))
+    work: LocalWork,
+    budget: RoundBudget,
+    last: Importance,
+) -> tuple[float, Importance]:
+    """Select a training round's tensors through :meth:`Trainer.reselect`, probing importance when it is
+    due and pays (else reusing ``last``); returns (the probe's cost in simulated seconds, the importance)."""
     if budget.trains_fully:  # the round's trainer starts with every tensor selected (method "full")
-        return 0.0, importance, imp_round
+        return 0.0, last
+    importance = last
     probe_cost = 0.0
-    known = len(importance) == len(trainer.names)
-    due = not known or plan.server_round - imp_round >= cfg.elastic.importance_interval
+    known = len(last.values) == len(trainer.names)
+    due = not known or plan.server_round - last.probed_round >= cfg.elastic.importance_interval
     probe_s = RESTORE_PROBE_STEPS * (trainer.profile.full_step_time + trainer.memory_added_s())
     if due and (probe_pays(budget, probe_s) or not cfg.elastic.probe_only_when_it_pays):
-        importance = trainer.probe_importance(trainer.probe_batch(train))
-        imp_round = plan.server_round
+        importance = Importance(trainer.probe_importance(trainer.probe_batch(data)), plan.server_round)
         probe_cost = probe_s
     elif not known:
-        importance = [1.0] * len(trainer.names)  # no probe yet: the DP keeps as many tensors as fit
-    trainer.reselect(importance=importance, policy=round_policy(cfg, trainer, plan, budget, probe_cost))
-    return probe_cost, importance, imp_round
+        importance = Importance([1.0] * len(trainer.names), last.probed_round)  # the DP keeps as many as fit
+    policy = round_policy(cfg, trainer, plan, work, budget, probe_cost)
+    trainer.reselect(importance=importance.values, policy=policy)
+    return probe_cost, importance
 
 
 def train_steps(trainer: Trainer, train: ArrayDataset, steps: int) -> list[float]:
     """``steps`` local steps, re-shuffling on every pass over the device's data."""
     endless = (xy for _ in itertools.count() for xy in trainer.shuffled_batches(train))
     return [trainer.train_step(x, y) for x, y in itertools.islice(endless, steps)]
-
-
-def local_round(
-    cfg: FleetConfig,
-    model: nn.Module,
-    profile: DeviceProfile,
-    train: ArrayDataset,
-    prev_state: dict | None,
-    plan: RoundPlan,
-    device_seed: int,
-    memory: MemoryBudget | None = None,
-    personal: frozenset[str] = frozenset(),
-) -> RoundResult:
-    """Train ``model`` (already holding the global weights, and the device's own ``personal`` tensors)
-    for ``federation.local_steps`` batches; the reply's arrays leave the personal tensors out.
-
-    With ``memory``, every step (and the importance probe) follows a keep/recompute/page
-    plan for the device's activation budget, and the time the plan adds counts against
-    the deadline: when it would overrun, the selection is made again with that much less.
-    """
-    prev_state = prev_state or {}
-    ditto = plan.strategy == "ditto"
-    start = {n: t.detach().clone() for n, t in model.state_dict().items()} if ditto else {}  # the global model
-    trainer = round_trainer(cfg, model, profile, memory, plan, device_seed, prev_state)
-    started = time.perf_counter()
-    probe_cost, importance, imp_round = select_for_round(cfg, trainer, train, plan, prev_state, personal)
-    mask = trainer.mask
-    added_s = trainer.memory_added_s()  # raises BudgetError (one line) if no plan fits
-    steps = cfg.federation.local_steps if any(mask) else 0
-    losses = train_steps(trainer, train, steps)
-    own = ditto_personal(cfg, start, prev_state, trainer, train, plan, device_seed, steps) if ditto else None
-    measured = time.perf_counter() - started
-    predicted = (2 if ditto else 1) * steps * (profile.step_time(mask) + added_s) + probe_cost
-    arrays = upload(trainer, steps, personal)
-    metrics = round_metrics(cfg, trainer, len(train), arrays, losses, predicted, measured, personal)
-    if memory is not None:
-        metrics.update(
-            {
-                keys.MEMORY_BUDGET_BYTES: memory.budget_bytes,
-                keys.MEMORY_PEAK_BYTES: memory.peak_bytes,
-                keys.MEMORY_ADDED_S: added_s,
-            }
-        )
-    metrics[keys.ROUNDS_TRAINED] = int(prev_state.get("rounds_trained", 0)) + 1
-    state = {
-        "round": plan.server_round,
-        "rounds_trained": metrics[keys.ROUNDS_TRAINED],
-        "optimizer": trainer.optimizer.state_dict(),
-        "personal": own if own is not None else {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "importance": [float(v) for v in importance],
-        "importance_round": imp_round,
-        "trained": [n for n, m in zip(trainer.names, mask) if m] if steps else [],
-    }
-    return RoundResult(arrays, metrics, state)
 
 
 def upload(trainer: Trainer, steps: int, personal: frozenset[str]) -> dict[str, torch.Tensor]:
@@ -300,79 +306,162 @@ def upload(trainer: Trainer, steps: int, personal: frozenset[str]) -> dict[str, 
     return arrays
 
 
-def ditto_personal(
-    cfg: FleetConfig,
-    start: dict[str, torch.Tensor],
-    prev_state: dict,
-    shared: Trainer,
-    train: ArrayDataset,
-    plan: RoundPlan,
-    device_seed: int,
-    steps: int,
-) -> dict[str, torch.Tensor]:
-    """Ditto's second model: the device's personal model (its own from earlier rounds, else the global
-    one it got) trained on the same tensors and as many steps as the shared update, with the proximal
-    term ``ditto_lambda / 2 * ||v - w||^2`` pulling it toward the global model ``start`` it began the
-    round from. Returns its weights, which the device keeps and is evaluated on; it is never sent.
-
-    Its compute is the shared update's again, which the round's budget already covers (compute_steps);
-    a memory plan's added time counts the same for both. Its momentum starts fresh each round: Ditto's
-    personal solver is local SGD on the device's objective plus the proximal term, round by round."""
-    initial = prev_state.get("personal") or start
-    personal = model_with_weights(cfg.model, {k: t.clone() for k, t in initial.items()})
-    trainer = round_trainer(cfg, personal, shared.profile, None, plan, device_seed + 7919, {})
-    trainer.set_mask(shared.mask)
-    trainer.set_anchor(start, cfg.personalization.ditto_lambda)
-    train_steps(trainer, train, steps)
-    return {k: t.detach().clone() for k, t in personal.state_dict().items()}
+def weights_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of every tensor of ``model``'s state."""
+    return {k: t.detach().clone() for k, t in model.state_dict().items()}
 
 
-def finetune(
-    cfg: FleetConfig,
-    model: nn.Module,
-    profile: DeviceProfile,
-    train: ArrayDataset,
-    prev_state: dict | None,
-    plan: RoundPlan,
-    device_seed: int,
-    memory: MemoryBudget | None = None,
-    personal: frozenset[str] = frozenset(),
-) -> float:
-    """Fine-tune ``model`` (the global model, about to be scored) in place for ``personalization.finetune_steps``
-    local steps; returns the simulated seconds it took on this device.
+@dataclass(frozen=True)
+class RoundTimes:
+    """A training round's seconds."""
 
-    Elastic like a round: the steps get the same share of the deadline a round's steps get, and the
-    selection is made with the device's last importance (no probe: fine-tuning is meant to be cheap;
-    a device that never probed keeps as many tensors as fit). Nothing uploads, nothing is kept: a
-    fresh optimizer, and the caller throws the model away after scoring it."""
-    fed = cfg.federation
-    steps = cfg.personalization.finetune_steps
-    strategy = "naive" if plan.strategy == "ditto" else plan.strategy  # one model is fine-tuned, even under Ditto
-    ft_fed = dataclasses.replace(fed, local_steps=steps, deadline_includes_upload=False, strategy=strategy)
-    ft_cfg = dataclasses.replace(cfg, federation=ft_fed)
-    n = sum(1 for p in model.parameters() if p.requires_grad)
-    importance = list((prev_state or {}).get("importance", [])) or [1.0] * n
-    prev = {"importance": importance, "importance_round": plan.server_round}
-    ft_plan = dataclasses.replace(plan, strategy=strategy, deadline_s=plan.deadline_s * steps / compute_steps(cfg))
-    result = local_round(ft_cfg, model, profile, train, prev, ft_plan, device_seed, memory, personal)
-    return float(result.metrics[keys.PREDICTED_TIME_S])
+    predicted_s: float  # simulated, on this device: every model's steps under its memory plan, and the probe
+    measured_s: float  # wall clock of the selection and the steps
+    added_s: float  # what a step's memory plan adds (0 without a budget)
+
+
+@dataclass
+class Trained:
+    """What a training round's steps left: the shared model's trainer, how many steps it took and their
+    losses, the importance it selected by, and the personal model Ditto trained beside it (None otherwise)."""
+
+    trainer: Trainer
+    steps: int
+    losses: list[float]
+    importance: Importance
+    times: RoundTimes
+    personal_model: dict[str, torch.Tensor] | None
+
+
+@dataclass
+class DeviceRound:
+    """One device as a message finds it, and its local work in each mode: :meth:`train` (a training round,
+    Ditto's personal model one step of it) and :meth:`finetune` (the global model fine-tuned before it is
+    scored). The state it starts from is the device's; :meth:`train` returns the state to keep."""
+
+    cfg: FleetConfig
+    model: nn.Module  # the global weights with the device's own personal tensors over them; trained in place
+    profile: DeviceProfile  # its own, times its tier
+    data: ArrayDataset  # its training split
+    device_seed: int  # seeds its batch order (with the round)
+    state: DeviceState = field(default_factory=DeviceState)  # from its earlier rounds of this run
+    memory: MemoryBudget | None = None  # its activation memory plan; None: unlimited
+    personal: frozenset[str] = frozenset()  # tensors it keeps to itself (personalization.policy): never uploaded
+
+    def train(self, plan: RoundPlan) -> RoundResult:
+        """Train for ``federation.local_steps`` batches within the deadline; the reply's arrays leave the
+        personal tensors out.
+
+        With a memory budget, every step (and the importance probe) follows a keep/recompute/page plan for
+        the device's activation budget, and the time the plan adds counts against the deadline: when it
+        would overrun, the selection is made again with that much less."""
+        done = self._train_models(plan)
+        arrays = upload(done.trainer, done.steps, self.personal)
+        work = round_work(self.cfg, plan)
+        metrics = round_metrics(done, work, len(self.data), arrays, self.personal)
+        if self.memory is not None:
+            metrics[keys.MEMORY_BUDGET_BYTES] = self.memory.budget_bytes
+            metrics[keys.MEMORY_PEAK_BYTES] = self.memory.peak_bytes
+            metrics[keys.MEMORY_ADDED_S] = done.times.added_s
+        state = self._next_state(plan, done)
+        metrics[keys.ROUNDS_TRAINED] = state.rounds_trained
+        return RoundResult(arrays, metrics, state)
+
+    def _train_models(self, plan: RoundPlan) -> Trained:
+        """Select within the round's budget and take the round's steps on the shared model (and, under
+        Ditto, on the personal model: its compute is the shared update's again, which the budget covers)."""
+        cfg, work = self.cfg, round_work(self.cfg, plan)
+        ditto = plan.strategy == "ditto"
+        start = weights_of(self.model) if ditto else {}  # the global model
+        trainer = round_trainer(
+            cfg, self.model, self.profile, self.memory, round_seed(cfg, plan.server_round, self.device_seed)
+        )
+        restore_momentum(trainer, self.state)
+        started = time.perf_counter()
+        budget = round_budget(cfg, trainer, plan, work, self.personal)
+        last = Importance(list(self.state.importance), self.state.importance_round)
+        probe_cost, importance = select_for_round(cfg, trainer, self.data, plan, work, budget, last)
+        mask = trainer.mask
+        added_s = trainer.memory_added_s()  # raises BudgetError (one line) if no plan fits
+        steps = work.steps if any(mask) else 0
+        losses = train_steps(trainer, self.data, steps)
+        own = self._train_personal(plan, start, mask, steps) if ditto else None
+        measured = time.perf_counter() - started
+        predicted = work.models * steps * (self.profile.step_time(mask) + added_s) + probe_cost
+        return Trained(trainer, steps, losses, importance, RoundTimes(predicted, measured, added_s), own)
+
+    def _train_personal(
+        self, plan: RoundPlan, start: dict[str, torch.Tensor], mask: list[bool], steps: int
+    ) -> dict[str, torch.Tensor]:
+        """Ditto's second model: the device's personal model (its own from earlier rounds, else the global
+        one it got) trained on the same tensors and as many steps as the shared update, with the proximal
+        term ``ditto_lambda / 2 * ||v - w||^2`` pulling it toward the global model ``start`` it began the
+        round from. Returns its weights, which the device keeps and is evaluated on; it is never sent.
+
+        A memory plan's added time counts the same for both models. Its momentum starts fresh each round:
+        Ditto's personal solver is local SGD on the device's objective plus the proximal term, round by round."""
+        cfg = self.cfg
+        initial = self.state.personal or start
+        model = model_with_weights(cfg.model, {k: t.clone() for k, t in initial.items()})
+        seed = round_seed(cfg, plan.server_round, self.device_seed + PERSONAL_SEED_OFFSET)
+        trainer = round_trainer(cfg, model, self.profile, None, seed)
+        trainer.set_mask(mask)
+        trainer.set_anchor(start, cfg.personalization.ditto_lambda)
+        train_steps(trainer, self.data, steps)
+        return weights_of(model)
+
+    def _next_state(self, plan: RoundPlan, done: Trained) -> DeviceState:
+        """What the device keeps after this round: momentum, importance, the tensors it trained, and its
+        personalized model (Ditto's personal model, else the model it just trained)."""
+        trainer = done.trainer
+        return DeviceState(
+            run_tag=self.state.run_tag,
+            round=plan.server_round,
+            rounds_trained=self.state.rounds_trained + 1,
+            optimizer=trainer.optimizer.state_dict(),
+            personal=done.personal_model if done.personal_model is not None else weights_of(self.model),
+            importance=[float(v) for v in done.importance.values],
+            importance_round=done.importance.probed_round,
+            trained=[n for n, m in zip(trainer.names, trainer.mask) if m] if done.steps else [],
+        )
+
+    def finetune(self, plan: RoundPlan) -> float:
+        """Fine-tune the model (the global model, about to be scored) in place for
+        ``personalization.finetune_steps`` steps (:func:`finetune_work`); returns the simulated seconds it
+        took on this device.
+
+        Elastic like a round, but cheap and leaving nothing behind: no probe (the selection uses the
+        device's last importance; a device that never probed keeps as many tensors as fit), a fresh
+        optimizer, nothing uploaded; the caller throws the model away after scoring it."""
+        cfg, work = self.cfg, finetune_work(self.cfg, plan)
+        trainer = round_trainer(
+            cfg, self.model, self.profile, self.memory, round_seed(cfg, plan.server_round, self.device_seed)
+        )
+        budget = round_budget(cfg, trainer, plan, work, self.personal)
+        if not budget.trains_fully:
+            last = self.state.importance
+            importance = list(last) if len(last) == len(trainer.names) else [1.0] * len(trainer.names)
+            trainer.reselect(importance=importance, policy=round_policy(cfg, trainer, plan, work, budget, 0.0))
+        mask = trainer.mask
+        added_s = trainer.memory_added_s()  # raises BudgetError (one line) if no plan fits
+        steps = work.steps if any(mask) else 0
+        train_steps(trainer, self.data, steps)
+        return float(work.models * steps * (self.profile.step_time(mask) + added_s))
 
 
 def round_metrics(
-    cfg: FleetConfig,
-    trainer: Trainer,
+    done: Trained,
+    work: LocalWork,
     num_examples: int,
     arrays: dict[str, torch.Tensor],
-    losses: list[float],
-    predicted: float,
-    measured: float,
     personal: frozenset[str] = frozenset(),
 ) -> dict[str, float | int]:
-    """The reply's metrics (see :mod:`fleet.federated.keys`); ``selected`` counts the shared tensors the
-    reply carries, ``personal-selected`` the personal ones trained (only with personal tensors)."""
+    """The reply's metrics (see :mod:`fleet.federated.keys`); ``selected`` counts the shared tensors the reply
+    carries, ``personal-selected`` the personal ones trained (only with personal tensors)."""
+    trainer, predicted, losses = done.trainer, done.times.predicted_s, done.losses
     profile, mask, params = trainer.profile, trainer.mask, trainer.params
     chosen = [n for n, m in zip(trainer.names, mask) if m]
-    full_time = full_round_time(cfg, profile)
+    full_time = work.full_time_s(profile)
     trained = sum(p.numel() for p, m in zip(params, mask) if m)
     return {
         keys.TIER: profile.speed_factor,
@@ -383,7 +472,7 @@ def round_metrics(
         keys.TRAINED_FRACTION: float(trained / sum(p.numel() for p in params)),
         keys.RHO: profile.step_time(mask) / profile.full_step_time,
         keys.PREDICTED_TIME_S: predicted,
-        keys.MEASURED_TIME_S: measured,
+        keys.MEASURED_TIME_S: done.times.measured_s,
         keys.FULL_TIME_S: full_time,
         keys.SPEEDUP: full_time / predicted if predicted > 0 else 0.0,
         keys.BYTES_UPLOADED: int(sum(a.numel() * a.element_size() for a in arrays.values())),

@@ -28,6 +28,7 @@ from fleet.federated import keys
 from fleet.federated.classes import bandwidth_of
 from fleet.federated.config import FleetConfig
 from fleet.federated.device import (
+    DeviceState,
     data_root_of,
     device_memory,
     device_name_of,
@@ -40,7 +41,7 @@ from fleet.federated.device import (
     tier_of,
 )
 from fleet.federated.personal import overlay_personal, personal_names
-from fleet.federated.round import RoundPlan, RoundResult, finetune, full_round_time, local_round
+from fleet.federated.round import DeviceRound, RoundPlan, RoundResult, full_round_time
 from fleet.federated.split import DeviceData, device_data, own_device_data
 from fleet.memory.budgeted import MemoryBudget
 
@@ -129,12 +130,12 @@ def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[s
     profile, memory = device_setup(device, model)
     run_tag = str(config.get(keys.RUN_TAG, ""))
     state_path = device.state_dir / STATE_FILE
-    state = load_state(state_path, run_tag)
+    state = load_state(state_path, run_tag) or DeviceState(run_tag=run_tag)
     personal = personal_names(model, cfg.personalization.policy)
-    overlay_personal(model, personal, (state or {}).get("personal"))
-    result = local_round(cfg, model, profile, device.data().train, state, plan, device.seed, memory, personal)
+    overlay_personal(model, personal, state.personal)
+    result = DeviceRound(cfg, model, profile, device.data().train, device.seed, state, memory, personal).train(plan)
     result.metrics.update(device.identity())
-    save_state(state_path, {**result.state, "run_tag": run_tag})
+    save_state(state_path, result.state)
     return result
 
 
@@ -157,22 +158,21 @@ def evaluate(
     run_tag = None if config is None else str(config.get(keys.RUN_TAG, ""))
     data = device.data()
     model = device.model(weights)
-    state = load_state(device.state_dir / STATE_FILE, run_tag)
+    state = load_state(device.state_dir / STATE_FILE, run_tag) or DeviceState(run_tag=run_tag)
     # the device's model is the global shared tensors plus its own personal ones (personalization.policy)
     personal = personal_names(model, cfg.personalization.policy)
-    overlay_personal(model, personal, (state or {}).get("personal"))
+    overlay_personal(model, personal, state.personal)
     out: dict[str, float | int] = {**device.identity(), keys.NUM_EXAMPLES: len(data.test)}
     out[keys.GLOBAL_ACCURACY] = global_acc = accuracy(model, data.test, cfg.data.input_size)
     if cfg.personalization.finetune_steps and config is not None and keys.SERVER_ROUND in config:
         plan = round_plan(config, cfg.federation.strategy)
         profile, memory = device_setup(device, model)
-        out[keys.FINETUNE_TIME_S] = finetune(
-            cfg, model, profile, data.train, state, plan, device.seed, memory, personal
-        )
+        device_round = DeviceRound(cfg, model, profile, data.train, device.seed, state, memory, personal)
+        out[keys.FINETUNE_TIME_S] = device_round.finetune(plan)
         out[keys.FINETUNED_ACCURACY] = accuracy(model, data.test, cfg.data.input_size)
     out[keys.PERSONAL_ACCURACY] = global_acc  # a device that never trained is personalized to nothing yet
-    if state and "personal" in state:
-        model.load_state_dict(state["personal"], strict=True)
+    if state.personal is not None:
+        model.load_state_dict(state.personal, strict=True)
         out[keys.PERSONAL_ACCURACY] = accuracy(model, data.test, cfg.data.input_size)
     out[keys.EVAL_TIME_S] = time.perf_counter() - started
     return out

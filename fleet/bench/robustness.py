@@ -17,6 +17,7 @@ over the run, ``rounds`` the rounds done.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -34,15 +35,6 @@ from fleet.federated.tracking import SUMMARY_FILE
 DEFAULT_CONFIG = "simulations/robustness.yaml"
 REPORT_FILE = "robustness.json"
 ADVERSARY_APP = "fleet.bench.adversary_app:app"
-DEFENSE_FIELDS = (
-    "aggregation",
-    "trim_fraction",
-    "norm_bound",
-    "norm_action",
-    "min_pull",
-    "max_samples_per_device",
-    "time_band",
-)
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -167,7 +159,7 @@ def bench_robustness(
         "rounds": fed.rounds,
         "strategy": fed.strategy,
         "aggregation": base.robust.aggregation,
-        "defenses": {f: getattr(fed, f) for f in DEFENSE_FIELDS},
+        "defenses": dataclasses.asdict(base.robust),  # the robust section as it is, every field
         "final_accuracy_is": f"mean over the last {FINAL_ROUNDS} rounds of the global model's accuracy on the "
         f"server's test set ({base.data.test_per_class} per class, evaluation.server_test)",
         "honest_device_accuracy_is": f"the same mean of the global accuracy on the test splits of the devices "

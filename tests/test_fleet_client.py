@@ -12,9 +12,11 @@ from fleet.base.errors import BudgetError, ConfigError
 from fleet.engine.experiment import make_model
 from fleet.engine.models import model_meta
 from fleet.engine.policies import blend_importance, fitted_window_mask, select_in_window, window_mask, window_position
+from fleet.federated.aggregate import round_deadline
 from fleet.federated.config import fleet_config_from_dict, load_fleet_config
 from fleet.federated.device import device_memory, memory_budget_of
-from fleet.federated.round import DeviceRound, RoundPlan, RoundResult, drop_stale_momentum, rho_floor, step_budget
+from fleet.federated.records import TrainOrder
+from fleet.federated.round import DeviceRound, RoundResult, drop_stale_momentum, rho_floor, step_budget
 from fleet.federated.split import device_data, fleet_indices
 from tests.conftest import proportional_profile
 
@@ -150,7 +152,7 @@ def test_a_round_uploads_only_trained_tensors(setup):
     model = make_model(cfg.model, 0)
     data = device_data(cfg, 1)
     deadline = cfg.federation.local_steps * profile.full_step_time
-    plan = RoundPlan(server_round=1, strategy="fleet", deadline_s=deadline)
+    plan = TrainOrder(server_round=1, strategy="fleet", deadline_s=deadline)
     res = train_round(cfg, model, slow, data.train, plan)
     m = res.metrics
     params = {n for n, _ in model.named_parameters()}
@@ -162,8 +164,9 @@ def test_a_round_uploads_only_trained_tensors(setup):
     assert m["rho"] < 0.5
     assert m["full-time-s"] == pytest.approx(cfg.federation.local_steps * slow.full_step_time)
     assert res.state.optimizer and res.state.personal and len(res.state.importance) == m["num-tensors"]
-    # FedAvg trains and uploads every tensor
-    full = train_round(cfg, make_model(cfg.model, 0), slow, data.train, dataclasses.replace(plan, strategy="fedavg"))
+    # FedAvg trains and uploads every tensor: its order carries no deadline (aggregate.round_deadline decides so)
+    fedavg = dataclasses.replace(plan, strategy="fedavg", deadline_s=round_deadline("fedavg", None, 1.0, {"n": 1.0}))
+    full = train_round(cfg, make_model(cfg.model, 0), slow, data.train, fedavg)
     assert full.metrics["selected"] == full.metrics["num-tensors"] and full.metrics["rho"] == 1.0
 
 
@@ -177,7 +180,7 @@ def test_window_cover_spends_the_budget_the_window_leaves(setup):
     slow = profile.scaled(2.0)
     deadline = 0.7 * cfg.federation.local_steps * slow.full_step_time
     data = device_data(cfg, 1).train
-    plan = RoundPlan(server_round=3, strategy="fleet", deadline_s=deadline)  # the window's input-side position
+    plan = TrainOrder(server_round=3, strategy="fleet", deadline_s=deadline)  # the window's input-side position
 
     def trained(mode: str) -> tuple[set[str], dict]:
         c = dataclasses.replace(cfg, elastic=dataclasses.replace(cfg.elastic, window=True, window_mode=mode))
@@ -199,7 +202,7 @@ def test_probe_round_meets_the_deadline(setup):
     )
     slow = profile.scaled(2.0)
     deadline = 0.8 * cfg.federation.local_steps * slow.full_step_time
-    plan = RoundPlan(server_round=1, strategy="naive", deadline_s=deadline)
+    plan = TrainOrder(server_round=1, strategy="naive", deadline_s=deadline)
     m = train_round(cfg, make_model(cfg.model, 0), slow, device_data(cfg, 1).train, plan).metrics
     assert m["predicted-time-s"] <= deadline + 1e-9
     assert m["predicted-time-s"] >= 2.0 * slow.full_step_time  # the probe was charged
@@ -214,13 +217,13 @@ def test_deadline_with_upload_covers_compute_and_upload(setup):
     total_bytes = sum(v.numel() * v.element_size() for v in model.state_dict().values() if v.is_floating_point())
     deadline = fed.local_steps * profile.full_step_time + total_bytes / cfg.devices.bandwidth_bytes_per_s
     data = device_data(cfg, 1).train
-    fast = train_round(cfg, model, profile, data, RoundPlan(1, "fleet", deadline)).metrics
+    fast = train_round(cfg, model, profile, data, TrainOrder(1, "fleet", deadline)).metrics
     assert fast["selected"] == fast["num-tensors"] and fast["rho"] == 1.0
     assert fast["predicted-time-s"] + fast["bytes-uploaded"] / cfg.devices.bandwidth_bytes_per_s == pytest.approx(
         deadline
     )
     slow = profile.scaled(2.0)
-    m = train_round(cfg, make_model(cfg.model, 0), slow, data, RoundPlan(1, "fleet", deadline)).metrics
+    m = train_round(cfg, make_model(cfg.model, 0), slow, data, TrainOrder(1, "fleet", deadline)).metrics
     assert 0 < m["selected"] < m["num-tensors"]
     assert m["predicted-time-s"] + m["bytes-uploaded"] / cfg.devices.bandwidth_bytes_per_s <= deadline + 1e-9
 
@@ -252,7 +255,7 @@ def test_round_under_a_memory_budget(setup, tmp_path):
     assert again.profile == memory.profile  # measured once per device, then read back
     memory.budget_bytes = budget = int(0.5 * memory.profile.unconstrained_peak_bytes)
     data = device_data(cfg, 1).train
-    full = train_round(cfg, model, profile, data, RoundPlan(1, "fedavg", 0.0), memory).metrics
+    full = train_round(cfg, model, profile, data, TrainOrder(1, "fedavg", 0.0), memory).metrics
     assert full["selected"] == full["num-tensors"]
     assert full["memory-budget-bytes"] == budget and 0 < full["memory-peak-bytes"] <= budget
     assert full["memory-added-s"] > 0
@@ -261,12 +264,12 @@ def test_round_under_a_memory_budget(setup, tmp_path):
     cfg = dataclasses.replace(cfg, federation=dataclasses.replace(cfg.federation, local_steps=10))
     slow = profile.scaled(2.0)
     deadline = 0.8 * cfg.federation.local_steps * slow.full_step_time
-    m = train_round(cfg, make_model(cfg.model, 0), slow, data, RoundPlan(1, "naive", deadline), memory).metrics
+    m = train_round(cfg, make_model(cfg.model, 0), slow, data, TrainOrder(1, "naive", deadline), memory).metrics
     assert 0 < m["selected"] < m["num-tensors"] and m["predicted-time-s"] <= deadline + 1e-9
     assert list(tmp_path.glob("spill/*")) == []  # spill files cleaned up
     memory.budget_bytes, memory.plans = 1000, {}
     with pytest.raises(BudgetError, match="memory-budget-mb"):
-        train_round(cfg, make_model(cfg.model, 0), profile, data, RoundPlan(1, "fedavg", 0.0), memory)
+        train_round(cfg, make_model(cfg.model, 0), profile, data, TrainOrder(1, "fedavg", 0.0), memory)
 
 
 def test_partitions_are_disjoint_and_hold_out_pretraining_data():
@@ -377,7 +380,7 @@ def test_a_second_round_starts_from_the_state_the_first_kept(setup):
     )
     slow = profile.scaled(2.0)
     data = device_data(cfg, 1).train
-    plan = RoundPlan(1, "naive", 0.6 * cfg.federation.local_steps * slow.full_step_time)
+    plan = TrainOrder(1, "naive", 0.6 * cfg.federation.local_steps * slow.full_step_time)
     first = train_round(cfg, make_model(cfg.model, 0), slow, data, plan)
     assert first.state.round == 1 and first.state.rounds_trained == 1 and first.state.importance_round == 1
     assert 0 < len(first.state.trained) < first.metrics["num-tensors"]
@@ -393,10 +396,12 @@ def test_fine_tuning_gets_its_steps_share_of_the_deadline_and_no_upload(setup):
     cfg, _ = setup
     cfg = dataclasses.replace(cfg, personalization=dataclasses.replace(cfg.personalization, finetune_steps=3))
     steps = cfg.federation.local_steps
-    ditto = RoundPlan(4, "ditto", 12.0)
+    ditto = TrainOrder(4, "ditto", 12.0)
     assert round_work(cfg, ditto).compute_steps == 2 * steps  # the shared update and the personal model
     work = finetune_work(cfg, ditto)
     assert (work.strategy, work.steps, work.models, work.with_upload) == ("naive", 3, 1, False)
     assert work.deadline_s == pytest.approx(12.0 * 3 / (2 * steps))
-    assert finetune_work(cfg, RoundPlan(4, "fleet", 12.0)).deadline_s == pytest.approx(12.0 * 3 / steps)
-    assert finetune_work(cfg, RoundPlan(4, "fedavg", 12.0)).deadline_s == 0.0  # FedAvg+FT fine-tunes every tensor
+    assert finetune_work(cfg, TrainOrder(4, "fleet", 12.0)).deadline_s == pytest.approx(12.0 * 3 / steps)
+    # the server orders FedAvg no deadline (aggregate.round_deadline, the one place that decides it): FedAvg+FT
+    # fine-tunes every tensor
+    assert finetune_work(cfg, TrainOrder(4, "fedavg", 0.0)).deadline_s == 0.0

@@ -61,7 +61,7 @@ class TrainOrder:
     server_round: int
     strategy: str  # fleet | naive | fedavg | ditto
     deadline_s: float  # <= 0: no deadline, train fully
-    run_tag: str  # a device's saved state from another run is ignored
+    run_tag: str = ""  # a device's saved state from another run is ignored
     global_importance: dict[str, float] = field(default_factory=dict)  # empty: none sent
 
     def to_config(self) -> dict[str, Any]:

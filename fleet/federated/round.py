@@ -1,6 +1,6 @@
 """A device's local work for one message: a training round, or fine-tuning before evaluation.
 
-Flower-free: the ClientApp translates the server's Message into a :class:`RoundPlan` and the
+Flower-free: the ClientApp translates the server's Message into a :class:`TrainOrder` and the
 :class:`RoundResult` back into a reply. A :class:`DeviceRound` holds one device as a message
 finds it (its config, the model holding the global weights and its own personal tensors, its
 profile, data, memory budget and :class:`~fleet.federated.device.DeviceState`) and runs one of
@@ -37,20 +37,10 @@ from fleet.engine.trainer import RESTORE_PROBE_STEPS, Trainer
 from fleet.federated import keys
 from fleet.federated.config import FleetConfig
 from fleet.federated.device import DeviceState
+from fleet.federated.records import TrainOrder
 from fleet.memory.budgeted import MemoryBudget
 
 PERSONAL_SEED_OFFSET = 7919  # Ditto's personal model draws its batches apart from the shared update's
-
-
-@dataclass
-class RoundPlan:
-    """What the server asks of a device this round."""
-
-    server_round: int
-    strategy: str  # fleet, naive or fedavg
-    deadline_s: float  # <= 0: no deadline, train fully
-    global_importance: dict[str, float] = field(default_factory=dict)
-    bandwidth_bytes_per_s: float | None = None  # the device's own uplink (its class); None: the fleet's
 
 
 @dataclass
@@ -92,27 +82,27 @@ class LocalWork:
         return self.compute_steps * profile.full_step_time
 
 
-def round_work(cfg: FleetConfig, plan: RoundPlan) -> LocalWork:
+def round_work(cfg: FleetConfig, plan: TrainOrder) -> LocalWork:
     """A training round: ``federation.local_steps`` on the shared model, as many again on the personal one
-    under Ditto, within the whole deadline (none under FedAvg, which trains fully)."""
+    under Ditto, within the whole deadline (the server sends none under FedAvg: the device trains fully)."""
     ditto = plan.strategy == "ditto"
     return LocalWork(
         strategy=plan.strategy,
         steps=cfg.federation.local_steps,
         models=2 if ditto else 1,
-        deadline_s=plan.deadline_s if plan.strategy != "fedavg" else 0.0,
+        deadline_s=plan.deadline_s,
         with_upload=cfg.federation.deadline_includes_upload,
     )
 
 
-def finetune_work(cfg: FleetConfig, plan: RoundPlan) -> LocalWork:
+def finetune_work(cfg: FleetConfig, plan: TrainOrder) -> LocalWork:
     """Fine-tuning before evaluation: ``personalization.finetune_steps`` on one model (under Ditto too: the
     global model is fine-tuned, its tensors chosen as ``naive`` chooses), within the share of the deadline
     a round gives that many steps; nothing is uploaded, so no upload is in its budget."""
     strategy = "naive" if plan.strategy == "ditto" else plan.strategy
     steps = cfg.personalization.finetune_steps
     share = plan.deadline_s * steps / round_work(cfg, plan).compute_steps
-    return LocalWork(strategy, steps, 1, share if strategy != "fedavg" else 0.0, with_upload=False)
+    return LocalWork(strategy, steps, 1, share, with_upload=False)
 
 
 def rho_floor(cfg: FleetConfig, profile: DeviceProfile) -> float:
@@ -175,15 +165,15 @@ class RoundBudget:
 
 
 def round_budget(
-    cfg: FleetConfig, trainer: Trainer, plan: RoundPlan, work: LocalWork, personal: frozenset[str] = frozenset()
+    trainer: Trainer, work: LocalWork, bandwidth_bytes_per_s: float, personal: frozenset[str] = frozenset()
 ) -> RoundBudget:
-    """What ``work`` may cost on this device. A personal tensor costs compute like any other but no
-    upload: it never leaves the device."""
+    """What ``work`` may cost on this device, over its uplink. A personal tensor costs compute like any
+    other but no upload: it never leaves the device."""
     full = work.full_time_s(trainer.profile)
     if not work.with_upload:
         return RoundBudget(work.deadline_s, full, [0.0] * len(trainer.names), 0.0)
     buffers = sum(b.numel() * b.element_size() for n, b in float_buffers(trainer.model).items() if n not in personal)
-    bandwidth = plan.bandwidth_bytes_per_s or cfg.devices.bandwidth_bytes_per_s
+    bandwidth = bandwidth_bytes_per_s
     upload = [0.0 if n in personal else s for n, s in zip(trainer.names, tensor_upload_s(trainer.params, bandwidth))]
     return RoundBudget(work.deadline_s, full, upload, buffers / bandwidth)
 
@@ -214,7 +204,7 @@ def restore_momentum(trainer: Trainer, state: DeviceState) -> None:
 
 
 def round_policy(
-    cfg: FleetConfig, trainer: Trainer, plan: RoundPlan, work: LocalWork, budget: RoundBudget, probe_cost: float
+    cfg: FleetConfig, trainer: Trainer, plan: TrainOrder, work: LocalWork, budget: RoundBudget, probe_cost: float
 ) -> SelectionPolicy:
     """The device's selection policy: its deadline as a budget, each tensor's upload as a cost,
     and for the ``fleet`` strategy FedEL's blending and window."""
@@ -266,7 +256,7 @@ def select_for_round(
     cfg: FleetConfig,
     trainer: Trainer,
     data: ArrayDataset,
-    plan: RoundPlan,
+    plan: TrainOrder,
     work: LocalWork,
     budget: RoundBudget,
     last: Importance,
@@ -347,8 +337,14 @@ class DeviceRound:
     state: DeviceState = field(default_factory=DeviceState)  # from its earlier rounds of this run
     memory: MemoryBudget | None = None  # its activation memory plan; None: unlimited
     personal: frozenset[str] = frozenset()  # tensors it keeps to itself (personalization.policy): never uploaded
+    bandwidth_bytes_per_s: float | None = None  # its own uplink (a simulated device's class); None: the fleet's
 
-    def train(self, plan: RoundPlan) -> RoundResult:
+    @property
+    def uplink(self) -> float:
+        """Bytes per second its upload moves at."""
+        return self.bandwidth_bytes_per_s or self.cfg.devices.bandwidth_bytes_per_s
+
+    def train(self, plan: TrainOrder) -> RoundResult:
         """Train for ``federation.local_steps`` batches within the deadline; the reply's arrays leave the
         personal tensors out.
 
@@ -367,7 +363,7 @@ class DeviceRound:
         metrics[keys.ROUNDS_TRAINED] = state.rounds_trained
         return RoundResult(arrays, metrics, state)
 
-    def _train_models(self, plan: RoundPlan) -> Trained:
+    def _train_models(self, plan: TrainOrder) -> Trained:
         """Select within the round's budget and take the round's steps on the shared model (and, under
         Ditto, on the personal model: its compute is the shared update's again, which the budget covers)."""
         cfg, work = self.cfg, round_work(self.cfg, plan)
@@ -378,7 +374,7 @@ class DeviceRound:
         )
         restore_momentum(trainer, self.state)
         started = time.perf_counter()
-        budget = round_budget(cfg, trainer, plan, work, self.personal)
+        budget = round_budget(trainer, work, self.uplink, self.personal)
         last = Importance(list(self.state.importance), self.state.importance_round)
         probe_cost, importance = select_for_round(cfg, trainer, self.data, plan, work, budget, last)
         mask = trainer.mask
@@ -391,7 +387,7 @@ class DeviceRound:
         return Trained(trainer, steps, losses, importance, RoundTimes(predicted, measured, added_s), own)
 
     def _train_personal(
-        self, plan: RoundPlan, start: dict[str, torch.Tensor], mask: list[bool], steps: int
+        self, plan: TrainOrder, start: dict[str, torch.Tensor], mask: list[bool], steps: int
     ) -> dict[str, torch.Tensor]:
         """Ditto's second model: the device's personal model (its own from earlier rounds, else the global
         one it got) trained on the same tensors and as many steps as the shared update, with the proximal
@@ -410,7 +406,7 @@ class DeviceRound:
         train_steps(trainer, self.data, steps)
         return weights_of(model)
 
-    def _next_state(self, plan: RoundPlan, done: Trained) -> DeviceState:
+    def _next_state(self, plan: TrainOrder, done: Trained) -> DeviceState:
         """What the device keeps after this round: momentum, importance, the tensors it trained, and its
         personalized model (Ditto's personal model, else the model it just trained)."""
         trainer = done.trainer
@@ -425,7 +421,7 @@ class DeviceRound:
             trained=[n for n, m in zip(trainer.names, trainer.mask) if m] if done.steps else [],
         )
 
-    def finetune(self, plan: RoundPlan) -> float:
+    def finetune(self, plan: TrainOrder) -> float:
         """Fine-tune the model (the global model, about to be scored) in place for
         ``personalization.finetune_steps`` steps (:func:`finetune_work`); returns the simulated seconds it
         took on this device.
@@ -437,7 +433,7 @@ class DeviceRound:
         trainer = round_trainer(
             cfg, self.model, self.profile, self.memory, round_seed(cfg, plan.server_round, self.device_seed)
         )
-        budget = round_budget(cfg, trainer, plan, work, self.personal)
+        budget = round_budget(trainer, work, self.uplink, self.personal)
         if not budget.trains_fully:
             last = self.state.importance
             importance = list(last) if len(last) == len(trainer.names) else [1.0] * len(trainer.names)

@@ -10,7 +10,6 @@ message, so nothing in memory survives.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import zlib
 from collections.abc import Mapping
@@ -41,7 +40,8 @@ from fleet.federated.device import (
     tier_of,
 )
 from fleet.federated.personal import overlay_personal, personal_names
-from fleet.federated.round import DeviceRound, RoundPlan, RoundResult, full_round_time
+from fleet.federated.records import TrainOrder
+from fleet.federated.round import DeviceRound, RoundResult, full_round_time
 from fleet.federated.split import DeviceData, device_data, own_device_data
 from fleet.memory.budgeted import MemoryBudget
 
@@ -110,30 +110,19 @@ def query(device: Device) -> dict[str, float | int]:
     }
 
 
-def round_plan(config: Mapping[str, Any], default_strategy: str) -> RoundPlan:
-    """The server's train config as a :class:`RoundPlan`."""
-    names = list(config.get(keys.GLOBAL_IMPORTANCE_NAMES, []))
-    values = list(config.get(keys.GLOBAL_IMPORTANCE_VALUES, []))
-    return RoundPlan(
-        server_round=int(config[keys.SERVER_ROUND]),
-        strategy=str(config.get(keys.STRATEGY, default_strategy)),
-        deadline_s=float(config.get(keys.DEADLINE_S, 0.0)),
-        global_importance=dict(zip(names, values)),
-    )
-
-
 def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> RoundResult:
     """Train elastically from the global ``weights`` within this device's budget; keep its state."""
     cfg = device.cfg
-    plan = dataclasses.replace(round_plan(config, cfg.federation.strategy), bandwidth_bytes_per_s=device.bandwidth)
+    order = TrainOrder.from_config(config, cfg.federation.strategy)
     model = device.model(weights)
     profile, memory = device_setup(device, model)
-    run_tag = str(config.get(keys.RUN_TAG, ""))
     state_path = device.state_dir / STATE_FILE
-    state = load_state(state_path, run_tag) or DeviceState(run_tag=run_tag)
+    state = load_state(state_path, order.run_tag) or DeviceState(run_tag=order.run_tag)
     personal = personal_names(model, cfg.personalization.policy)
     overlay_personal(model, personal, state.personal)
-    result = DeviceRound(cfg, model, profile, device.data().train, device.seed, state, memory, personal).train(plan)
+    data = device.data().train
+    device_round = DeviceRound(cfg, model, profile, data, device.seed, state, memory, personal, device.bandwidth)
+    result = device_round.train(order)
     result.metrics.update(device.identity())
     save_state(state_path, result.state)
     return result
@@ -165,10 +154,10 @@ def evaluate(
     out: dict[str, float | int] = {**device.identity(), keys.NUM_EXAMPLES: len(data.test)}
     out[keys.GLOBAL_ACCURACY] = global_acc = accuracy(model, data.test, cfg.data.input_size)
     if cfg.personalization.finetune_steps and config is not None and keys.SERVER_ROUND in config:
-        plan = round_plan(config, cfg.federation.strategy)
+        order = TrainOrder.from_config(config, cfg.federation.strategy)
         profile, memory = device_setup(device, model)
         device_round = DeviceRound(cfg, model, profile, data.train, device.seed, state, memory, personal)
-        out[keys.FINETUNE_TIME_S] = device_round.finetune(plan)
+        out[keys.FINETUNE_TIME_S] = device_round.finetune(order)
         out[keys.FINETUNED_ACCURACY] = accuracy(model, data.test, cfg.data.input_size)
     out[keys.PERSONAL_ACCURACY] = global_acc  # a device that never trained is personalized to nothing yet
     if state.personal is not None:

@@ -53,7 +53,7 @@ def write_profile(path: Path) -> None:
 
 def run_one(name: str, overrides: dict[str, object], profile: Path, out: Path) -> list[dict]:
     """One seeded run's rounds, reduced to what the code decides."""
-    sets = {**overrides, "train.profile": str(profile), "federation.rounds": ROUNDS, "output_dir": str(out)}
+    sets = {**overrides, "hardware.profile": str(profile), "federation.rounds": ROUNDS, "output_dir": str(out)}
     cmd = [sys.executable, "-m", "fleet.cli", "simulate", CONFIG, "--name", f"golden-{name}"]
     cmd += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}

@@ -100,7 +100,9 @@ def test_non_utf8_profile_for_train_is_one_line(tmp_path, capsys, synthetic_conf
     bad = tmp_path / "device.yaml"
     bad.write_bytes(LATIN1)
     argv = ["train", "--config", str(synthetic_config), "--profile", str(bad)]
-    one_error_line(capsys, argv, f"train.profile: profile file {bad}", "not UTF-8", "re-create it with `fleet profile`")
+    one_error_line(
+        capsys, argv, f"hardware.profile: profile file {bad}", "not UTF-8", "re-create it with `fleet profile`"
+    )
     assert bad.read_bytes() == LATIN1
 
 
@@ -108,8 +110,8 @@ def test_non_utf8_profile_for_simulate_keeps_the_previous_run(tmp_path, capsys, 
     bad = tmp_path / "device.yaml"
     bad.write_bytes(LATIN1)
     before = tree(tmp_path / "runs")
-    argv = ["simulate", str(TINY), "--output-dir", str(tmp_path / "runs"), "--set", f"train.profile={bad}"]
-    one_error_line(capsys, argv, "train.profile: profile file", "not UTF-8", "fleet profile")
+    argv = ["simulate", str(TINY), "--output-dir", str(tmp_path / "runs"), "--set", f"hardware.profile={bad}"]
+    one_error_line(capsys, argv, "hardware.profile: profile file", "not UTF-8", "fleet profile")
     assert tree(tmp_path / "runs") == before
 
 
@@ -234,13 +236,13 @@ def test_set_empty_value_is_refused(synthetic_config, capsys):
 
 def test_set_null_clears_an_optional_field_and_is_refused_elsewhere(synthetic_config, capsys):
     text = synthetic_config.read_text().replace("in_channels: 1}", "in_channels: 1, weights: w.pt}")
-    synthetic_config.write_text(text.replace("batch_size: 8}", "batch_size: 8, threads: 2}"))
+    synthetic_config.write_text(text.replace("batch_size: 8}", "batch_size: 8}\nhardware: {threads: 2}"))
     cfg = load_config(synthetic_config)
-    assert (cfg.train.threads, cfg.model.weights) == (2, "w.pt")
+    assert (cfg.hardware.threads, cfg.model.weights) == (2, "w.pt")
     for null in ("null", "~", "Null"):
-        overrides = dict([parse_override(f"train.threads={null}"), parse_override(f"model.weights={null}")])
+        overrides = dict([parse_override(f"hardware.threads={null}"), parse_override(f"model.weights={null}")])
         cleared = load_config(synthetic_config, overrides)
-        assert (cleared.train.threads, cleared.model.weights) == (None, None)
+        assert (cleared.hardware.threads, cleared.model.weights) == (None, None)
     assert load_config(synthetic_config, dict([parse_override("pretrain.classes=null")])).pretrain.classes is None
     argv = ["train", "--config", str(synthetic_config), "--set", "train.rho=null"]
     one_error_line(capsys, argv, "train.rho: null is not allowed", "use a number in (0, 1]")
@@ -249,8 +251,8 @@ def test_set_null_clears_an_optional_field_and_is_refused_elsewhere(synthetic_co
 
 def test_null_in_the_yaml_file_clears_an_optional_field(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("train:\n  threads: 2\n")
-    assert load_config(path, dict([parse_override("train.threads=null")])).train.threads is None
+    path.write_text("hardware:\n  threads: 2\n")
+    assert load_config(path, dict([parse_override("hardware.threads=null")])).hardware.threads is None
     path.write_text("train:\n")  # an empty section still takes overrides
     assert load_config(path, dict([parse_override("train.rho=0.3")])).train.rho == 0.3
 

@@ -271,7 +271,7 @@ def test_bench_carries_elastic_runs_to_the_horizon_past_their_round_cap(tmp_path
     profile.save(tmp_path / "profile.yaml")
     overrides = {
         "output_dir": str(tmp_path),
-        "train.profile": str(tmp_path / "profile.yaml"),
+        "hardware.profile": str(tmp_path / "profile.yaml"),
         "federation.deadline_s": 0.001,
         "elastic.min_rho_margin": 0.0,
     }

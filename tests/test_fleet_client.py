@@ -335,7 +335,7 @@ def test_a_profile_file_is_read_once_per_process_until_it_changes(setup, tmp_pat
     cfg, profile = setup
     path = tmp_path / "profile.yaml"
     profile.save(path)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, profile=str(path)))
+    cfg = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, profile=str(path)))
     model = make_model(cfg.model, 0)
     first = device_profile(cfg, model, {}, tmp_path)
     assert device_profile(cfg, model, {}, tmp_path) is first

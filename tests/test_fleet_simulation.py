@@ -145,17 +145,19 @@ def test_bad_config_is_one_line_error(tmp_path, setting, error):
 
 
 def test_profile_of_another_batch_size_stops_the_launch_in_one_line(tmp_path):
-    """Regression: a mismatched train.profile used to fail every ClientApp inside Flower (a Ray
+    """Regression: a mismatched hardware.profile used to fail every ClientApp inside Flower (a Ray
     traceback per device) and end a 'finished' run with no device trained."""
     profile = tmp_path / "p8.yaml"
     made = run_fleet(["profile", "--config", TINY, "--batch-size", "8", "--out", str(profile)], timeout=120)
     assert made.returncode == 0, made.stdout
     res = run_fleet(
-        ["simulate", TINY, "--output-dir", str(tmp_path / "runs"), "--set", f"train.profile={profile}"], timeout=120
+        ["simulate", TINY, "--output-dir", str(tmp_path / "runs"), "--set", f"hardware.profile={profile}"], timeout=120
     )
     assert res.returncode == 2
     last = res.stdout.strip().splitlines()[-1]
-    assert last.startswith(f"error: profile {profile} (train.profile) was measured at batch size 8, training uses 16")
+    assert last.startswith(
+        f"error: profile {profile} (hardware.profile) was measured at batch size 8, training uses 16"
+    )
     assert "Traceback" not in res.stdout
     assert not (tmp_path / "runs").exists()  # nothing started, nothing moved aside
 

@@ -28,7 +28,7 @@ def device(tmp_path, policy: str) -> tuple[tasks.Device, dict[str, torch.Tensor]
     path = tmp_path / "profile.yaml"
     proportional_profile(model, cfg.train.batch_size, cfg.data.input_size, meta=meta).save(path)
     cfg = load_fleet_config(
-        TINY, {"output_dir": str(tmp_path / policy), "personalization.policy": policy, "train.profile": str(path)}
+        TINY, {"output_dir": str(tmp_path / policy), "personalization.policy": policy, "hardware.profile": str(path)}
     )
     return tasks.Device.from_configs(cfg, {"partition-id": 0}), {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -109,7 +109,11 @@ def test_fine_tuning_before_evaluation_is_elastic_timed_and_keeps_nothing(tmp_pa
     dev = tasks.Device.from_configs(
         load_fleet_config(
             TINY,
-            {"output_dir": cfg.output_dir, "personalization.finetune_steps": 3, "train.profile": cfg.train.profile},
+            {
+                "output_dir": cfg.output_dir,
+                "personalization.finetune_steps": 3,
+                "hardware.profile": cfg.hardware.profile,
+            },
         ),
         {"partition-id": 0},
     )
@@ -164,7 +168,11 @@ def test_a_ditto_device_keeps_a_personal_model_and_sends_only_its_shared_update(
     ditto = tasks.Device.from_configs(
         load_fleet_config(
             TINY,
-            {"output_dir": str(tmp_path / "d"), "federation.strategy": "ditto", "train.profile": dev.cfg.train.profile},
+            {
+                "output_dir": str(tmp_path / "d"),
+                "federation.strategy": "ditto",
+                "hardware.profile": dev.cfg.hardware.profile,
+            },
         ),
         {"partition-id": 0},
     )

@@ -62,7 +62,7 @@ def device(tmp_path_factory):
         model, cfg.train.batch_size, cfg.data.input_size, meta=model_meta(m.name, m.num_classes, m.in_channels, False)
     )
     profile_path = profile.save(out / "profile.yaml")
-    run_config = {"config": TINY, "output_dir": str(out), "train.profile": str(profile_path)}
+    run_config = {"config": TINY, "output_dir": str(out), "hardware.profile": str(profile_path)}
 
     def context(partition: int) -> Context:
         return Context(

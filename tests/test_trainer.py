@@ -145,7 +145,7 @@ def test_elastic_learns_and_writes_record(tmp_path, synthetic, size_profile, cap
     cfg.write_text(
         f"name: t\noutput_dir: {tmp_path}\nmodel: {{name: resnet18, in_channels: 1}}\n"
         f"data: {{dataset: synthetic, input_size: {INPUT}, train_per_class: 40, test_per_class: 30}}\n"
-        f"train: {{epochs: 2, batch_size: {BATCH}, rho: 0.5, lr: 0.05, profile: {profile_path}}}\n"
+        f"train: {{epochs: 2, batch_size: {BATCH}, rho: 0.5, lr: 0.05}}\nhardware: {{profile: {profile_path}}}\n"
     )
     assert main(["train", "-c", str(cfg)]) == 0
     out = capsys.readouterr().out

@@ -292,7 +292,7 @@ def _simulate(config_path: Path, quiet: bool, resume: bool = False) -> None:
         )
 
 
-PATH_FIELDS = ("output_dir", "model.weights", "train.profile", "train.spill_dir")
+PATH_FIELDS = ("output_dir", "model.weights", "hardware.profile", "hardware.spill_dir")
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -355,7 +355,7 @@ def _run_seed(
         extra: dict[str, Any] = {
             "name": f"{base.name}{tag}-{method}",
             "federation.strategy": method,
-            "train.profile": shared.train.profile,
+            "hardware.profile": shared.hardware.profile,
             "model.weights": shared.model.weights,
         }
         if method != "fedavg":

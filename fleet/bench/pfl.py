@@ -108,7 +108,7 @@ def run_seed(
     shared, _ = prepare(
         load_fleet_config(path, {**overrides, "name": f"{base.name}{tag}-shared"}), resume=False, log=log
     )
-    common = {**overrides, "train.profile": shared.train.profile, "model.weights": shared.model.weights}
+    common = {**overrides, "hardware.profile": shared.hardware.profile, "model.weights": shared.model.weights}
     summaries: dict[str, dict] = {}
     horizon = None
     for method in [BASELINE] + [m for m in methods if m != BASELINE]:
@@ -154,7 +154,7 @@ def newcomer_figures(
     if loaded is None:
         raise ConfigError(f"{run / CHECKPOINT_FILE}: not a readable fleet checkpoint; give a finished run's folder")
     model = loaded[0]
-    profile = DeviceProfile.load(cfg.train.profile)
+    profile = DeviceProfile.load(cfg.hardware.profile)
     curves = []
     for pid in range(cfg.devices.taking_part, cfg.devices.num_devices):
         log(f"--- new device {pid} personalizes from {run.name} ---")

@@ -150,7 +150,7 @@ def bench_robustness(
     check_choices(attacks, adversaries, base.devices.num_devices)
     log = progress_log(quiet)
     shared = shared_start(path, dict(overrides or {}), log)
-    common = {**(overrides or {}), "train.profile": shared.train.profile, "model.weights": shared.model.weights}
+    common = {**(overrides or {}), "hardware.profile": shared.hardware.profile, "model.weights": shared.model.weights}
     common["evaluation.server_test"] = True  # the final accuracy: the global model on a balanced test set
     fed = base.federation
     report: dict[str, Any] = {

@@ -124,7 +124,7 @@ def bench_scale(
     overrides = dict(overrides or {})
     base = load_fleet_config(path, overrides)
     shared = shared_start(path, overrides, log)
-    common = {**overrides, "train.profile": shared.train.profile, "model.weights": shared.model.weights}
+    common = {**overrides, "hardware.profile": shared.hardware.profile, "model.weights": shared.model.weights}
     out = Path(base.output_dir).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"config": str(path), "cpus": os.cpu_count(), "fleets": []}

@@ -21,11 +21,11 @@ CONFIG_FLAGS = {
     "batch_size": "train.batch_size",
     "lr": "train.lr",
     "interval": "train.interval",
-    "profile": "train.profile",
-    "threads": "train.threads",
+    "profile": "hardware.profile",
+    "threads": "hardware.threads",
     "seed": "train.seed",
-    "memory_budget_mb": "train.memory_budget_mb",
-    "spill_dir": "train.spill_dir",
+    "memory_budget_mb": "hardware.memory_budget_mb",
+    "spill_dir": "hardware.spill_dir",
 }
 
 

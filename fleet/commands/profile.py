@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         "data.input_size": args.input_size,
         "train.batch_size": args.batch_size,
         "train.lr": args.lr,
-        "train.memory_budget_mb": args.memory_budget_mb,
+        "hardware.memory_budget_mb": args.memory_budget_mb,
     }
     from fleet.federated.config import SECTIONS  # a fleet YAML's own sections: a profile reads none of them
 
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         make_optimizer=lambda ps: make_optimizer(ps, cfg.train),
         repeats=args.repeats,
     )
-    profile.memory_budget_mb = cfg.train.memory_budget_mb
+    profile.memory_budget_mb = cfg.hardware.memory_budget_mb
     path = profile.save(out)
     print(
         f"profiled {cfg.model.name} at batch {cfg.train.batch_size}, input {size}: {len(profile.tensors)} "

@@ -92,11 +92,17 @@ class TrainConfig:
     # higher at 60% of the probes' share (docs/results.md, "The probe's cost")
     probe: str = "train"
     prunetrain_lambda: float = 1e-4  # L1 group penalty weight (prunetrain)
+    seed: int = 0  # seeds the model's initialization, shuffling and caps; in a fleet also the split and sampling
+
+
+@dataclass
+class HardwareConfig:
+    """What the device offers the training: its threads, its measured profile and its activation memory."""
+
     threads: int | None = None  # torch threads; None keeps torch's default
     profile: str | None = None  # device profile YAML; None measures one before training
     memory_budget_mb: float | None = None  # activation memory budget (POET-style plan); None: unlimited
     spill_dir: str | None = None  # where paged activations go; None: a folder in the system temp dir
-    seed: int = 0  # seeds the model's initialization, shuffling and caps; in a fleet also the split and sampling
 
 
 @dataclass
@@ -119,6 +125,7 @@ class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     methods: list[str] = field(default_factory=lambda: list(METHODS))  # compared by `fleet personalize`
 
@@ -171,8 +178,8 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {  # by dotted path
     "train.probe": (lambda v: v in ("restore", "train"), "'restore' or 'train'"),
     "train.interval_unit": (lambda v: v in ("epoch", "step"), "'epoch' or 'step'"),
     "train.prunetrain_lambda": (lambda v: v >= 0, "a number >= 0"),
-    "train.threads": _OPTIONAL_COUNT,
-    "train.memory_budget_mb": (lambda v: v is None or v > 0, "a positive number of MB or null"),
+    "hardware.threads": _OPTIONAL_COUNT,
+    "hardware.memory_budget_mb": (lambda v: v is None or v > 0, "a positive number of MB or null"),
     "pretrain.classes": LABELS_RULE,
     "pretrain.train_per_class": _OPTIONAL_COUNT,
     "pretrain.epochs": (lambda v: v >= 1, "an integer >= 1"),
@@ -368,8 +375,27 @@ def apply_overrides(data: dict, overrides: dict[str, Any]) -> dict:
     return data
 
 
+# Fields that moved between sections: old dotted path -> new one. A config that still uses the old path is told
+# the new one in its error, rather than that the field is unknown.
+MOVED: dict[str, str] = {f"train.{f}": f"hardware.{f}" for f in ("threads", "profile", "memory_budget_mb", "spill_dir")}
+
+
+def check_moved(data: dict, moved: dict[str, str]) -> None:
+    """One line naming the new place of the first moved field ``data`` still uses."""
+    for old, new in moved.items():
+        section, name = old.split(".")
+        part = data.get(section)
+        if isinstance(part, dict) and name in part:
+            new_section, new_name = new.split(".")
+            raise ConfigError(
+                f"{old}: moved to {new}; write it under `{new_section}:` as `{new_name}:` "
+                f"(or --set {new}=VALUE); docs/config.md lists every section"
+            )
+
+
 def config_from_dict(data: dict | None, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
     data = apply_overrides(dict(data or {}), overrides or {})
+    check_moved(data, MOVED)
     return build_dataclass(ExperimentConfig, data, "")
 
 

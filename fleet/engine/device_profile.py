@@ -173,7 +173,7 @@ class DeviceProfile:
     @classmethod
     def load(cls, path: str | os.PathLike, *, field: str | None = None) -> DeviceProfile:
         """Read a profile file; every problem is one line, starting with ``field`` (the setting that
-        named the file, e.g. ``train.profile``) when given."""
+        named the file, e.g. ``hardware.profile``) when given."""
         path = Path(path)
         what = f"{field}: profile file {path}" if field else f"profile file {path}"
         if not path.is_file():

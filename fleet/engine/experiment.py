@@ -118,9 +118,9 @@ def obtain_profile(
 ) -> DeviceProfile:
     """The configured profile (checked against the model), else a cached or freshly measured one."""
     batch, size = cfg.train.batch_size, cfg.data.input_size
-    if cfg.train.profile is not None:
-        profile = DeviceProfile.load(cfg.train.profile, field="train.profile")
-        check_profile(profile, model, batch, size, f"profile {cfg.train.profile} (train.profile)")
+    if cfg.hardware.profile is not None:
+        profile = DeviceProfile.load(cfg.hardware.profile, field="hardware.profile")
+        check_profile(profile, model, batch, size, f"profile {cfg.hardware.profile} (hardware.profile)")
         return profile
     if cache is not None and cache.is_file():
         try:

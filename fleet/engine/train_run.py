@@ -68,28 +68,28 @@ def trainer_record(trainer: Trainer, history: list[EpochStats], profile: DeviceP
 
 def run_training(cfg: ExperimentConfig, log: Callable[[str], None] = print) -> tuple[dict, Path]:
     """Train ``cfg.train.method`` and write ``runs/<name>/train-<method>.json``."""
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    if cfg.hardware.threads:
+        torch.set_num_threads(cfg.hardware.threads)
     out = experiment_dir(cfg)
     train_ds, test_ds = load_data(cfg.data, cfg.train.seed)
     check_model_fits_data(cfg, train_ds, test_ds)
     model = make_model(cfg.model, cfg.train.seed)
     profile = obtain_profile(cfg, model, out / "device-profile.yaml", log=log)
     memory = None
-    if cfg.train.memory_budget_mb is not None:
+    if cfg.hardware.memory_budget_mb is not None:
         from fleet.memory.budgeted import MemoryBudget
 
         shape = (cfg.train.batch_size, cfg.model.in_channels, cfg.data.input_size, cfg.data.input_size)
         memory = MemoryBudget.measure(
             model,
             shape,
-            cfg.train.memory_budget_mb,
-            cfg.train.spill_dir,
+            cfg.hardware.memory_budget_mb,
+            cfg.hardware.spill_dir,
             model_name=cfg.model.name,
             cache=out / "memory-profile.json",
         )
         log(
-            f"memory budget {cfg.train.memory_budget_mb:g} MB for activations "
+            f"memory budget {cfg.hardware.memory_budget_mb:g} MB for activations "
             f"(unconstrained peak {memory.profile.unconstrained_peak_bytes / 1e6:.1f} MB); spill dir {memory.spill_dir}"
         )
     trainer = Trainer(model, cfg.train, profile, memory, input_size=cfg.data.input_size)

@@ -21,7 +21,7 @@ class DeviceClassConfig:
 
     name: str = "device"  # names the class in metrics.jsonl, summary.json and classes.png; each class its own
     share: float = 1.0  # of the fleet; the classes' shares sum to 1
-    tier: float = 1.0  # slow-down on train.profile: an assumption until someone profiles the hardware
+    tier: float = 1.0  # slow-down on hardware.profile: an assumption until someone profiles the hardware
     profile: str | None = None  # a profile measured on this hardware (`fleet profile --out`): replaces tier
     bandwidth_mbps: float = 100.0  # median uplink in Mbit/s
     bandwidth_sigma: float = 0.0  # lognormal spread of the uplink over the class's devices; 0: all at the median

@@ -22,7 +22,16 @@ from typing import Any, ClassVar
 
 from fleet.base.errors import ConfigError
 from fleet.data.shift import ShiftConfig, check_shift
-from fleet.engine.config import LABELS_RULE, ExperimentConfig, Rule, apply_overrides, build_dataclass, read_yaml_mapping
+from fleet.engine.config import (
+    LABELS_RULE,
+    ExperimentConfig,
+    Rule,
+    apply_overrides,
+    build_dataclass,
+    check_moved,
+    read_yaml_mapping,
+)
+from fleet.engine.config import MOVED as ENGINE_MOVED
 from fleet.federated.class_config import DeviceClassConfig, check_classes
 from fleet.federated.paths import resolve_path
 from fleet.federated.personal import POLICIES as PERSONAL_POLICIES
@@ -293,7 +302,7 @@ SECTIONS = tuple(
 )
 
 # The federation section was one flat list of 54 fields; each moved field names its new place when it is used.
-MOVED: dict[str, str] = {
+_FEDERATION_MOVED: dict[str, str] = {
     **{
         f: f"elastic.{f}"
         for f in (
@@ -349,18 +358,7 @@ MOVED: dict[str, str] = {
     "pretrain_epochs": "start.epochs",
     "pretrain_classes": "start.classes",
 }
-
-
-def _check_moved(data: dict) -> None:
-    """A field of the old flat federation section names where it lives now, rather than being unknown."""
-    fed = data.get("federation")
-    for key in fed if isinstance(fed, dict) else ():
-        if key in MOVED:
-            section, name = MOVED[key].split(".")
-            raise ConfigError(
-                f"federation.{key}: moved to {MOVED[key]}; write it under `{section}:` as `{name}:` "
-                f"(or --set {MOVED[key]}=VALUE); docs/config.md lists every section"
-            )
+MOVED: dict[str, str] = {**ENGINE_MOVED, **{f"federation.{old}": new for old, new in _FEDERATION_MOVED.items()}}
 
 
 def _check_rules(cfg: FleetConfig) -> None:
@@ -402,7 +400,7 @@ def _check_shift(cfg: FleetConfig) -> None:
 
 def fleet_config_from_dict(data: dict | None, overrides: dict[str, Any] | None = None) -> FleetConfig:
     data = apply_overrides(dict(data or {}), overrides or {})
-    _check_moved(data)
+    check_moved(data, MOVED)
     cfg = build_dataclass(FleetConfig, data, "")
     _check_rules(cfg)
     return cfg

@@ -132,9 +132,9 @@ def device_profile(
     """
     cls = None if partition_id is None else class_of(cfg, partition_id)
     class_profile = None if cls is None else cls.profile
-    path = node_config.get(keys.NODE_PROFILE) or class_profile or cfg.train.profile
+    path = node_config.get(keys.NODE_PROFILE) or class_profile or cfg.hardware.profile
     if path:
-        where = "node config profile" if node_config.get(keys.NODE_PROFILE) else "train.profile"
+        where = "node config profile" if node_config.get(keys.NODE_PROFILE) else "hardware.profile"
         if not node_config.get(keys.NODE_PROFILE) and class_profile:
             where = f"devices.device_classes ({cls.name})"
         base = _checked_profile(resolve_path(str(path)), cfg, model, f"profile {path} ({where})")
@@ -174,7 +174,7 @@ def memory_budget_of(
 ) -> float | None:
     """The device's activation memory budget in MB (None: unlimited), from the first that sets one:
     node config ``memory-budget-mb``, the device profile's ``memory_budget_mb``,
-    ``devices.memory_budgets_mb`` (device i takes entry i % len; 0 = unlimited), ``train.memory_budget_mb``."""
+    ``devices.memory_budgets_mb`` (device i takes entry i % len; 0 = unlimited), ``hardware.memory_budget_mb``."""
     if keys.NODE_MEMORY_BUDGET_MB in node_config:
         try:
             mb = float(node_config[keys.NODE_MEMORY_BUDGET_MB])
@@ -192,7 +192,7 @@ def memory_budget_of(
     if budgets and partition_id is not None:
         mb = float(budgets[partition_id % len(budgets)])
         return mb if mb > 0 else None
-    return cfg.train.memory_budget_mb
+    return cfg.hardware.memory_budget_mb
 
 
 def device_memory(
@@ -200,7 +200,7 @@ def device_memory(
 ) -> MemoryBudget:
     """Plans for this device's budget; its memory profile is measured once and kept in its state directory."""
     shape = (cfg.train.batch_size, cfg.model.in_channels, cfg.data.input_size, cfg.data.input_size)
-    spill = node_config.get(keys.NODE_SPILL_DIR) or cfg.train.spill_dir or str(state_dir / "spill")
+    spill = node_config.get(keys.NODE_SPILL_DIR) or cfg.hardware.spill_dir or str(state_dir / "spill")
     return MemoryBudget.measure(
         model,
         shape,

@@ -49,7 +49,7 @@ def personalize_newcomer(
     for i, method in enumerate(methods):
         model = model_with_weights(cfg.model, {k: v.clone() for k, v in weights.items()})
         if i == 0:  # a profile of another model or input would time the wrong tensors
-            check_profile(profile, model, cfg.train.batch_size, cfg.data.input_size, cfg.train.profile or "profile")
+            check_profile(profile, model, cfg.train.batch_size, cfg.data.input_size, cfg.hardware.profile or "profile")
         train = dataclasses.replace(cfg.train, method=method, rho=rho, lr=lr or cfg.train.lr)
         trainer = Trainer(model, train, device, input_size=cfg.data.input_size, frozen_norm_stats=frozen_norm_stats)
         points = [{"device_time_s": 0.0, "accuracy": trainer.evaluate(data.test)}]

@@ -54,7 +54,7 @@ def prepare(cfg: FleetConfig, *, resume: bool, log: Callable[[str], None] = prin
     cfg = simulated_fleet(cfg, log)
     if not cfg.data.device_roots:  # the shared dataset; devices' own trees are checked as they are read
         check_model_fits_data(cfg, *load_data(cfg.data, cfg.train.seed))
-    if cfg.train.profile is not None:
+    if cfg.hardware.profile is not None:
         # Every ClientApp checks it too, but there a mismatch fails each device inside Flower;
         # here it stops the launch in one line, before the previous run is moved aside.
         obtain_profile(cfg, make_model(cfg.model, cfg.train.seed), log=log)
@@ -70,7 +70,7 @@ def prepare(cfg: FleetConfig, *, resume: bool, log: Callable[[str], None] = prin
 
             pretrain_fleet_model(cfg, ckpt, log)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, weights=str(ckpt)))
-    if cfg.train.profile is None:
+    if cfg.hardware.profile is None:
         threads = torch.get_num_threads()
         torch.set_num_threads(cfg.simulation.client_threads)  # profile as the ClientApps will run
         try:
@@ -78,7 +78,7 @@ def prepare(cfg: FleetConfig, *, resume: bool, log: Callable[[str], None] = prin
             obtain_profile(cfg, make_model(cfg.model, cfg.train.seed), profile_path, log=log)
         finally:
             torch.set_num_threads(threads)
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, profile=str(profile_path)))
+        cfg = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, profile=str(profile_path)))
     path = out / EFFECTIVE_CONFIG
     path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     return cfg, path

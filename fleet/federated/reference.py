@@ -259,15 +259,16 @@ def _contents(found: list[Section]) -> str:
 
 def _moved() -> str:
     out = [
-        "## Fields of the old flat `federation` section",
+        "## Fields that moved",
         "",
-        "The `federation` section once held every fleet field. A field that moved is refused where it was, "
-        "with one line naming its new place (e.g. `federation.personal: moved to personalization.policy`):",
+        "The `federation` section once held every fleet field, and `train` the device's threads, profile and "
+        "memory. A field that moved is refused where it was, with one line naming its new place (e.g. "
+        "`federation.personal: moved to personalization.policy`):",
         "",
         "| old | new |",
         "|---|---|",
     ]
-    out += [f"| `federation.{old}` | `{new}` |" for old, new in MOVED.items()]
+    out += [f"| `{old}` | `{new}` |" for old, new in MOVED.items()]
     return "\n".join(out) + "\n"
 
 

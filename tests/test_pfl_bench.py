@@ -83,10 +83,11 @@ def test_the_pfl_bench_runs_end_to_end_on_a_tiny_fleet(tmp_path, capsys):
     assert all(len(r["methods"]["fleet_head"]["device_accuracies"]) == 3 for r in report["per_seed"].values())
     for path in report["plots"]:
         assert (tmp_path / path.split("/")[-1]).stat().st_size > 3000
-    # The new devices again, from the finished fleet run alone, as `--newcomers-from` does.
+    # The new devices again, from the finished run alone, as `--newcomers-from` does: the run the bench took them
+    # from, the baseline's (no "fleet" method ran), so the same final global model
     from fleet.cli import main
 
-    fleet_run = tmp_path / "fleet-tiny-s0-fleet_head"
+    fleet_run = tmp_path / "fleet-tiny-s0-fedavg_ft"
     argv = ["bench", "pfl", "--newcomers-from", str(fleet_run), "--newcomer-epochs", "1", "--json"]
     assert main([*argv, "--set", "train.interval=1"]) == 0  # fleet-tiny's own interval: nothing changes
     again = json.loads(capsys.readouterr().out)

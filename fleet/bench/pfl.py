@@ -116,7 +116,7 @@ def run_seed(
         extra["personalization.finetune_steps"] = finetune_steps if method == BASELINE else 0
         if horizon is not None:
             extra["federation.time_budget_s"] = horizon
-            extra["federation.rounds"] = elastic_round_cap(base.federation)
+            extra["federation.rounds"] = elastic_round_cap(base)
         span = f"{horizon:.1f}s simulated" if horizon is not None else f"{base.federation.rounds} rounds (the horizon)"
         log(f"--- seed {overrides.get('train.seed', base.train.seed)}, {method}: {span} ---")
         summaries[method] = run_method(path, {**common, **extra}, log, quiet)

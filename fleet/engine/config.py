@@ -193,6 +193,11 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {  # by dotted path
 
 
 def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is list:
+        (item,) = typing.get_args(tp)
+        if dataclasses.is_dataclass(item):
+            return "a list of mappings of fields (docs/config.md lists them)"
+        return f"a list (each item {_type_name(item)})"
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if args:
         return " or ".join(_type_name(a) for a in args) + (" or null" if type(None) in typing.get_args(tp) else "")
@@ -263,6 +268,8 @@ def _field_value(path: str, raw: Any, tp: Any, rule: Rule | None) -> Any:
     try:
         value = _coerce(path, raw, tp)
     except ConfigError as exc:  # the type is wrong: say what would be right
+        if not str(exc).startswith(f"{path}: "):
+            raise  # a field inside it (a list of sections) is wrong, and its own error says what is allowed
         raise ConfigError(f"{exc}; use {allowed}") from None
     if rule is not None and not rule[0](value):
         raise ConfigError(f"{path}: {value!r} is not allowed; use {rule[1]}")

@@ -27,6 +27,8 @@ class Sent:
     kind: str  # records.QUERY, TRAIN or EVALUATE
     node: int
     server_round: int
+    pushed_s: float = 0.0  # time.monotonic() when it was pushed
+    wall_s: float | None = None  # seconds from its push to the pull of its reply, once pulled
 
 
 def from_device(sent: Sent, msg: Message) -> bool:
@@ -46,7 +48,7 @@ class Mailbox:
         messages = list(messages)
         ids = [str(i) for i in self.grid.push_messages(messages)]
         for msg_id, msg in zip(ids, messages):
-            self.sent[msg_id] = Sent(kind, msg.metadata.dst_node_id, server_round)
+            self.sent[msg_id] = Sent(kind, msg.metadata.dst_node_id, server_round, time.monotonic())
         return set(ids)
 
     def collect(self, wait_for: set[str], timeout_s: float) -> list[tuple[Sent, Message]]:
@@ -62,6 +64,7 @@ class Mailbox:
                 sent = self.sent.pop(msg_id, None)
                 waiting.discard(msg_id)
                 if sent is not None:
+                    sent.wall_s = time.monotonic() - sent.pushed_s
                     replies.append((sent, reply))
                     pause = FIRST_POLL_S
             if not waiting or time.monotonic() >= end:

@@ -140,7 +140,7 @@ def take(
 def unpack(sent: Sent, msg: Message) -> Reply:
     """What a reply says, unchecked: its claimed name, metrics and (to a train message) tensors, or why
     there are none."""
-    reply = Reply(sent.node, sent.kind, sent.server_round, by_device=from_device(sent, msg))
+    reply = Reply(sent.node, sent.kind, sent.server_round, by_device=from_device(sent, msg), wall_s=sent.wall_s)
     if msg.has_error():
         reply.error = msg.error.reason
         return reply

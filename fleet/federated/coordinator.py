@@ -322,7 +322,7 @@ class Coordinator:
             self.state.replies.defense.capped.append(name)
         counted = int(sum(a.nbytes for a in reply.arrays.values()))  # counted here, not told
         checked = TrainReply.from_metrics(
-            reply.node_id, name, reply.metrics, num_examples=weight, bytes_uploaded=counted
+            reply.node_id, name, reply.metrics, num_examples=weight, bytes_uploaded=counted, wall_s=reply.wall_s
         )
         return Candidate(self._clamp_times(checked), reply.arrays)
 

@@ -107,6 +107,7 @@ class Reply:
     error: str | None = None  # the device failed: the reason relayed for it
     problem: str | None = None  # the message is malformed: no metrics, not one set of arrays, undecodable
     by_device: bool = True  # False: the transport wrote it in the device's stead (a silent node): no answer
+    wall_s: float | None = None  # the server's wall seconds from sending the message to pulling this reply
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,9 @@ class TrainReply:
     memory_budget_bytes: float | None = wire(keys.MEMORY_BUDGET_BYTES, None)
     memory_peak_bytes: float | None = wire(keys.MEMORY_PEAK_BYTES, None)
     memory_added_s: float | None = wire(keys.MEMORY_ADDED_S, None)
+    # measured by the server, not told: wall seconds from sending the train message to pulling this reply (the
+    # device's whole real round: its ClientApp's start, both transfers, its compute); None when not measured
+    wall_s: float | None = None
 
     @classmethod
     def from_metrics(cls, node_id: int, device: str | None, metrics: Mapping[str, object], **given: Any) -> TrainReply:
@@ -143,8 +147,7 @@ class TrainReply:
 
     @property
     def speedup(self) -> float:
-        """Full-training time over the round's compute time."""
-        return self.full_time_s / self.predicted_time_s if self.predicted_time_s > 0 else 0.0
+        return speedup(self.full_time_s, self.predicted_time_s)
 
     def round_time_s(self, bandwidth: float) -> float:
         """Its round on the simulated clock: compute plus its upload over its uplink (bytes/s)."""
@@ -164,7 +167,14 @@ class TrainReply:
             "device": self.device,
             **as_row(self, ("num_examples",)),
             "speedup": self.speedup,
+            **({"wall_s": self.wall_s} if self.wall_s is not None else {}),
         }
+
+
+def speedup(full_time_s: float, predicted_time_s: float) -> float:
+    """A round's compute speedup: its full-training time over its predicted time (0 when it took none). The
+    device reports it (keys.SPEEDUP) and the server derives it again from the times it clamped: one formula."""
+    return full_time_s / predicted_time_s if predicted_time_s > 0 else 0.0
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from fleet.engine.trainer import RESTORE_PROBE_STEPS, Trainer
 from fleet.federated import keys
 from fleet.federated.config import FleetConfig
 from fleet.federated.device import DeviceState
-from fleet.federated.records import TrainOrder
+from fleet.federated.records import TrainOrder, speedup
 from fleet.memory.budgeted import MemoryBudget
 
 PERSONAL_SEED_OFFSET = 7919  # Ditto's personal model draws its batches apart from the shared update's
@@ -470,7 +470,7 @@ def round_metrics(
         keys.PREDICTED_TIME_S: predicted,
         keys.MEASURED_TIME_S: done.times.measured_s,
         keys.FULL_TIME_S: full_time,
-        keys.SPEEDUP: full_time / predicted if predicted > 0 else 0.0,
+        keys.SPEEDUP: speedup(full_time, predicted),
         keys.BYTES_UPLOADED: int(sum(a.numel() * a.element_size() for a in arrays.values())),
         keys.STEPS: len(losses),
         **({keys.LOSS: float(np.mean(losses))} if losses else {}),  # no step, no loss (never NaN: replies are checked)

@@ -15,7 +15,7 @@ from fleet.commands import bench as bench_command
 from fleet.commands import device as device_command
 from fleet.commands import fleet as fleet_command
 from fleet.commands import memory as memory_command
-from fleet.commands import personalize, pfl, pretrain, profile, robustness, scale, train
+from fleet.commands import personalize, pfl, pretrain, profile, robustness, scale, testbed, train
 
 # Modules exposing register(subparsers) and optionally register_bench(bench_subparsers).
 COMMAND_MODULES = (
@@ -30,6 +30,7 @@ COMMAND_MODULES = (
     robustness,
     scale,
     pfl,
+    testbed,
 )
 
 

@@ -254,6 +254,11 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("fleet/base/", "fleet/data/", "fleet/memory/", "fleet/engine/"),
         ("numpy", "torch", "yaml", "matplotlib"),  # matplotlib: a run's plots, drawn where its records are
     ),
+    # the emulated-device testbed: it launches Flower's own programs as processes, and imports no Flower
+    "fleet/testbed/": (
+        ("fleet/base/", "fleet/data/", "fleet/memory/", "fleet/engine/", "fleet/federated/"),
+        ("numpy", "torch", "yaml", "PIL"),
+    ),
     "client/": (("fleet/base/", "fleet/data/", "fleet/memory/", "fleet/engine/", "fleet/federated/"), ("flwr",)),
     "server/": (
         ("fleet/base/", "fleet/data/", "fleet/memory/", "fleet/engine/", "fleet/federated/"),

@@ -35,6 +35,7 @@ from fleet.engine.config import MOVED as ENGINE_MOVED
 from fleet.federated.class_config import DeviceClassConfig, check_classes
 from fleet.federated.paths import resolve_path
 from fleet.federated.personal import POLICIES as PERSONAL_POLICIES
+from fleet.federated.testbed_config import TestbedConfig, check_testbed
 
 STRATEGIES = ("fleet", "naive", "fedavg", "ditto")
 AGGREGATIONS = ("mean", "trimmed_mean", "median")
@@ -293,6 +294,7 @@ class FleetConfig(ExperimentConfig):
     personalization: PersonalizationConfig = field(default_factory=PersonalizationConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     start: StartConfig = field(default_factory=StartConfig)
+    testbed: TestbedConfig = field(default_factory=TestbedConfig)
 
 
 SECTIONS = tuple(
@@ -365,6 +367,7 @@ def _check_rules(cfg: FleetConfig) -> None:
     """Checks that span sections; each field's own rule is checked as the section is built."""
     dev, el = cfg.devices, cfg.elastic
     check_classes(dev.device_classes)
+    check_testbed(cfg.testbed)
     _check_shift(cfg)
     if dev.newcomers >= dev.num_devices:
         raise ConfigError(

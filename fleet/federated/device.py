@@ -57,6 +57,20 @@ def _number(value: Any) -> float:
         return float("nan")
 
 
+def threads_of(cfg: FleetConfig, node_config: dict[str, Any]) -> int:
+    """Torch threads for the device's ClientApp: node config ``threads`` (its cores), else
+    ``simulation.client_threads``."""
+    if keys.NODE_THREADS not in node_config:
+        return cfg.simulation.client_threads
+    threads = _number(node_config[keys.NODE_THREADS])
+    if not (math.isfinite(threads) and threads == int(threads) and 1 <= threads <= 1024):
+        raise ConfigError(
+            f"node config threads: {node_config[keys.NODE_THREADS]!r} is not allowed; use a whole number of "
+            "threads from 1 to 1024 (its cores)"
+        )
+    return int(threads)
+
+
 def partition_of(cfg: FleetConfig, node_config: dict[str, Any]) -> int | None:
     """The device's slice of the shared dataset (simulation-style split), or None for a device
     that reads its own files (node config ``data-root``) and has no partition."""

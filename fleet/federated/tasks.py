@@ -37,6 +37,7 @@ from fleet.federated.device import (
     partition_of,
     save_state,
     state_dir_of,
+    threads_of,
     tier_of,
 )
 from fleet.federated.personal import overlay_personal, personal_names
@@ -60,7 +61,7 @@ class Device:
     @classmethod
     def from_configs(cls, cfg: FleetConfig, node_config: Mapping[str, Any]) -> Device:
         node_config = dict(node_config)
-        torch.set_num_threads(cfg.simulation.client_threads)
+        torch.set_num_threads(threads_of(cfg, node_config))
         pid = partition_of(cfg, node_config)
         return cls(cfg, pid, device_name_of(cfg, node_config, pid), node_config)
 

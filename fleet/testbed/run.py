@@ -374,13 +374,17 @@ def apply_fault(tb: Testbed, fault: Fault, log: Log) -> dict[str, float]:
 
 def run_testbed(cfg: FleetConfig, faults: list[Fault], log: Log = print) -> dict:
     """Start the emulated fleet, run the app on it to the end, tear it down; returns summary.json."""
+    names = [n for n, _ in device_names(cfg)]
+    for fault in faults:  # a fault naming no device stops here, before anything is made
+        if fault.device not in names:
+            raise ConfigError(
+                f"--{fault.kind}: no testbed device is called {fault.device!r}; the devices are {', '.join(names)}"
+            )
     joining = {f.device for f in faults if f.kind == "join"}
     work = run_dir(cfg).parent / f"{cfg.name}-testbed"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     with Testbed(cfg, work, log) as tb:
-        for fault in faults:
-            tb.device(fault.device)  # a fault naming no device stops here, before anything runs
         cfg, config_path = prepare_run(cfg, work, joining, log)
         tb.cfg = cfg
         for device in tb.devices:

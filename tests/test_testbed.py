@@ -40,7 +40,7 @@ def test_the_testbed_section_is_checked_on_load():
         ({"name": "Pi4"}, "testbed.classes[0].name: 'Pi4' is not allowed"),
         ({"cpu": 0}, "testbed.classes[0].cpu: 0.0 is not allowed"),
         ({"cpu": 64.0, "count": 64}, "testbed.classes: the devices ask for 4096 cores"),
-        ({"memory_mb": 300}, "testbed.classes (device): memory_mb 300 leaves nothing above testbed.runtime_mb 600"),
+        ({"memory_mb": 300}, "testbed.classes (device): memory_mb 300 leaves nothing above testbed.runtime_mb 1200"),
     )
     for fields, message in bad:
         with pytest.raises(ConfigError) as info:

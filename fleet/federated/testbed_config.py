@@ -57,9 +57,10 @@ class TestbedConfig:
     __test__ = False  # not a pytest class
 
     classes: list[TestbedClassConfig] = field(default_factory=list)  # the kinds of device; none: no testbed
-    # what a device's processes hold besides activations (Python, torch and Flower, the model with its gradients
-    # and optimizer state, its data), subtracted from its memory limit to give its activation budget
-    runtime_mb: float = 600.0
+    # what a device's processes hold besides activations (the SuperNode and its ClientApp: Python, torch and Flower,
+    # the model with its gradients and optimizer state, its data), subtracted from its memory limit to give its
+    # activation budget. Measured: simulations/testbed.yaml's devices peaked at 1,224-1,376 MB (page cache included)
+    runtime_mb: float = 1200.0
     timeout_s: float = 3600.0  # the whole testbed run's bound in wall seconds; past it everything is stopped
 
     RULES: ClassVar[dict[str, Rule]] = {

@@ -4,7 +4,8 @@ A reply crosses a trust boundary: a device can be faulty, out of date or hostile
 metric the server uses without a check can crash the ServerApp (a missing key, a string),
 or move the fleet (a NaN loss, a negative byte count, a sample count of 1e308). Each
 message type has a schema here; a reply that fails it is rejected with one reason, and
-only the keys of the schema are kept, so nothing unknown reaches metrics.jsonl.
+only its typed record is kept (fleet/federated/records.py reads the schema's fields alone), so nothing
+unknown reaches metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -94,8 +95,3 @@ def metric_problem(metrics: Mapping[str, object], schema: Mapping[str, Field]) -
         if problem is not None:
             return f"metric '{key}' {problem}"
     return None
-
-
-def known_metrics(metrics: Mapping[str, object], schema: Mapping[str, Field]) -> dict:
-    """Only the schema's keys (after :func:`metric_problem` found none): nothing unknown is kept."""
-    return {k: metrics[k] for k in schema if k in metrics}

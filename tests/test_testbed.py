@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from fleet.base.errors import ConfigError
 from fleet.engine.device_profile import DeviceProfile
 from fleet.federated.config import fleet_config_from_dict, load_fleet_config
 from fleet.testbed import cgroup, network
+from fleet.testbed.calibrate import measure_full_step, search_quota
 from fleet.testbed.run import Fault, class_round_times, run_testbed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,6 +49,37 @@ def test_the_testbed_section_is_checked_on_load():
             fleet_config_from_dict({"testbed": {"classes": [fields]}})
         assert str(info.value).startswith(message) and "<class" not in str(info.value)
     assert load_fleet_config(ROOT / "simulations/testbed.yaml").testbed.num_devices == 6
+
+
+def test_the_quota_search_matches_a_profile_within_ten_percent_or_says_why():
+    tries: list[float | None] = []
+
+    def board(cpu: float | None) -> float:  # a step of 60 ms on a free core, 1/cpu slower under a quota, plus 10%
+        tries.append(cpu)
+        return 0.060 if cpu is None else 0.060 / cpu * (1.1 if cpu < 0.5 else 1.0)
+
+    cpu, step = search_quota(board, 0.300, "pi4")
+    assert abs(step / 0.300 - 1) <= 0.10 and 0.18 <= cpu <= 0.23 and tries[0] is None and len(tries) <= 4
+    # a board whose small quotas slow it more than in proportion (step ~ cpu^-1.6): the power is measured
+    steep: list[float | None] = []
+    cpu, step = search_quota(lambda q: steep.append(q) or (0.06 if q is None else 0.06 * q**-1.6), 0.6, "pi")
+    assert abs(step / 0.6 - 1) <= 0.10 and len(steep) <= 4, steep
+    with pytest.raises(Exception, match="pi4: its full step 30 ms is faster than this machine's 60 ms"):
+        search_quota(board, 0.030, "pi4")
+    with pytest.raises(Exception, match=r"no quota came within 10% .* \(closest"):
+        search_quota(lambda cpu: 0.06 if cpu is None else 1.0, 0.3, "pi4")
+
+
+def test_a_class_gives_cpu_or_a_real_profile(tmp_path):
+    profile = tmp_path / "pi4.yaml"
+    profile.write_text("{}")
+    both = {"name": "pi4", "cpu": 0.2, "profile": str(profile)}
+    with pytest.raises(ConfigError, match=r"testbed.classes \(pi4\): cpu 0.2 and profile .* both set"):
+        fleet_config_from_dict({"testbed": {"classes": [both]}})
+    with pytest.raises(ConfigError, match=r"testbed.classes \(pi4\): profile .*nope.yaml is not a file"):
+        fleet_config_from_dict({"testbed": {"classes": [{"name": "pi4", "profile": str(tmp_path / "nope.yaml")}]}})
+    ok = fleet_config_from_dict({"testbed": {"classes": [{"name": "pi4", "profile": str(profile)}]}})
+    assert ok.testbed.classes[0].profile == str(profile) and ok.testbed.classes[0].threads() == 1
 
 
 def test_each_device_has_its_own_link_addresses():
@@ -85,7 +118,7 @@ def leftovers() -> list[str]:
     return found + [f"pid {p}" for p in procs]
 
 
-def tiny_testbed(tmp_path: Path, strategy: str) -> Path:
+def tiny_testbed(tmp_path: Path, strategy: str, slow_speed: dict | None = None) -> Path:
     cfg = yaml.safe_load((ROOT / "simulations/fleet-tiny.yaml").read_text())
     cfg["name"] = f"tb-{strategy}"
     cfg["output_dir"] = str(tmp_path / "runs")
@@ -93,7 +126,7 @@ def tiny_testbed(tmp_path: Path, strategy: str) -> Path:
     cfg["membership"] = {"grace_s": 120}
     cfg["testbed"] = {
         "classes": [
-            {"name": "slow", "count": 1, "cpu": SLOW_CPU, "uplink_mbps": UPLINK_MBPS, "downlink_mbps": 100},
+            {"name": "slow", "count": 1, "uplink_mbps": UPLINK_MBPS, "downlink_mbps": 100, **(slow_speed or {})},
             {"name": "free", "count": 2, "uplink_mbps": 1000, "downlink_mbps": 1000},
         ],
         "timeout_s": 1200,
@@ -108,26 +141,33 @@ def tiny_testbed(tmp_path: Path, strategy: str) -> Path:
 def test_a_three_device_testbed_runs_fedavg_and_fleet_within_real_limits(tmp_path, capsys):
     if os.geteuid() != 0:
         pytest.skip("the testbed needs root (cgroups and network namespaces); run the slow tests as root")
-    fedavg = run_testbed(load_fleet_config(tiny_testbed(tmp_path, "fedavg")), [], log=print)
-    assert fedavg["rounds"] == 2
+    config = tiny_testbed(tmp_path, "fedavg", {"cpu": SLOW_CPU})
+    fedavg = run_testbed(load_fleet_config(config), [], log=print)
+    assert fedavg.summary["rounds"] == 2 and fedavg.memory["slow-0"][1] == 0
     run = tmp_path / "runs" / "tb-fedavg"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    # the CPU limit: the device profiled itself under a quarter of a core
-    steps = {
-        d: DeviceProfile.load(run / "devices" / d / "device-profile.yaml").full_step_time for d in ("slow-0", "free-0")
-    }
-    assert steps["slow-0"] >= 3 * steps["free-0"], steps
+    # the CPU limit: the device profiled itself under a quarter of a core; the unlimited step is measured
+    # afterwards on its own (the free devices profiled while sharing two cores with two others)
+    slow_profile = run / "devices" / "slow-0" / "device-profile.yaml"
+    slow_step, free_step = DeviceProfile.load(slow_profile).full_step_time, measure_full_step(config, None, tmp_path)
+    assert slow_step >= 3 * free_step, (slow_step, free_step)
     # the uplink: every upload of B bytes at R Mbit/s took at least 0.9 B/R
     for rec in records:
         slow = next(d for d in rec["devices"] if d["device"] == "slow-0")
         assert slow["wall_s"] >= 0.9 * slow["bytes_uploaded"] * 8 / (UPLINK_MBPS * 1e6), slow
-    # fleet, with a healthy device killed as round 2 starts: that round costs at most its bound
+    # fleet, the slow class calibrated to the slow device's profile, and a healthy device killed as round 2
+    # starts: that round costs at most its bound
     kill = [Fault("kill", "free-1", 2)]
-    fleet = run_testbed(load_fleet_config(tiny_testbed(tmp_path, "fleet")), kill, log=print)
-    assert fleet["rounds"] == 2
+    fleet = run_testbed(
+        load_fleet_config(tiny_testbed(tmp_path, "fleet", {"profile": str(slow_profile)})), kill, log=print
+    )
+    assert fleet.summary["rounds"] == 2
     fleet_records = [json.loads(line) for line in (tmp_path / "runs/tb-fleet/metrics.jsonl").read_text().splitlines()]
     assert fleet_records[1]["missed"] == ["free-1"]
     assert fleet_records[1]["round_wall_s"] <= fleet_records[1]["wall_bound_s"] + 120  # evaluation: grace_s more
     out = capsys.readouterr().out
     assert "round   1/2" in out and "testbed: round 2: kill free-1" in out
+    calibrated = re.search(r"testbed: class slow calibrated to .*: ([0-9.]+) core \(full step (\d+) ms here", out)
+    assert calibrated and 0.12 <= float(calibrated[1]) <= 0.4, out  # a quarter core, as it was measured under
+    assert abs(int(calibrated[2]) / (1000 * slow_step) - 1) <= 0.1
     assert not leftovers(), leftovers()

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 from fleet.base.errors import ConfigError
 from fleet.engine.config import Rule
+from fleet.federated.paths import resolve_path
 
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789-")
 
@@ -34,6 +36,9 @@ class TestbedClassConfig:
     uplink_mbps: float = 100.0  # its uplink in Mbit/s: the rate of its end of the link (a token bucket)
     downlink_mbps: float = 100.0  # its downlink in Mbit/s: the rate of the server's end of its link
     latency_ms: float = 0.0  # one-way delay each way (netem); needs the kernel's sch_netem
+    # a profile measured on the real device (`fleet profile` there, same model, batch and input size): the testbed
+    # then finds the CPU quota at which this machine's full step matches it within 10%, and prints it; cpu stays null
+    profile: str | None = None
 
     RULES: ClassVar[dict[str, Rule]] = {
         "name": (lambda v: 1 <= len(v) <= 20 and set(v) <= NAME_CHARS, "1-20 lower-case letters, digits or '-'"),
@@ -86,6 +91,16 @@ def check_testbed(testbed: TestbedConfig) -> None:
             "lower cpu or count, leaving some for the server"
         )
     for c in testbed.classes:
+        if c.profile is not None and c.cpu is not None:
+            raise ConfigError(
+                f"testbed.classes ({c.name}): cpu {c.cpu:g} and profile {c.profile} both set the device's speed; "
+                "give one (the profile's quota is found by calibration)"
+            )
+        if c.profile is not None and not resolve_path(c.profile).is_file():
+            raise ConfigError(
+                f"testbed.classes ({c.name}): profile {c.profile} is not a file; measure one on the real device "
+                f"with `fleet profile --config CONFIG --out {Path(c.profile).name}`, or give the class a cpu instead"
+            )
         if c.memory_mb is not None and c.memory_mb <= testbed.runtime_mb:
             raise ConfigError(
                 f"testbed.classes ({c.name}): memory_mb {c.memory_mb:g} leaves nothing above testbed.runtime_mb "

@@ -33,6 +33,7 @@ from fleet.federated.state import keep_previous_run
 from fleet.federated.testbed_config import TestbedClassConfig
 from fleet.federated.tracking import METRICS_FILE, SUMMARY_FILE
 from fleet.testbed import cgroup, network
+from fleet.testbed.calibrate import calibrate_classes
 from fleet.testbed.data import class_names, write_device_trees
 
 BIN = Path(sys.executable).parent  # flower-superlink, flower-supernode and flwr of this environment
@@ -324,15 +325,19 @@ def progress_line(rec: dict, rounds: int, wall_s: float, classes: dict[str, str]
     )
 
 
-def watch(tb: Testbed, out: Path, faults: list[Fault], log: Log) -> list[dict]:
+def watch(tb: Testbed, out: Path, faults: list[Fault], log: Log, stop_after_s: float | None = None) -> list[dict]:
     """Print a line per round as the run writes metrics.jsonl, replay each fault when its round starts,
-    and return the records once summary.json is written (a FleetError past testbed.timeout_s)."""
+    and return the records once summary.json is written, or once a round ends past ``stop_after_s`` of
+    the run's wall clock (a bench's budget); a FleetError past testbed.timeout_s."""
     cfg = tb.cfg
     classes = {d.name: d.cls.name for d in tb.devices}
     started = time.monotonic()
     end = started + cfg.testbed.timeout_s
     pending, thaw, records = sorted(faults, key=lambda f: f.round), {}, []
     while not (out / SUMMARY_FILE).is_file():
+        if stop_after_s is not None and records and records[-1].get("wall_time_s", 0.0) >= stop_after_s:
+            log(f"testbed: the wall-clock budget of {stop_after_s:.0f}s is spent; stopped after round {len(records)}")
+            return records
         if time.monotonic() > end:
             raise FleetError(f"the testbed run passed testbed.timeout_s ({cfg.testbed.timeout_s:.0f}s); stopped it")
         if tb.link_proc.poll() is not None:
@@ -372,8 +377,24 @@ def apply_fault(tb: Testbed, fault: Fault, log: Log) -> dict[str, float]:
     return {}
 
 
-def run_testbed(cfg: FleetConfig, faults: list[Fault], log: Log = print) -> dict:
-    """Start the emulated fleet, run the app on it to the end, tear it down; returns summary.json."""
+@dataclass
+class TestbedRun:
+    """What a testbed run left: its rounds, its summary, and each device's memory."""
+
+    __test__ = False  # not a pytest class
+
+    records: list[dict]  # metrics.jsonl, a line per round
+    summary: dict | None  # summary.json; None when the run was stopped at a wall-clock budget
+    memory: dict[str, tuple[float, int]]  # device -> (its cgroup's memory peak in MB, its OOM kills)
+    classes: dict[str, TestbedClassConfig]  # device -> its class, as it ran (a calibrated class with its quota)
+    run_dir: Path
+
+
+def run_testbed(
+    cfg: FleetConfig, faults: list[Fault], log: Log = print, stop_after_s: float | None = None
+) -> TestbedRun:
+    """Start the emulated fleet, run the app on it to the end (or until a round ends past
+    ``stop_after_s`` wall seconds), tear it down."""
     names = [n for n, _ in device_names(cfg)]
     for fault in faults:  # a fault naming no device stops here, before anything is made
         if fault.device not in names:
@@ -386,18 +407,24 @@ def run_testbed(cfg: FleetConfig, faults: list[Fault], log: Log = print) -> dict
     work.mkdir(parents=True)
     with Testbed(cfg, work, log) as tb:
         cfg, config_path = prepare_run(cfg, work, joining, log)
-        tb.cfg = cfg
+        tb.cfg = cfg = calibrate_classes(cfg, config_path, work, log)
+        for device in tb.devices:
+            device.cls = next(c for c in cfg.testbed.classes if c.name == device.cls.name)
         for device in tb.devices:
             if device.name not in joining:
                 tb.start_device(device)
         log(f"testbed: {len(tb.devices) - len(joining)} devices started ({', '.join(_limits(tb))}); submitting")
         tb.submit(config_path)
-        watch(tb, run_dir(cfg), faults, log)
+        records = watch(tb, run_dir(cfg), faults, log, stop_after_s)
+        memory = {}
         for device in tb.devices:
             if device.cgroup is not None:
-                peak, kills = device.cgroup.memory_peak_mb(), device.cgroup.oom_kills()
+                memory[device.name] = peak, kills = device.cgroup.memory_peak_mb(), device.cgroup.oom_kills()
                 log(f"testbed: {device.name}: memory peak {peak:.0f} MB, {kills} OOM kills")
-    return json.loads((run_dir(cfg) / SUMMARY_FILE).read_text())
+        classes = {d.name: d.cls for d in tb.devices}
+    summary_path = run_dir(cfg) / SUMMARY_FILE
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    return TestbedRun(records, summary, memory, classes, run_dir(cfg))
 
 
 def _limits(tb: Testbed) -> list[str]:

@@ -18,6 +18,7 @@ from fleet.federated.classes import (
 )
 from fleet.federated.config import load_fleet_config
 from fleet.federated.device import simulated_names, tier_of
+from fleet.federated.records import TrainReply
 
 EXAMPLE = "simulations/classes.yaml"
 
@@ -57,6 +58,26 @@ def test_a_class_sets_tier_bandwidth_and_availability():
     first_slow = f"device-{slow[0]}"
     assert view.class_name(first_slow) == "slow" and view.bandwidth(first_slow) == 20e6 / 8
     assert view.class_name("pi-in-the-field") is None and view.online("pi-in-the-field", 3, 0.0)  # deployment
+
+
+def test_a_class_start_and_downlink_go_on_the_simulated_clock():
+    cfg = fleet(
+        [
+            {"name": "pi", "share": 0.5, "bandwidth_mbps": 8, "downlink_mbps": 16, "start_s": 30},
+            {"name": "lab", "share": 0.5, "bandwidth_mbps": 8},
+        ],
+        num_devices=2,
+    )
+    view = FleetClasses(cfg, simulated_names(cfg))
+    pi, lab = sorted(view.partitions, key=lambda n: view.class_name(n) != "pi")
+    assert view.fixed_s(pi, 4_000_000) == pytest.approx(30 + 2.0)  # 4 MB down at 16 Mbit/s: 2 s
+    assert view.fixed_s(lab, 4_000_000) == 0.0 and view.fixed_s("pi-in-the-field", 4_000_000) == 0.0
+    reply = TrainReply(0, pi, 10, 1.0, 3, 5, 0.5, 0.5, 4.0, 4.0, 8.0, 1_000_000, 2)
+    assert reply.round_time_s(1e6, view.fixed_s(pi, 4_000_000)) == pytest.approx(32 + 4 + 1)
+    assert reply.round_time_s(1e6) == pytest.approx(5.0)  # the older model: compute and upload
+    for field_name, bad in (("downlink_mbps", 0), ("start_s", -1)):
+        with pytest.raises(ConfigError, match=f"{field_name}"):
+            fleet([{"name": "pi", "share": 1.0, field_name: bad}], num_devices=2)
 
 
 def test_a_trace_sets_who_is_online_by_the_simulated_clock(tmp_path):

@@ -25,6 +25,11 @@ class DeviceClassConfig:
     profile: str | None = None  # a profile measured on this hardware (`fleet profile --out`): replaces tier
     bandwidth_mbps: float = 100.0  # median uplink in Mbit/s
     bandwidth_sigma: float = 0.0  # lognormal spread of the uplink over the class's devices; 0: all at the median
+    # downlink in Mbit/s: each round the device first downloads the whole global model; null: not on the clock
+    downlink_mbps: float | None = None
+    # seconds a device spends on every message before it trains: Flower starts a fresh ClientApp process for each
+    # one (Python, imports, the device's data and model). Measured on the real device (`ready_s` in metrics.jsonl)
+    start_s: float = 0.0
     availability: float = 1.0  # per-round probability that a device of the class is online
     trace: str | None = None  # online intervals instead (period_s, devices: [[[start, end], ...], ...])
 
@@ -79,6 +84,8 @@ def check_classes(classes: list[DeviceClassConfig]) -> None:
             ("tier", c.tier > 0, "a slow-down factor > 0 (1 = as profiled)"),
             ("bandwidth_mbps", c.bandwidth_mbps > 0, "a median uplink in Mbit/s > 0"),
             ("bandwidth_sigma", 0 <= c.bandwidth_sigma <= 3, "a lognormal spread in [0, 3]"),
+            ("downlink_mbps", c.downlink_mbps is None or c.downlink_mbps > 0, "a downlink in Mbit/s > 0, or null"),
+            ("start_s", 0 <= c.start_s <= 3600, "seconds in [0, 3600]"),
             ("availability", 0 <= c.availability <= 1, "a per-round probability in [0, 1]"),
         ):
             if not ok:

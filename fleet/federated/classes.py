@@ -92,6 +92,16 @@ class FleetClasses:
     def bandwidth(self, name: str | None) -> float:
         return bandwidth_of(self.cfg, self.partitions.get(name or ""))
 
+    def fixed_s(self, name: str | None, download_bytes: int) -> float:
+        """What a round costs the device whatever it trains: its start (``start_s``) and its download of
+        the global model (``download_bytes`` over ``downlink_mbps``); 0 without a class saying so."""
+        pid = self.partitions.get(name or "")
+        cls = None if pid is None else class_of(self.cfg, pid)
+        if cls is None:
+            return 0.0
+        download = 0.0 if cls.downlink_mbps is None else download_bytes * 8 / (cls.downlink_mbps * 1e6)
+        return cls.start_s + download
+
     def online(self, name: str, server_round: int, sim_time_s: float) -> bool:
         pid = self.partitions.get(name)
         return True if pid is None else online(self.cfg, pid, server_round, sim_time_s)

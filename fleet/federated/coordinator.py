@@ -166,6 +166,7 @@ class Coordinator:
         self.simulated = simulated  # simulated devices share this machine: wall time says nothing of the deadline
         self.sample_caps = known_data_sizes(cfg) if simulated else {}  # a simulation knows every device's data
         self.full_bytes = shared_bytes(arrays, self.names.personal)
+        self.download_bytes = shared_bytes(arrays, frozenset())  # each train message carries the whole model
         self.server_test = server_test  # evaluation.server_test: the global model is also scored on this
         self.refusals: dict[str, str] = {}  # node -> the last reason it was refused (logged once)
 
@@ -262,6 +263,10 @@ class Coordinator:
         state.replies.sent = self.arrays
         return PlannedRound(server_round, nodes, order, *self.bounds(deadline, nodes))
 
+    def fixed_s(self, name: str | None) -> float:
+        """A simulated device's round cost whatever it trains: its class's start and model download."""
+        return self.classes.fixed_s(name, self.download_bytes)
+
     def full_upload_s(self, node: str) -> float:
         """Seconds the node's device takes to upload every shared tensor over its uplink (0 when the
         deadline bounds compute only)."""
@@ -307,7 +312,7 @@ class Coordinator:
         got.answered = sorted({str(r.node_id) for r in replies if r.error is None})
         candidates = [c for c in (self._check(plan.server_round, r) for r in replies) if c is not None]
         self._aggregate(plan.server_round, candidates)
-        got.round_time_s = round_time(got.train, self.classes.bandwidth)
+        got.round_time_s = round_time(got.train, self.classes.bandwidth, self.fixed_s)
 
     def _check(self, server_round: int, reply: Reply) -> Candidate | None:
         """The reply typed, its weight capped and its times clamped, or None (rejected, with the reason)."""
@@ -415,7 +420,7 @@ class Coordinator:
             t = time.perf_counter()
             scored = server_accuracy(self.cfg, self.arrays, self.server_test)
             self.lap("server_eval_s", t)
-        rows = device_rows(got.train, got.evaluation, self.classes, self.full_bytes)
+        rows = device_rows(got.train, got.evaluation, self.classes, self.full_bytes, self.fixed_s)
         rec = round_record(state, self.cfg.federation.strategy, plan.deadline_s, round_time_s, self.names.params, rows)
         rec.update({"round_wall_s": wall, "wall_bound_s": plan.train_bound_s, **got.attendance.as_dict()})
         if scored is not None:

@@ -50,6 +50,9 @@ GLOBAL_ACCURACY = "global-accuracy"  # the global model on the device's held-out
 PERSONAL_ACCURACY = "personal-accuracy"  # the device's personalized model on the same split
 FINETUNED_ACCURACY = "finetuned-accuracy"  # the global model after personalization.finetune_steps local steps
 FINETUNE_TIME_S = "finetune-time-s"  # simulated seconds that fine-tuning took on the device (its clock)
+# seconds from the start of the device's ClientApp process to the start of its work (Flower's process start,
+# the imports, its data and model): what each message costs it before training or evaluating
+READY_S = "ready-s"
 EVAL_TIME_S = "eval-time-s"  # wall time of the evaluation on the host (the scale bench's overhead ratio)
 
 # --- operator -> device: a SuperNode's --node-config ---------------------------------------

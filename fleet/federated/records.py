@@ -135,6 +135,7 @@ class TrainReply:
     memory_budget_bytes: float | None = wire(keys.MEMORY_BUDGET_BYTES, None)
     memory_peak_bytes: float | None = wire(keys.MEMORY_PEAK_BYTES, None)
     memory_added_s: float | None = wire(keys.MEMORY_ADDED_S, None)
+    ready_s: float | None = wire(keys.READY_S, None)  # its process's start and setup, before training
     # measured by the server, not told: wall seconds from sending the train message to pulling this reply (the
     # device's whole real round: its ClientApp's start, both transfers, its compute); None when not measured
     wall_s: float | None = None
@@ -149,16 +150,17 @@ class TrainReply:
     def speedup(self) -> float:
         return speedup(self.full_time_s, self.predicted_time_s)
 
-    def round_time_s(self, bandwidth: float) -> float:
-        """Its round on the simulated clock: compute plus its upload over its uplink (bytes/s)."""
-        return self.predicted_time_s + self.bytes_uploaded / bandwidth
+    def round_time_s(self, bandwidth: float, fixed_s: float = 0.0) -> float:
+        """Its round on the simulated clock: what it costs whatever it trains (``fixed_s``: its start and
+        download), its compute, and its upload over its uplink (bytes/s)."""
+        return fixed_s + self.predicted_time_s + self.bytes_uploaded / bandwidth
 
-    def round_speedup(self, full_bytes: int, bandwidth: float) -> float:
+    def round_speedup(self, full_bytes: int, bandwidth: float, fixed_s: float = 0.0) -> float:
         """Its whole round against training and uploading every shared tensor (``full_bytes``). ``speedup``
         compares compute alone, which hides what selection saves on the uplink: a fast device short only of
         part of its upload reads below 1x there (its probe), while its round, uploading less, is shorter."""
-        used = self.round_time_s(bandwidth)
-        return (self.full_time_s + full_bytes / bandwidth) / used if used > 0 else 0.0
+        used = self.round_time_s(bandwidth, fixed_s)
+        return (fixed_s + self.full_time_s + full_bytes / bandwidth) / used if used > 0 else 0.0
 
     def row(self) -> dict[str, Any]:
         """Its part of the device's metrics.jsonl row (its sample weight is ``train_examples`` there)."""
@@ -190,6 +192,7 @@ class EvaluateReply:
     finetuned_accuracy: float | None = wire(keys.FINETUNED_ACCURACY, None)
     finetune_time_s: float | None = wire(keys.FINETUNE_TIME_S, None)
     eval_time_s: float | None = wire(keys.EVAL_TIME_S, None)
+    eval_ready_s: float | None = wire(keys.READY_S, None)  # its process's start and setup, before evaluating
 
     @classmethod
     def from_metrics(cls, node_id: int, device: str | None, metrics: Mapping[str, object]) -> EvaluateReply:

@@ -72,6 +72,7 @@ TRAIN = {
     keys.MEMORY_BUDGET_BYTES: Field(False),
     keys.MEMORY_PEAK_BYTES: Field(False),
     keys.MEMORY_ADDED_S: Field(False),
+    keys.READY_S: Field(False, hi=1e6),
 }
 EVALUATE = {
     keys.PARTITION_ID: PARTITION,
@@ -81,6 +82,7 @@ EVALUATE = {
     keys.FINETUNED_ACCURACY: Field(False, hi=1.0),
     keys.FINETUNE_TIME_S: Field(False, hi=1e6),
     keys.EVAL_TIME_S: Field(False, hi=1e6),
+    keys.READY_S: Field(False, hi=1e6),
 }
 
 

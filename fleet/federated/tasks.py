@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fleet.base.process import process_age_s
 from fleet.engine.device_profile import DeviceProfile
 from fleet.engine.experiment import model_with_weights
 from fleet.engine.trainer import accuracy
@@ -101,14 +102,28 @@ class Device:
 def query(device: Device) -> dict[str, float | int]:
     """This device's full-training time for a round (the server's default deadline), floor and data
     size. Reading its data here refuses a device with a bad tree before it is ever sampled."""
+    ready = readiness()  # counted, so that a simulation worker's later messages report no lifetime
     profile = device.profile()
     return {
         **device.identity(),
+        **ready,
         keys.TIER: profile.speed_factor,
         keys.FULL_TIME_S: full_round_time(device.cfg, profile),
         keys.MIN_RHO: profile.min_rho,
         keys.NUM_EXAMPLES: len(device.data().train),
     }
+
+
+_HANDLED = [0]  # messages this process has handled: a deployed ClientApp handles one, a simulation worker many
+
+
+def readiness() -> dict[str, float]:
+    """``ready_s``, the process's age as its work starts, on the first message it handles: for a deployed
+    device, that message's start, imports and setup (fleet.base.process); later messages of a long-lived
+    simulation worker would report its lifetime, so they report nothing."""
+    _HANDLED[0] += 1
+    age = process_age_s() if _HANDLED[0] == 1 else None
+    return {} if age is None else {keys.READY_S: age}
 
 
 def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> RoundResult:
@@ -123,8 +138,9 @@ def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[s
     overlay_personal(model, personal, state.personal)
     data = device.data().train
     device_round = DeviceRound(cfg, model, profile, data, device.seed, state, memory, personal, device.bandwidth)
+    ready = readiness()
     result = device_round.train(order)
-    result.metrics.update(device.identity())
+    result.metrics.update({**device.identity(), **ready})
     save_state(state_path, result.state)
     return result
 
@@ -152,7 +168,7 @@ def evaluate(
     # the device's model is the global shared tensors plus its own personal ones (personalization.policy)
     personal = personal_names(model, cfg.personalization.policy)
     overlay_personal(model, personal, state.personal)
-    out: dict[str, float | int] = {**device.identity(), keys.NUM_EXAMPLES: len(data.test)}
+    out: dict[str, float | int] = {**device.identity(), **readiness(), keys.NUM_EXAMPLES: len(data.test)}
     out[keys.GLOBAL_ACCURACY] = global_acc = accuracy(model, data.test, cfg.data.input_size)
     if cfg.personalization.finetune_steps and config is not None and keys.SERVER_ROUND in config:
         order = TrainOrder.from_config(config, cfg.federation.strategy)

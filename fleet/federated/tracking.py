@@ -23,10 +23,12 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 
 
-def round_time(train: list[TrainReply], bandwidth: Callable[[str | None], float]) -> float:
-    """The slowest device's round: its simulated training time plus its upload over its own uplink
-    (``bandwidth`` of its name, in bytes/s)."""
-    return max((r.round_time_s(bandwidth(r.device)) for r in train), default=0.0)
+def round_time(
+    train: list[TrainReply], bandwidth: Callable[[str | None], float], fixed: Callable[[str | None], float]
+) -> float:
+    """The slowest device's round: its fixed cost (``fixed`` of its name: start and download), its
+    simulated training time and its upload over its own uplink (``bandwidth`` of its name, bytes/s)."""
+    return max((r.round_time_s(bandwidth(r.device), fixed(r.device)) for r in train), default=0.0)
 
 
 def device_key(row: dict) -> str:
@@ -40,11 +42,16 @@ def device_name(reply: TrainReply | EvaluateReply) -> str:
 
 
 def device_rows(
-    train: list[TrainReply], evaluation: list[EvaluateReply], classes: FleetClasses, full_bytes: int
+    train: list[TrainReply],
+    evaluation: list[EvaluateReply],
+    classes: FleetClasses,
+    full_bytes: int,
+    fixed: Callable[[str | None], float] = lambda name: 0.0,
 ) -> list[dict]:
     """One row per device, by name: its train reply joined with its evaluation, its class (simulated
-    device classes) and its round speedup (against training and uploading all ``full_bytes``). A
-    device's test samples are ``test_examples`` and, when it also trained, its sample weight
+    device classes), its round on the simulated clock and its round speedup (against training and
+    uploading all ``full_bytes``; ``fixed`` of its name is what its round costs whatever it trains).
+    A device's test samples are ``test_examples`` and, when it also trained, its sample weight
     ``train_examples``."""
     trained = {device_name(r): r for r in train}
     evaluated = {device_name(e): e for e in evaluation}
@@ -58,7 +65,11 @@ def device_rows(
         if class_name is not None:
             row["class"] = class_name
         if t is not None:
-            row["round_speedup"] = t.round_speedup(full_bytes, classes.bandwidth(name))
+            bandwidth, fixed_s = classes.bandwidth(name), fixed(name)
+            row["round_time_s"] = t.round_time_s(bandwidth, fixed_s)
+            if fixed_s:
+                row["fixed_s"] = fixed_s  # of its round: its start and download
+            row["round_speedup"] = t.round_speedup(full_bytes, bandwidth, fixed_s)
         rows.append(row)
     return rows
 

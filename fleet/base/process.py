@@ -1,0 +1,24 @@
+"""How long this process has lived: what a message cost a device before its own code ran.
+
+Flower's SuperNode starts a fresh ClientApp process for every message it is sent, so a deployed
+device pays, each round, for Python's start, the imports, the app's loading and then its own data
+and model, before training. That cost is real seconds on a slow board and no timer inside the app
+can see its first part; the kernel's record of when the process started can.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux's /proc), or None where the kernel does not say."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of proc(5): start, in ticks after boot
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 DEFAULT_CONFIG = "simulations/testbed.yaml"
+BENCH_ROUNDS = 4  # FedAvg's rounds in the bench: three methods in about 30 minutes on the default fleet
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,6 +37,47 @@ def run(args: argparse.Namespace) -> int:
 
     faults = [Fault.parse(kind, text) for kind in ("kill", "freeze", "join") for text in getattr(args, kind)]
     cfg = load_fleet_config(args.config, _overrides(args))
-    summary = run_testbed(cfg, faults, log=lambda line: print(line, flush=True))
-    print(summary_table(summary))
+    run = run_testbed(cfg, faults, log=lambda line: print(line, flush=True))
+    print(summary_table(run.summary))
+    return 0
+
+
+def register_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "testbed", help="FedAvg vs naive vs fleet on the emulated fleet in real seconds, and the simulator against it"
+    )
+    p.add_argument(
+        "config", nargs="?", default=DEFAULT_CONFIG, help=f"fleet YAML with a testbed section ({DEFAULT_CONFIG})"
+    )
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a field")
+    p.add_argument("--output-dir")
+    p.add_argument(
+        "--rounds", type=int, default=BENCH_ROUNDS, help="FedAvg's rounds; their wall clock is every method's budget"
+    )
+    p.add_argument("--target", type=float, default=0.95, help="target = this fraction of FedAvg's final accuracy")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from fleet.base.errors import ConfigError
+    from fleet.bench.launch import progress_log
+    from fleet.bench.testbed import bench_table, bench_testbed, plot_bench
+    from fleet.commands.fleet import _overrides
+    from fleet.federated.config import load_fleet_config
+    from fleet.testbed.run import check_requirements
+
+    if args.rounds < 1 or not 0 < args.target <= 1:
+        raise ConfigError("--rounds: an integer >= 1, and --target a fraction in (0, 1], e.g. --rounds 4 --target 0.95")
+    overrides = {k: v for k, v in _overrides(args).items() if k != "federation.rounds"}
+    cfg = load_fleet_config(args.config, overrides)
+    check_requirements(cfg)
+    report = bench_testbed(cfg, args.rounds, args.target, progress_log(args.json))
+    out = Path(cfg.output_dir) / f"{cfg.name}-bench.json"
+    report["plots"] = [str(p) for p in plot_bench(report, out.with_suffix(""))]
+    out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2) if args.json else f"{bench_table(report)}\nwrote {out}")
     return 0

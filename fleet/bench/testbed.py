@@ -1,0 +1,365 @@
+"""``fleet bench testbed``: FedAvg, naive and fleet on the same emulated fleet in real seconds, and the
+simulator held to what the testbed measured.
+
+Design notes:
+
+* **One start, one budget.** FedAvg runs first, ``federation.rounds`` rounds, from a model pretrained on
+  held-out samples; its wall clock is the budget. naive and fleet then start from the same checkpoint on
+  the same devices and run until one of their rounds ends past that budget; only the rounds that ended
+  within it count.
+* **Real seconds.** A run's clock is the server's ``wall_time_s``: its rounds' wall seconds from the first
+  round's opening (the devices' first profiling included, the same for every method). Time to target is
+  that clock when the global accuracy first reaches ``target`` x FedAvg's final accuracy.
+* **Where a device's round goes.** The server times each reply (``wall_s``: sending the message to pulling
+  the reply); the device reports its compute and ``ready_s`` (its ClientApp process's start, imports and
+  setup, paid on every message); the transfers are the bytes at the link's rate; the rest is neither
+  (polling, serialization).
+* **The simulator against it.** ``fleet simulate`` runs the fleet method with one class per testbed class:
+  its devices' own measured profile, its uplink and downlink, and its start (the median ``ready_s`` of
+  FedAvg's rounds: another run than the one it is compared with). Per class, predicted and measured
+  round are medians over rounds of the class's slowest device. ``compute_upload_s`` keeps the older
+  model's figure (compute and upload only), to show what start and download add.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+import yaml
+
+from fleet.engine.config import config_to_dict
+from fleet.engine.device_profile import DeviceProfile
+from fleet.federated.class_config import DeviceClassConfig
+from fleet.federated.config import FleetConfig, run_dir
+from fleet.federated.testbed_config import TestbedConfig
+from fleet.federated.tracking import METRICS_FILE
+from fleet.testbed.run import TestbedRun, read_records, run_testbed
+
+METHODS = ("fedavg", "naive", "fleet")
+ROUND_CAP = 3  # an elastic method may take this many times FedAvg's rounds to fill its budget
+SPEED_TARGET, ACCURACY_SLACK, SIMULATOR_ERROR = 3.0, 0.005, 0.15  # the targets the report checks
+
+
+def method_config(cfg: FleetConfig, method: str, rounds: int, weights: str | None) -> FleetConfig:
+    """``cfg`` for one method: its own run name, strategy and rounds, the shared start."""
+    fed = dataclasses.replace(cfg.federation, strategy=method, rounds=rounds)
+    model = dataclasses.replace(cfg.model, weights=weights) if weights else cfg.model
+    return dataclasses.replace(cfg, name=f"{cfg.name}-{method}", federation=fed, model=model)
+
+
+def within(records: list[dict], budget_s: float | None) -> list[dict]:
+    """The rounds that ended within the wall-clock budget (all of them without one)."""
+    return [r for r in records if budget_s is None or r["wall_time_s"] <= budget_s + 1e-9]
+
+
+def time_to_target(records: list[dict], target: float) -> float | None:
+    hit = next((r for r in records if (r.get("global_accuracy") or 0.0) >= target), None)
+    return None if hit is None else hit["wall_time_s"]
+
+
+def last_evaluated(records: list[dict], key: str) -> float | None:
+    values = [r[key] for r in records if r.get(key) is not None]
+    return values[-1] if values else None
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def device_entries(run: TestbedRun, records: list[dict], download_bytes: int) -> dict[str, dict]:
+    """Per device: its measured round, compute, start and transfers (medians over its rounds), its
+    trained fraction, bytes and memory."""
+    out = {}
+    for name, cls in sorted(run.classes.items()):
+        rows = [d for r in records for d in r.get("devices", []) if d.get("device") == name and "wall_s" in d]
+        if not rows:
+            continue
+        peak, kills = run.memory.get(name, (None, 0))
+        out[name] = {
+            "class": cls.name,
+            "rounds": len(rows),
+            "round_s": _median([d["wall_s"] for d in rows]),
+            "compute_s": _median([d["measured_time_s"] for d in rows]),
+            "ready_s": _median([d["ready_s"] for d in rows if d.get("ready_s") is not None]),
+            "upload_s": _median([8 * d["bytes_uploaded"] / (cls.uplink_mbps * 1e6) for d in rows]),
+            "download_s": 8 * download_bytes / (cls.downlink_mbps * 1e6),
+            "trained_fraction": statistics.fmean(d["trained_fraction"] for d in rows),
+            "bytes_uploaded": sum(d["bytes_uploaded"] for d in rows),
+            "memory_peak_mb": peak,
+            "oom_kills": kills,
+        }
+    return out
+
+
+def download_bytes(cfg: FleetConfig) -> int:
+    """The global model's size: what every train and evaluate message carries down (its every array)."""
+    from fleet.engine.experiment import make_model
+
+    return sum(t.numel() * t.element_size() for t in make_model(cfg.model).state_dict().values())
+
+
+def method_entry(run: TestbedRun, budget_s: float | None, target: float | None, down: int) -> dict:
+    """One method's figures over its rounds within the budget."""
+    records = within(run.records, budget_s)
+    return {
+        "rounds": len(records),
+        "wall_s": records[-1]["wall_time_s"] if records else 0.0,
+        "time_to_target_s": None if target is None else time_to_target(records, target),
+        "final_accuracy": last_evaluated(records, "global_accuracy"),
+        "personalized_accuracy_mean": last_evaluated(records, "personal_accuracy"),
+        "curve": [[r["wall_time_s"], r.get("global_accuracy")] for r in records],
+        "devices": device_entries(run, records, down),
+    }
+
+
+def class_start_s(run: TestbedRun, cls: str) -> float:
+    """The median ``ready_s`` of a class's devices over a run's rounds: what every message costs them."""
+    names = {n for n, c in run.classes.items() if c.name == cls}
+    ready = [d["ready_s"] for r in run.records for d in r.get("devices", []) if d.get("device") in names]
+    return _median([v for v in ready if v is not None]) or 0.0
+
+
+def simulation_config(cfg: FleetConfig, fleet: TestbedRun, fedavg: TestbedRun, rounds: int) -> FleetConfig:
+    """The fleet method in Flower's simulation, a device class per testbed class: its devices' profile
+    as measured under their limits, its links, and its start as FedAvg's rounds measured it."""
+    total, classes = cfg.testbed.num_devices, []
+    for c in cfg.testbed.classes:
+        classes.append(
+            DeviceClassConfig(
+                name=c.name,
+                share=c.count / total,
+                profile=str(fleet.run_dir / "devices" / f"{c.name}-0" / "device-profile.yaml"),
+                bandwidth_mbps=c.uplink_mbps,
+                downlink_mbps=c.downlink_mbps,
+                start_s=round(class_start_s(fedavg, c.name), 3),
+            )
+        )
+    devices = dataclasses.replace(cfg.devices, num_devices=total, newcomers=0, device_classes=classes)
+    sim = method_config(cfg, "fleet", rounds, cfg.model.weights)
+    return dataclasses.replace(sim, name=f"{cfg.name}-simulated", devices=devices, testbed=TestbedConfig())
+
+
+def simulate(cfg: FleetConfig, log) -> list[dict]:
+    """Run ``cfg`` with ``fleet simulate`` (its own session, killed whole); its metrics.jsonl records."""
+    from fleet.base.errors import FleetError
+    from fleet.bench.launch import HONEST_APP, launch
+
+    path = run_dir(cfg).parent / f"{cfg.name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    failed = launch(path, HONEST_APP, timeout_s=3600, echo=lambda line: None)
+    if failed is not None:
+        raise FleetError(f"the simulation of the testbed's classes failed ({failed}); see {run_dir(cfg)}")
+    return read_records(run_dir(cfg) / METRICS_FILE)
+
+
+def slowest_by_class(records: list[dict], key: str, class_of) -> dict[str, float]:
+    """Per class, the median over rounds of its slowest device's ``key``."""
+    per_round: dict[str, list[float]] = {}
+    for r in records:
+        worst: dict[str, float] = {}
+        for d in r.get("devices", []):
+            cls = class_of(d)
+            if cls is not None and d.get(key) is not None:
+                worst[cls] = max(worst.get(cls, 0.0), float(d[key]))
+        for cls, v in worst.items():
+            per_round.setdefault(cls, []).append(v)
+    return {cls: statistics.median(v) for cls, v in per_round.items()}
+
+
+def class_entries(cfg: FleetConfig, fleet: TestbedRun, fedavg: TestbedRun, simulated: list[dict]) -> dict:
+    """Per testbed class: its limits, its measured full step, and its measured against predicted round."""
+    measured = slowest_by_class(fleet.records, "wall_s", lambda d: _class(fleet, d))
+    predicted = slowest_by_class(simulated, "round_time_s", lambda d: d.get("class"))
+    for r in simulated:  # the simulator's older model: compute and upload alone, without start and download
+        for d in r.get("devices", []):
+            if "round_time_s" in d:
+                d["compute_upload_s"] = d["round_time_s"] - d.get("fixed_s", 0.0)
+    older = slowest_by_class(simulated, "compute_upload_s", lambda d: d.get("class"))
+    out = {}
+    for c in cfg.testbed.classes:
+        ran = next(k for n, k in fleet.classes.items() if k.name == c.name)
+        profile = fleet.run_dir / "devices" / f"{c.name}-0" / "device-profile.yaml"
+        m, p = measured.get(c.name), predicted.get(c.name)
+        out[c.name] = {
+            "cpu": ran.cpu,
+            "memory_mb": c.memory_mb,
+            "uplink_mbps": c.uplink_mbps,
+            "downlink_mbps": c.downlink_mbps,
+            "measured_full_step_s": DeviceProfile.load(profile).full_step_time if profile.is_file() else None,
+            "start_s": class_start_s(fedavg, c.name),
+            "measured_round_s": m,
+            "predicted_round_s": p,
+            "compute_upload_s": older.get(c.name),
+            "error": None if not (m and p) else p / m - 1,
+        }
+    return out
+
+
+def _class(run: TestbedRun, row: dict) -> str | None:
+    cls = run.classes.get(row.get("device", ""))
+    return None if cls is None else cls.name
+
+
+def memory_entries(runs: dict[str, TestbedRun]) -> dict[str, dict]:
+    """Per device under a memory limit, per method: its activation budget against an unplanned step's
+    activation peak (the device's memory profile), its cgroup's peak, OOM kills and rounds trained."""
+    out: dict[str, dict] = {}
+    for method, run in runs.items():
+        for name, cls in run.classes.items():
+            if cls.memory_mb is None:
+                continue
+            path = run.run_dir / "devices" / name / "memory-profile.json"
+            unplanned = json.loads(path.read_text())["measured_peak_bytes"] if path.is_file() else None
+            rows = [d for r in run.records for d in r.get("devices", []) if d.get("device") == name and "steps" in d]
+            peak, kills = run.memory.get(name, (None, 0))
+            out.setdefault(name, {})[method] = {
+                "memory_mb": cls.memory_mb,
+                "budget_mb": rows[0].get("memory_budget_bytes", 0) / 2**20 if rows else None,
+                "unplanned_activation_peak_mb": None if unplanned is None else unplanned / 2**20,
+                "planned_activation_peak_mb": max((d.get("memory_peak_bytes") or 0 for d in rows), default=0) / 2**20,
+                "cgroup_peak_mb": peak,
+                "oom_kills": kills,
+                "rounds_trained": len(rows),
+                "rounds": len(run.records),
+            }
+    return out
+
+
+def targets(report: dict) -> dict[str, bool | None]:
+    """Each target of the bench, met or not (None: not measurable in this run)."""
+    methods, speed = report["methods"], report["fleet"]["speedup_vs_fedavg"]
+    fedavg, fleet = methods["fedavg"]["final_accuracy"], methods["fleet"]["final_accuracy"]
+    errors = [c["error"] for c in report["classes"].values()]
+    memory = [m for device in report["memory"].values() for m in device.values()]
+    return {
+        "fleet_3x_sooner_than_fedavg": None if speed is None else speed >= SPEED_TARGET,
+        "fleet_final_within_half_a_point": None if None in (fedavg, fleet) else fleet >= fedavg - ACCURACY_SLACK,
+        "simulator_within_15pct_every_class": None
+        if None in errors
+        else all(abs(e) <= SIMULATOR_ERROR for e in errors),
+        "memory_limited_devices_train_to_the_end": None
+        if not memory
+        else all(m["oom_kills"] == 0 and m["rounds_trained"] == m["rounds"] for m in memory),
+    }
+
+
+def run_methods(cfg: FleetConfig, rounds: int, log) -> tuple[dict[str, TestbedRun], FleetConfig]:
+    """FedAvg for ``rounds`` rounds, then naive and fleet for its wall clock, all from one start;
+    returns the runs and ``cfg`` with that start as its weights."""
+    fedavg = run_testbed(method_config(cfg, "fedavg", rounds, None), [], log)
+    start = fedavg.run_dir / "pretrained.pt"
+    if cfg.model.weights is None and start.is_file():
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, weights=str(start)))
+    budget = fedavg.records[-1]["wall_time_s"]
+    runs = {"fedavg": fedavg}
+    for method in METHODS[1:]:
+        log(f"bench: {method} for FedAvg's {budget:.0f} wall seconds, from the same start")
+        runs[method] = run_testbed(method_config(cfg, method, ROUND_CAP * rounds, cfg.model.weights), [], log, budget)
+    return runs, cfg
+
+
+def bench_testbed(cfg: FleetConfig, rounds: int, target_fraction: float, log) -> dict:
+    """The whole bench: the three methods on the testbed, the simulator on its classes, the report."""
+    runs, cfg = run_methods(cfg, rounds, log)
+    down = download_bytes(cfg)
+    budget = runs["fedavg"].records[-1]["wall_time_s"]
+    fedavg_final = method_entry(runs["fedavg"], None, None, down)["final_accuracy"] or 0.0
+    target = target_fraction * fedavg_final
+    methods = {m: method_entry(runs[m], None if m == "fedavg" else budget, target, down) for m in METHODS}
+    log(f"bench: the simulator on the testbed's classes, {len(runs['fleet'].records)} rounds of fleet")
+    simulated = simulate(simulation_config(cfg, runs["fleet"], runs["fedavg"], len(runs["fleet"].records)), log)
+    report = {
+        "config": cfg.name,
+        "budget_s": budget,
+        "target_fraction": target_fraction,
+        "target_accuracy": target,
+        "download_bytes": down,
+        "methods": methods,
+        "classes": class_entries(cfg, runs["fleet"], runs["fedavg"], simulated),
+        "memory": memory_entries(runs),
+    }
+    for m in METHODS[1:]:
+        t, base = methods[m]["time_to_target_s"], methods["fedavg"]["time_to_target_s"]
+        report[m] = {"speedup_vs_fedavg": None if not (t and base) else base / t}
+    report["targets"] = targets(report)
+    return report
+
+
+def _pct(v: float | None) -> str:
+    return "   n/a" if v is None else f"{100 * v:5.1f}%"
+
+
+def _s(v: float | None) -> str:
+    return "   never" if v is None else f"{v:7.0f}s"
+
+
+def bench_table(report: dict) -> str:
+    """The methods, then the classes (measured against predicted), then the targets."""
+    lines = [
+        f"target {_pct(report['target_accuracy'])} ({100 * report['target_fraction']:.0f}% of FedAvg's final), "
+        f"budget {report['budget_s']:.0f} wall seconds",
+        f"{'method':>7} {'rounds':>6} {'to target':>9} {'final':>6} {'personal':>8} {'speedup':>8}",
+    ]
+    for m, e in report["methods"].items():
+        speed = (report.get(m) or {}).get("speedup_vs_fedavg")
+        lines.append(
+            f"{m:>7} {e['rounds']:>6} {_s(e['time_to_target_s']):>9} {_pct(e['final_accuracy']):>6} "
+            f"{_pct(e['personalized_accuracy_mean']):>8} {'' if speed is None else f'{speed:.2f}x':>8}"
+        )
+    lines.append(
+        f"{'class':>7} {'cpu':>5} {'up/down Mbit/s':>14} {'full step':>9} {'start':>6} "
+        f"{'measured':>8} {'predicted':>9} {'error':>6} {'before':>7}"
+    )
+    for name, c in report["classes"].items():
+        err = "   n/a" if c["error"] is None else f"{100 * c['error']:+5.0f}%"
+        step = "n/a" if c["measured_full_step_s"] is None else f"{1000 * c['measured_full_step_s']:.0f} ms"
+        lines.append(
+            f"{name:>7} {c['cpu'] or 0:>5.2f} {c['uplink_mbps']:>6g}/{c['downlink_mbps']:<7g} {step:>9} "
+            f"{c['start_s']:>5.1f}s {c['measured_round_s'] or 0:>7.1f}s {c['predicted_round_s'] or 0:>8.1f}s "
+            f"{err:>6} {c['compute_upload_s'] or 0:>6.1f}s"
+        )
+    lines.append("rounds: medians of each class's slowest device; before: the simulator without start and download")
+    lines += [f"  {'met' if ok else 'MISSED' if ok is False else 'n/a'}: {k}" for k, ok in report["targets"].items()]
+    return "\n".join(lines)
+
+
+def plot_bench(report: dict, stem: Path) -> list[Path]:
+    """Accuracy against wall seconds per method (``<stem>-accuracy.png``); each class's measured
+    against predicted round (``<stem>-classes.png``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m, e in report["methods"].items():
+        pts = [(t, a) for t, a in e["curve"] if a is not None]
+        ax.plot([t for t, _ in pts], [100 * a for _, a in pts], marker="o", label=m)
+    ax.axhline(100 * report["target_accuracy"], color="grey", linestyle=":", label="target")
+    ax.set(xlabel="wall-clock seconds", ylabel="global accuracy (%)", title="emulated fleet, real time")
+    ax.legend()
+    paths = [stem.with_name(f"{stem.name}-accuracy.png")]
+    fig.savefig(paths[0], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = list(report["classes"])
+    for k, (key, label) in enumerate(
+        (("measured_round_s", "measured"), ("predicted_round_s", "simulator"), ("compute_upload_s", "before"))
+    ):
+        ax.bar(
+            [i + 0.27 * (k - 1) for i in range(len(names))],
+            [report["classes"][n][key] or 0 for n in names],
+            0.27,
+            label=label,
+        )
+    ax.set_xticks(range(len(names)), names)
+    ax.set(ylabel="round seconds (median, slowest device)", title="simulator against the testbed")
+    ax.legend()
+    paths.append(stem.with_name(f"{stem.name}-classes.png"))
+    fig.savefig(paths[1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return paths

@@ -1,0 +1,135 @@
+"""``fleet bench testbed``'s figures from a testbed run's records, without running one (the bench itself
+runs the real testbed; its own run is in docs/results.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fleet.base.process import process_age_s
+from fleet.bench.testbed import (
+    bench_table,
+    class_start_s,
+    device_entries,
+    method_entry,
+    simulation_config,
+    slowest_by_class,
+    targets,
+    time_to_target,
+    within,
+)
+from fleet.engine.config import config_to_dict
+from fleet.federated import keys, tasks
+from fleet.federated.config import fleet_config_from_dict
+from fleet.federated.testbed_config import TestbedClassConfig
+from fleet.testbed.run import TestbedRun
+
+PI = TestbedClassConfig(name="pi", count=2, cpu=0.2, uplink_mbps=8, downlink_mbps=16)
+BOARD = TestbedClassConfig(name="board", count=1, cpu=0.4, uplink_mbps=80, downlink_mbps=160)
+
+
+def row(device: str, wall: float, ready: float | None = 20.0, up: int = 4_000_000) -> dict:
+    d = {"device": device, "wall_s": wall, "measured_time_s": 3.0, "bytes_uploaded": up, "trained_fraction": 0.5}
+    return {**d, "steps": 10, **({} if ready is None else {"ready_s": ready})}
+
+
+def fake_run(tmp_path: Path, walls: list[tuple[float, float, float]], accuracy: list[float]) -> TestbedRun:
+    records, clock = [], 0.0
+    for k, ((a, b, c), acc) in enumerate(zip(walls, accuracy), start=1):
+        clock += max(a, b, c) + 10
+        devices = [row("pi-0", a), row("pi-1", b), row("board-0", c, ready=5.0)]
+        records.append(
+            {
+                "round": k,
+                "wall_time_s": clock,
+                "global_accuracy": acc,
+                "personal_accuracy": acc + 0.02,
+                "devices": devices,
+            }
+        )
+    classes = {"pi-0": PI, "pi-1": PI, "board-0": BOARD}
+    return TestbedRun(records, None, {"pi-0": (900.0, 0)}, classes, tmp_path)
+
+
+def test_a_method_is_judged_on_its_rounds_within_the_budget(tmp_path):
+    run = fake_run(tmp_path, [(40, 50, 20)] * 4, [0.70, 0.80, 0.85, 0.90])
+    assert [r["wall_time_s"] for r in run.records] == [60, 120, 180, 240]
+    assert len(within(run.records, 180)) == 3 and len(within(run.records, None)) == 4
+    assert time_to_target(run.records, 0.84) == 180 and time_to_target(run.records, 0.95) is None
+    entry = method_entry(run, 180, 0.8, down=8_000_000)
+    assert entry["rounds"] == 3 and entry["time_to_target_s"] == 120 and entry["final_accuracy"] == 0.85
+    assert entry["personalized_accuracy_mean"] == pytest.approx(0.87) and entry["wall_s"] == 180
+    pi = entry["devices"]["pi-0"]
+    assert pi["round_s"] == 40 and pi["ready_s"] == 20 and pi["upload_s"] == pytest.approx(4.0)  # 4 MB at 8 Mbit/s
+    assert pi["download_s"] == pytest.approx(4.0) and pi["memory_peak_mb"] == 900 and pi["bytes_uploaded"] == 12e6
+
+
+def test_class_figures_are_medians_of_each_rounds_slowest_device(tmp_path):
+    run = fake_run(tmp_path, [(40, 50, 20), (45, 41, 22), (90, 42, 21)], [0.7, 0.8, 0.9])
+    of_run = {"pi-0": "pi", "pi-1": "pi", "board-0": "board"}
+    assert slowest_by_class(run.records, "wall_s", lambda d: of_run[d["device"]]) == {"pi": 50, "board": 21}
+    assert class_start_s(run, "pi") == 20 and class_start_s(run, "board") == 5
+    assert device_entries(run, run.records, 0)["pi-0"]["round_s"] == 45
+
+
+def test_the_simulator_gets_each_class_profile_links_and_measured_start(tmp_path):
+    for name in ("pi-0", "board-0"):
+        (tmp_path / "devices" / name).mkdir(parents=True)
+        (tmp_path / "devices" / name / "device-profile.yaml").write_text("{}")
+    cfg = fleet_config_from_dict(
+        {"name": "tb", "testbed": {"classes": [vars(PI), vars(BOARD)]}, "federation": {"rounds": 4}}
+    )
+    run = fake_run(tmp_path, [(40, 50, 20)] * 2, [0.7, 0.8])
+    sim = simulation_config(cfg, run, run, rounds=5)
+    assert sim.name == "tb-simulated" and sim.federation.rounds == 5 and sim.federation.strategy == "fleet"
+    assert sim.devices.num_devices == 3 and not sim.testbed.classes
+    pi = sim.devices.device_classes[0]
+    assert (pi.share, pi.bandwidth_mbps, pi.downlink_mbps, pi.start_s) == (pytest.approx(2 / 3), 8, 16, 20)
+    assert pi.profile == str(tmp_path / "devices" / "pi-0" / "device-profile.yaml")
+    assert fleet_config_from_dict(config_to_dict(sim)).devices.device_classes[1].start_s == 5  # it loads back
+
+
+def test_the_report_says_which_target_was_missed_and_by_what():
+    report = {
+        "target_accuracy": 0.8,
+        "target_fraction": 0.95,
+        "budget_s": 600.0,
+        "methods": {
+            m: {"rounds": r, "time_to_target_s": t, "final_accuracy": a, "personalized_accuracy_mean": a}
+            for m, r, t, a in (("fedavg", 4, 300.0, 0.84), ("naive", 5, None, 0.78), ("fleet", 5, 200.0, 0.838))
+        },
+        "fleet": {"speedup_vs_fedavg": 1.5},
+        "naive": {"speedup_vs_fedavg": None},
+        "classes": {
+            "pi": {
+                "cpu": 0.2,
+                "uplink_mbps": 20,
+                "downlink_mbps": 50,
+                "measured_full_step_s": 0.4,
+                "start_s": 30.0,
+                "measured_round_s": 60.0,
+                "predicted_round_s": 55.0,
+                "compute_upload_s": 20.0,
+                "error": 55 / 60 - 1,
+            }
+        },
+        "memory": {"pi-0": {"fleet": {"oom_kills": 0, "rounds_trained": 5, "rounds": 5}}},
+    }
+    report["targets"] = got = targets(report)
+    assert got == {
+        "fleet_3x_sooner_than_fedavg": False,
+        "fleet_final_within_half_a_point": True,
+        "simulator_within_15pct_every_class": True,
+        "memory_limited_devices_train_to_the_end": True,
+    }
+    table = bench_table(report)
+    assert "MISSED: fleet_3x_sooner_than_fedavg" in table and "never" in table and "1.50x" in table
+    assert "   -8%" in table and "60.0s" in table
+
+
+def test_a_deployed_device_reports_its_process_start_once():
+    assert 0 <= process_age_s() < 24 * 3600 * 365
+    tasks._HANDLED[0] = 0
+    first, second = tasks.readiness(), tasks.readiness()
+    assert first[keys.READY_S] > 0 and second == {}  # a simulation worker's later messages: no lifetime

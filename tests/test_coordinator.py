@@ -241,6 +241,38 @@ def test_the_roster_is_typed_and_survives_a_checkpoint_old_or_new(fleet, tmp_pat
     assert load_checkpoint(tmp_path)[1].roster == {"7": Member("pi", 3.0, 3.0, missed=1)}
 
 
+def test_what_a_device_round_trip_costs_widens_its_wait_bound(tmp_path):
+    """A device's ClientApp start and model transfers are seconds no compute deadline sees: learned from
+    the server's own timing of its replies (late ones too), they widen the bounds of rounds it is in."""
+    cfg = config()
+    coord = Coordinator(cfg, ServerState(run_tag="overhead"), initial_arrays(cfg))
+    connected = set(NODES)
+    answers = [query(n, f"device-{i}", t) for i, (n, t) in enumerate(zip(NODES, FULL_TIMES))]
+    answers[0].wall_s = 20.0  # device-0's first answer took 20 s: its start and profiling
+    coord.take(1, QUERY, answers, connected)
+    assert coord.state.roster["101"].overhead_s == 20.0 and coord.state.roster["102"].overhead_s is None
+    plan = coord.plan_round(1, coord.eligible(connected), connected)
+    assert plan.train_bound_s == pytest.approx(plan.deadline_s + 20.0 + 30.0) and plan.eval_bound_s == 50.0
+    late = train_reply("101", 1, coord.arrays, 0.1, **{"measured-time-s": 3.0})
+    late.wall_s = 80.0  # arrived after round 1 had closed: dropped, but it says how long device-0 needs
+    coord.take(2, TRAIN, [late], connected)
+    assert coord.state.roster["101"].overhead_s == 77.0
+    liar = train_reply("102", 2, coord.arrays, 0.1, **{"measured-time-s": 1e9})  # cannot shrink the server's clock
+    liar.wall_s = 10.0
+    coord.take(2, TRAIN, [liar], connected)
+    assert coord.state.roster["102"].overhead_s == 0.0
+    quick = evaluate_reply("101", 2, 0.5, 0.5, 10)
+    quick.wall_s = 5.0  # one quick trip lowers it slowly: a bound too tight drops a healthy device
+    coord.take(2, EVALUATE, [quick], connected)
+    assert coord.state.roster["101"].overhead_s == pytest.approx(0.8 * 77.0)
+    plan = coord.plan_round(2, ["101", "102"], connected)
+    assert plan.train_bound_s == pytest.approx(plan.deadline_s + 0.8 * 77.0 + 30.0)
+    save_checkpoint(tmp_path, {"w": np.zeros(2, np.float32)}, coord.state)
+    assert load_checkpoint(tmp_path)[1].roster["101"].overhead_s == pytest.approx(0.8 * 77.0)
+    coord.take(3, QUERY, [query("101", "device-0", 2.0)], connected)  # benched and back: still known
+    assert coord.state.roster["101"].overhead_s == pytest.approx(0.8 * 77.0)
+
+
 def test_the_coordinator_needs_no_flower():
     code = (
         "import sys\n"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -51,13 +52,17 @@ from fleet.federated.membership import (
     benched,
     eligible,
     full_times,
+    learn_overhead,
     name_of,
+    overhead_of,
     record_attendance,
     sample,
 )
 from fleet.federated.personal import personal_names
 from fleet.federated.records import (
+    EVALUATE,
     QUERY,
+    TRAIN,
     Accuracy,
     EvaluateReply,
     QueryReply,
@@ -196,6 +201,9 @@ class Coordinator:
         transport wrote for a silent device is no answer."""
         kept = []
         for reply in replies:
+            if reply.by_device and reply.kind == QUERY:
+                self._admit(server_round, reply, connected)
+            self._learn(reply)
             if reply.kind != QUERY and (reply.kind != phase or reply.server_round != server_round):
                 who = self.name_of(reply.node_id) or f"node {reply.node_id}"
                 log.warning(
@@ -207,11 +215,21 @@ class Coordinator:
                 )
             elif not reply.by_device:
                 log.debug("round %d: %s", server_round, "" if reply.error is None else error_summary(reply.error))
-            elif reply.kind == QUERY:
-                self._admit(server_round, reply, connected)
-            else:
+            elif reply.kind != QUERY:
                 kept.append(reply)
         return kept
+
+    def _learn(self, reply: Reply) -> None:
+        """What the member's round trips cost beyond its work, from the server's timing of this reply (a
+        late one too: it says how long the device really needs)."""
+        member = self.state.roster.get(str(reply.node_id))
+        if member is None or reply.wall_s is None or not reply.by_device or reply.error is not None:
+            return
+        work = {TRAIN: keys.MEASURED_TIME_S, EVALUATE: keys.EVAL_TIME_S}.get(reply.kind)
+        reported = reply.metrics.get(work) if work else None
+        work_s = float(reported) if isinstance(reported, (int, float)) and math.isfinite(reported) else 0.0
+        cap = self.cfg.federation.timeout_s
+        member.overhead_s = learn_overhead(member.overhead_s, reply.wall_s, work_s, cap)
 
     def _admit(self, server_round: int, reply: Reply, connected: set[str]) -> None:
         """Make the device a member under the name it gives, or refuse it with the reason (it is asked again
@@ -285,9 +303,11 @@ class Coordinator:
 
     def bounds(self, deadline: float, nodes: list[str]) -> tuple[float, float]:
         """(train, evaluate) wall-time bounds of a round. Deployed: the deadline (a FedAvg round: the
-        slowest sampled device's full round and upload) plus ``grace_s``, and ``grace_s`` to evaluate.
-        Simulated devices share this machine's CPUs, so their wall time is not the deadline's:
-        ``timeout_s`` bounds both."""
+        slowest sampled device's full round and upload), the largest round-trip overhead learned of the
+        sampled devices (their ClientApp's start, the model's transfers, the polling: seconds a deadline
+        on compute does not see), and ``grace_s``; evaluation: that overhead and ``grace_s``. Simulated
+        devices share this machine's CPUs, so their wall time is not the deadline's: ``timeout_s``
+        bounds both."""
         fed, grace = self.cfg.federation, self.cfg.membership.grace_s
         if self.simulated:
             return fed.timeout_s, fed.timeout_s
@@ -295,7 +315,8 @@ class Coordinator:
         if expected <= 0:
             full = full_times(self.state.roster, nodes)
             expected = max((t + self.full_upload_s(n) for n, t in full.items()), default=0.0)
-        return expected + grace, grace
+        overhead = overhead_of(self.state.roster, nodes)
+        return expected + overhead + grace, overhead + grace
 
     # --- training -------------------------------------------------------------------------------
     def close_train(self, plan: PlannedRound, replies: list[Reply]) -> None:

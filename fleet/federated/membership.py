@@ -51,7 +51,10 @@ def admit(roster: Roster, node: str, name: str, full_time_s: float, connected: I
                 "give each SuperNode its own device-name (--node-config \"device-name='pi-2'\")"
             )
         del roster[holder]  # the device restarted as a new node: its name (and state) moves with it
+    previous = roster.get(node)
     roster[node] = member(name, full_time_s)
+    if previous is not None and previous.name == name:  # benched and back: what was learned of it stays
+        roster[node].overhead_s = previous.overhead_s
     return None
 
 
@@ -78,6 +81,25 @@ def sample(nodes: list[str], k: int | None, seed: int, server_round: int, stream
     rng = np.random.default_rng([seed, stream, server_round])
     picked = rng.choice(len(nodes), size=k, replace=False)
     return [nodes[i] for i in sorted(picked)]
+
+
+OVERHEAD_DECAY = 0.8  # a learned overhead follows a slower round trip at once and a faster one by this a reply
+
+
+def learn_overhead(previous: float | None, wall_s: float, work_s: float, cap_s: float) -> float:
+    """A member's round-trip overhead after one more timed reply: the server's ``wall_s`` less the
+    ``work_s`` the device says its own work took (held to [0, wall_s]: a device cannot shrink the
+    server's clock). It follows a slower trip at once and a faster one slowly, since it only widens a
+    wait bound, where too tight drops a healthy device; ``cap_s`` keeps a slow liar from widening it
+    without end."""
+    sample = wall_s - min(max(work_s, 0.0), wall_s)
+    value = sample if previous is None else max(sample, OVERHEAD_DECAY * previous)
+    return min(value, cap_s)
+
+
+def overhead_of(roster: Mapping[str, Member], nodes: Iterable[str]) -> float:
+    """The largest learned overhead among ``nodes`` (0 before any was timed): what a wait on them adds."""
+    return max((roster[n].overhead_s or 0.0 for n in nodes if n in roster), default=0.0)
 
 
 def record_attendance(roster: Roster, sampled: Iterable[str], answered: Iterable[str]) -> list[str]:

@@ -256,6 +256,9 @@ class Member:
     full_time_s: float  # its full-round time: the deadline's input, as last reported (held to a band)
     profile_s: float  # the full-round time it joined with: later reports are clamped around it
     missed: int = 0  # rounds missed in a row
+    # seconds its round trips take beyond its own work (its ClientApp's start, the transfers, the polling), learned
+    # from the server's timing of its replies, late ones included: what its wait bound adds (membership.overhead)
+    overhead_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain values for the checkpoint (loaded with weights_only, which takes no classes)."""
@@ -263,6 +266,8 @@ class Member:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Member:
-        """From a checkpoint's entry; one saved before ``profile_s`` existed joined with its full time."""
-        full = float(d["full_time_s"])
-        return cls(str(d["name"]), full, float(d.get("profile_s", full)), int(d.get("missed", 0)))
+        """From a checkpoint's entry; one saved before ``profile_s`` existed joined with its full time, and
+        one saved before ``overhead_s`` has learned none yet."""
+        full, overhead = float(d["full_time_s"]), d.get("overhead_s")
+        overhead = None if overhead is None else float(overhead)
+        return cls(str(d["name"]), full, float(d.get("profile_s", full)), int(d.get("missed", 0)), overhead)

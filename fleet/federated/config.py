@@ -190,7 +190,9 @@ class MembershipConfig:
     """Open membership (deployment): devices come and go; the fleet never waits on one that is gone."""
 
     min_devices: int | None = None  # start once this many devices are connected; null: num_devices less newcomers
-    grace_s: float = 30.0  # a deployed round closes at deadline + grace_s: covers a ClientApp's start (5-15 s on a Pi)
+    # a deployed round closes at deadline + its devices' learned round-trip overhead + grace_s: slack on what was
+    # measured, and before anything was (a ClientApp's first start, 5-15 s on a Pi, is learned from its first reply)
+    grace_s: float = 30.0
     max_missed: int = 2  # after this many missed rounds in a row a device is benched until it answers a query
 
     RULES: Rules = {

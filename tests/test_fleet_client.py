@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from fleet.base.errors import BudgetError, ConfigError
 from fleet.engine.experiment import make_model
 from fleet.engine.models import model_meta
 from fleet.engine.policies import blend_importance, fitted_window_mask, select_in_window, window_mask, window_position
+from fleet.federated import tasks
 from fleet.federated.aggregate import round_deadline
 from fleet.federated.config import fleet_config_from_dict, load_fleet_config
 from fleet.federated.device import device_memory, memory_budget_of
@@ -239,6 +241,24 @@ def test_memory_budget_comes_from_node_config_then_profile_then_config(setup):
     assert memory_budget_of(c, 1, {"memory-budget-mb": "12.5"}, own) == 12.5
     with pytest.raises(ConfigError, match="node config memory-budget-mb: 'lots'"):
         memory_budget_of(c, 1, {"memory-budget-mb": "lots"}, own)
+
+
+def test_a_device_with_a_bad_node_config_is_refused_when_it_joins(setup, tmp_path):
+    """Its query answer reads its memory budget and checks its profile against the fleet's model, so a
+    bad value is the refusal's reason at join, not a failure in every round it is later sampled for."""
+    cfg, profile = setup
+    own = profile.save(tmp_path / "own.yaml")
+    other = make_model(dataclasses.replace(cfg.model, name="mobilenet_v2"), 0)
+    alien = proportional_profile(other, cfg.train.batch_size, cfg.data.input_size).save(tmp_path / "alien.yaml")
+    base = {"partition-id": 1, "profile": str(own)}
+    assert tasks.query(tasks.Device.from_configs(cfg, base))["full-time-s"] > 0
+    for extra, message in (
+        ({"memory-budget-mb": "lots"}, "node config memory-budget-mb: 'lots' is not allowed"),
+        ({"memory-budget-mb": -5}, "node config memory-budget-mb: -5 is not allowed"),
+        ({"profile": str(alien)}, f"profile {alien} (node config profile)"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            tasks.query(tasks.Device.from_configs(cfg, {**base, **extra}))
 
 
 def test_round_under_a_memory_budget(setup, tmp_path):

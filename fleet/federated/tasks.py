@@ -22,7 +22,7 @@ from torch import nn
 
 from fleet.base.process import process_age_s
 from fleet.engine.device_profile import DeviceProfile
-from fleet.engine.experiment import model_with_weights
+from fleet.engine.experiment import make_model, model_with_weights
 from fleet.engine.trainer import accuracy
 from fleet.federated import keys
 from fleet.federated.classes import bandwidth_of
@@ -99,11 +99,27 @@ class Device:
         return {} if self.partition_id is None else {keys.PARTITION_ID: self.partition_id}
 
 
+_REFERENCE: dict[str, nn.Module] = {}  # repr(model config) -> the model built once in this process
+
+
+def reference_model(cfg: FleetConfig) -> nn.Module:
+    """The fleet's model, built once per process (a simulation worker answers hundreds of queries): a
+    profile is checked against its tensor shapes, and a device without one profiles itself on it."""
+    key = repr(cfg.model)
+    if key not in _REFERENCE:
+        _REFERENCE.clear()
+        _REFERENCE[key] = make_model(cfg.model, cfg.train.seed)
+    return _REFERENCE[key]
+
+
 def query(device: Device) -> dict[str, float | int]:
     """This device's full-training time for a round (the server's default deadline), floor and data
-    size. Reading its data here refuses a device with a bad tree before it is ever sampled."""
+    size. Its data, its profile (against the fleet's model: another model's times would set the
+    fleet's deadline) and its memory budget are read here, so a device with a bad tree or node config
+    is refused when it joins, with its own one-line error, rather than failing every round later."""
     ready = readiness()  # counted, so that a simulation worker's later messages report no lifetime
-    profile = device.profile()
+    profile = device.profile(reference_model(device.cfg))
+    memory_budget_of(device.cfg, device.partition_id, device.node_config, profile)
     return {
         **device.identity(),
         **ready,

@@ -17,8 +17,10 @@ from fleet.federated.classes import (
     online,
 )
 from fleet.federated.config import load_fleet_config
+from fleet.federated.coordinator import Coordinator
 from fleet.federated.device import simulated_names, tier_of
-from fleet.federated.records import TrainReply
+from fleet.federated.records import Member, TrainReply
+from fleet.federated.state import ServerState
 
 EXAMPLE = "simulations/classes.yaml"
 
@@ -87,6 +89,48 @@ def test_a_trace_sets_who_is_online_by_the_simulated_clock(tmp_path):
     assert [online(cfg, 0, 1, t) for t in (0, 49.9, 50, 120)] == [True, True, False, True]
     assert [online(cfg, 1, 1, t) for t in (0, 49.9, 50, 199)] == [False, False, True, True]
     assert load_trace(str(trace)).period_s == 100
+    assert [load_trace(str(trace)).wait_s(0, t) for t in (10, 60, 150)] == [0, 40, 0]
+
+
+def test_when_every_device_is_off_its_trace_the_simulated_clock_waits_for_the_first_back(tmp_path):
+    """A night every device shares: the clock moves on to the morning, where a clock standing still
+    would have left every later round with nobody online."""
+    trace = tmp_path / "night.yaml"
+    trace.write_text("period_s: 100\ndevices:\n  - [[0, 40]]\n  - [[10, 40], [70, 80]]\n")
+    cfg = fleet([{"name": "traced", "share": 1.0, "trace": str(trace)}], num_devices=2)
+    view = FleetClasses(cfg, simulated_names(cfg))
+    assert view.wait_s(["device-0", "device-1"], 50.0) == 20.0 and view.wait_s(["device-0"], 50.0) == 50.0
+    assert view.wait_s(["device-1"], 20.0) == 0.0 and view.wait_s(["pi-in-the-field"], 50.0) == 0.0
+    coord = Coordinator(cfg, ServerState(), {})
+    coord.state.roster = {"1": Member("device-0", 1.0, 1.0), "2": Member("device-1", 1.0, 1.0)}
+    coord.classes, coord.state.sim_time_s = view, 50.0
+    assert coord.online(1, ["1", "2"]) == ["2"] and coord.state.sim_time_s == 70.0
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("period_s: .inf\ndevices: [[[0, 1]]]\n", "period_s inf is not allowed"),
+        ("period_s: 10\ndevices: [[]]\n", "no device is ever online"),
+    ],
+)
+def test_a_trace_that_would_stop_the_clock_is_refused(tmp_path, text, message):
+    trace = tmp_path / "bad.yaml"
+    trace.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        fleet([{"name": "traced", "share": 1.0, "trace": str(trace)}], num_devices=2)
+
+
+def test_a_missing_trace_file_is_named_as_a_trace():
+    with pytest.raises(ConfigError, match=r"device_classes trace /nope/night.yaml: no such file; give a trace YAML"):
+        fleet([{"name": "traced", "share": 1.0, "trace": "/nope/night.yaml"}], num_devices=2)
+
+
+def test_a_class_gives_a_trace_or_an_availability_not_both(tmp_path):
+    trace = tmp_path / "trace.yaml"
+    trace.write_text("period_s: 100\ndevices:\n  - [[0, 50]]\n")
+    with pytest.raises(ConfigError, match=r"\(traced\): trace and availability 0.5 both say when"):
+        fleet([{"name": "traced", "share": 1.0, "trace": str(trace), "availability": 0.5}], num_devices=2)
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ of the whole config) so that the config can check its classes when it is loaded.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -47,16 +48,31 @@ class Trace:
         phase = t % self.period_s
         return any(start <= phase < end for start, end in intervals)
 
+    def wait_s(self, index: int, t: float) -> float:
+        """Seconds from ``t`` until the device is next online (0 when it is now; inf if never)."""
+        phase = t % self.period_s
+        waits = [
+            0.0 if a <= phase < b else (a - phase) % self.period_s for a, b in self.devices[index % len(self.devices)]
+        ]
+        return min(waits, default=math.inf)
+
 
 @lru_cache(maxsize=16)
 def load_trace(path: str) -> Trace:
     """A trace file: ``period_s`` and ``devices``, a list of per-device lists of [start, end] pairs."""
     where = f"device_classes trace {path}"
+    if not resolve_path(path).is_file():
+        raise ConfigError(
+            f"{where}: no such file; give a trace YAML (period_s, devices: per-device [[start, end], ...] lists), "
+            "or drop trace and give the class an availability"
+        )
     data = read_yaml_mapping(resolve_path(path), shown=path)
     period = data.get("period_s")
     devices = data.get("devices")
-    if not isinstance(period, (int, float)) or isinstance(period, bool) or not period > 0:
-        raise ConfigError(f"{where}: period_s {period!r} is not allowed; use the trace's length in seconds (> 0)")
+    if not isinstance(period, (int, float)) or isinstance(period, bool) or not 0 < period < math.inf:
+        raise ConfigError(
+            f"{where}: period_s {period!r} is not allowed; use the trace's length in seconds (a finite number > 0)"
+        )
     if not isinstance(devices, list) or not devices:
         raise ConfigError(f"{where}: devices must be a non-empty list of per-device [[start, end], ...] lists")
     parsed = []
@@ -102,6 +118,11 @@ def check_classes(classes: list[DeviceClassConfig]) -> None:
             raise ConfigError(
                 f"devices.device_classes ({c.name}): profile {c.profile} is not a file; measure one on that "
                 f"hardware with `fleet profile --out {Path(c.profile).name}`, or give the class a tier instead"
+            )
+        if c.trace is not None and c.availability != 1.0:
+            raise ConfigError(
+                f"devices.device_classes ({c.name}): trace and availability {c.availability:g} both say when its "
+                "devices are online; give one (a trace's online intervals, or a per-round probability)"
             )
         if c.trace is not None:
             load_trace(c.trace)

@@ -15,7 +15,7 @@ Without classes, the fleet is what it was: ``tiers`` in turn, one bandwidth, alw
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -105,3 +105,13 @@ class FleetClasses:
     def online(self, name: str, server_round: int, sim_time_s: float) -> bool:
         pid = self.partitions.get(name)
         return True if pid is None else online(self.cfg, pid, server_round, sim_time_s)
+
+    def wait_s(self, names: Iterable[str], sim_time_s: float) -> float:
+        """Simulated seconds until the first of ``names`` follows its trace back online (0 when one is online
+        now or is online by chance each round, which the next round draws again)."""
+        waits = []
+        for name in names:
+            pid = self.partitions.get(name)
+            cls = None if pid is None else class_of(self.cfg, pid)
+            waits.append(0.0 if cls is None or cls.trace is None else load_trace(cls.trace).wait_s(pid, sim_time_s))
+        return min(waits, default=0.0)

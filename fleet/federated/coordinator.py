@@ -269,7 +269,7 @@ class Coordinator:
         if not eligible_nodes:
             reasons = "; ".join(sorted(set(self.refusals.values()))) or "none answered its query"
             raise FleetError(f"round {server_round}: no device could take part within {fed.timeout_s:.0f}s ({reasons})")
-        online = [n for n in eligible_nodes if self.classes.online(roster[n].name, server_round, state.sim_time_s)]
+        online = self.online(server_round, eligible_nodes)
         att.offline = [roster[n].name for n in eligible_nodes if n not in online]
         nodes = sample(online, fed.devices_per_round, self.cfg.train.seed, server_round)
         att.sampled = [roster[n].name for n in nodes]
@@ -280,6 +280,24 @@ class Coordinator:
         order = TrainOrder(server_round, fed.strategy, deadline, state.run_tag, signal)
         state.replies.sent = self.arrays
         return PlannedRound(server_round, nodes, order, *self.bounds(deadline, nodes))
+
+    def online(self, server_round: int, nodes: list[str]) -> list[str]:
+        """The nodes online now. When every one is off its trace, the simulated clock moves on to the first
+        coming back: idle time a real fleet would spend waiting, where a clock that stood still would wait
+        forever."""
+        state, roster = self.state, self.state.roster
+        up = [n for n in nodes if self.classes.online(roster[n].name, server_round, state.sim_time_s)]
+        wait = 0.0 if up else self.classes.wait_s([roster[n].name for n in nodes], state.sim_time_s)
+        if 0 < wait < math.inf:
+            log.info(
+                "round %d: no device online at %.0fs simulated; waiting %.0fs for one",
+                server_round,
+                state.sim_time_s,
+                wait,
+            )
+            state.sim_time_s += wait
+            up = [n for n in nodes if self.classes.online(roster[n].name, server_round, state.sim_time_s)]
+        return up
 
     def fixed_s(self, name: str | None) -> float:
         """A simulated device's round cost whatever it trains: its class's start and model download."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import struct
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +65,19 @@ def test_labels_map_by_name_and_counts(tmp_path: Path, fashion) -> None:
     assert data.train.images.shape == (9, 1, 16, 16) and data.test.images.shape == (3, 1, 16, 16)
     assert data.train.images.dtype == torch.uint8 and data.train.num_classes == 10 == data.test.num_classes
     assert (data.train.mean, data.train.std, data.train.name) == ((0.5,), (0.25,), "owned")
+
+
+def test_a_folder_name_stored_decomposed_matches_its_class(tmp_path: Path, fashion) -> None:
+    """macOS stores 'décor' as 'de' + a combining accent (NFD): the same name to a reader, and to fleet."""
+    names = [*NAMES[:-1], unicodedata.normalize("NFC", "bo\u0302te")]  # 'boîte', composed as typed in YAML
+    decomposed = unicodedata.normalize("NFD", names[-1])
+    assert decomposed != names[-1]
+    (tmp_path / decomposed).mkdir()
+    for i in range(4):
+        Image.fromarray(fashion["boot"][i]).save(tmp_path / decomposed / f"{i:03d}.png")
+    write_tree(tmp_path, fashion, {"bag": 4})
+    data = load(tmp_path, class_names=names)
+    assert data.counts[names[-1]] == (3, 1) and data.counts["bag"] == (3, 1)
 
 
 def test_images_are_the_files_pixels(tmp_path: Path, fashion) -> None:
@@ -288,8 +302,16 @@ def test_device_check_prints_mapping_and_counts(tmp_path: Path, fashion, fleet_y
     assert rows["tshirt"] == ["0", "tshirt", "-", "0", "0"] and len(rows) == 10
     assert "2 of 10 classes, 9 train + 3 test images" in out
     assert "25.0% of the images" in out and "devices.test_fraction=0.25" in out
+    assert "warning: 9 training images, fewer than one batch (train.batch_size 16)" in out
     argv = ["device", "check", "-c", str(fleet_yaml), "--data-root", str(tmp_path / "pi"), "--set", "train.seed=4"]
     assert main(argv) == 0
+
+
+def test_a_device_too_small_to_hold_out_a_test_split_is_refused(tmp_path, fashion, fleet_yaml, capsys) -> None:
+    write_tree(tmp_path / "one", fashion, {"bag": 1})
+    assert main(["device", "check", "--config", str(fleet_yaml), "--data-root", str(tmp_path / "one")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --data-root: {tmp_path / 'one'} holds 1 images, too few for both a training split")
 
 
 def test_device_check_bad_trees_exit_2_with_one_line(tmp_path: Path, fashion, fleet_yaml: Path, capsys) -> None:

@@ -35,6 +35,11 @@ def run_check(args: argparse.Namespace) -> int:
     data = owned_data(cfg, args.data_root, "--data-root")
     own_test = data.layout == "split" and (Path(args.data_root).expanduser() / "test").is_dir()
     print(check_report(data, args.data_root, cfg.devices.test_fraction, own_test))
+    if len(data.train) < cfg.train.batch_size:
+        print(
+            f"  warning: {len(data.train)} training images, fewer than one batch (train.batch_size "
+            f"{cfg.train.batch_size}): every step repeats them, and the device will overfit its few images"
+        )
     return 0
 
 

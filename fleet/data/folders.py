@@ -16,6 +16,7 @@ Layouts (detected, in this order):
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,19 +143,23 @@ def _class_files(folder: Path, spec: _Spec) -> dict[str, list[Path]]:
             f"{spec.field}: no class folders in {folder}; lay the device's images out as {folder}/<class>/*.png "
             "with <class> one of data.class_names"
         )
+    by_form = {unicodedata.normalize("NFC", n): n for n in spec.names}
+    on_disk = {}  # class name -> its folder's name as stored (macOS stores names decomposed, NFD)
     for name in found:
-        if name not in spec.names:
+        label = by_form.get(unicodedata.normalize("NFC", name))
+        if label is None:
             near = [n for n in spec.names if n.lower() == name.lower()]
             hint = f" (did you mean '{near[0]}'?)" if near else ""
             raise DataError(
                 f"{spec.field}: class folder '{name}' in {folder} is not one of the fleet's classes "
                 f"({', '.join(spec.names)}; data.class_names){hint}; rename or remove it"
             )
-    files = {name: image_files(folder / name) for name in spec.names if name in found}
+        on_disk[label] = name
+    files = {name: image_files(folder / on_disk[name]) for name in spec.names if name in on_disk}
     for name, paths in files.items():
         if not paths:
             raise DataError(
-                f"{spec.field}: class folder {folder / name} holds no images ({', '.join(IMAGE_EXTENSIONS)}); "
+                f"{spec.field}: class folder {folder / on_disk[name]} holds no images ({', '.join(IMAGE_EXTENSIONS)}); "
                 "add the class's images or remove the folder"
             )
     return files

@@ -24,7 +24,7 @@ def owned_data(cfg: FleetConfig, root: str | Path, field: str) -> OwnedData:
     """
     channels = cfg.model.in_channels
     mean, std = norm_stats(cfg.data.dataset, channels)
-    return load_owned(
+    data = load_owned(
         root,
         cfg.data.class_names,
         channels=channels,
@@ -35,6 +35,13 @@ def owned_data(cfg: FleetConfig, root: str | Path, field: str) -> OwnedData:
         seed=cfg.train.seed,
         field=field,
     )
+    if len(data.train) == 0 or len(data.test) == 0:
+        raise DataError(
+            f"{field}: {root} holds {len(data.train) + len(data.test)} images, too few for both a training split and "
+            f"a held-out test split (devices.test_fraction {cfg.devices.test_fraction:g} of each class's); add "
+            "images, a few per class at least"
+        )
+    return data
 
 
 def device_roots(cfg: FleetConfig) -> list[Path]:

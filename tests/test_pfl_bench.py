@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+import yaml
 
 from fleet.bench.pfl import combine, personalized_curve, pfl_table, seed_figures
 
@@ -117,11 +119,28 @@ def test_bad_newcomer_flags_are_one_line_and_exit_2(tmp_path, capsys, argv, mess
     assert message.format(tmp=tmp_path) in err and "\n" not in err
 
 
-def test_a_corrupt_run_checkpoint_is_one_line_and_exit_2(tmp_path, capsys):
+@pytest.mark.parametrize("newcomers", [None, 0])
+def test_a_corrupt_run_checkpoint_is_one_line_and_exit_2(tmp_path, capsys, newcomers):
     from fleet.cli import main
 
     (tmp_path / "checkpoint.pt").write_bytes(b"not a checkpoint")
-    (tmp_path / "fleet-config.yaml").write_text(Path("simulations/pfl.yaml").read_text())
+    cfg = yaml.safe_load(Path("simulations/pfl.yaml").read_text())
+    if newcomers is not None:  # a run without new devices: its checkpoint is read all the same
+        cfg["devices"]["newcomers"] = newcomers
+    (tmp_path / "fleet-config.yaml").write_text(yaml.safe_dump(cfg))
     assert main(["bench", "pfl", "--newcomers-from", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert f"{tmp_path}/checkpoint.pt: not a readable fleet checkpoint" in err and "\n" not in err
+
+
+def test_a_run_without_new_devices_has_none_to_personalize(tmp_path, capsys):
+    from fleet.cli import main
+    from fleet.federated.state import ServerState, save_checkpoint
+
+    cfg = yaml.safe_load(Path("simulations/pfl.yaml").read_text())
+    cfg["devices"]["newcomers"] = 0
+    (tmp_path / "fleet-config.yaml").write_text(yaml.safe_dump(cfg))
+    save_checkpoint(tmp_path, {"w": np.zeros(2, np.float32)}, ServerState())
+    assert main(["bench", "pfl", "--newcomers-from", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--newcomers-from: {tmp_path} ran with devices.newcomers 0" in err and "\n" not in err

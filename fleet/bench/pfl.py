@@ -148,11 +148,14 @@ def newcomer_figures(
     """The newcomers personalize from the final global model of the run in ``run`` (its config, with
     ``overrides``): per method, the mean over them of the final accuracy and device time, and the mean curve."""
     cfg = load_fleet_config(run / "fleet-config.yaml", overrides)
-    if cfg.devices.newcomers == 0:
-        return {}
-    loaded = load_checkpoint(run)
+    try:
+        loaded = load_checkpoint(run)
+    except Exception as exc:  # a damaged or foreign file: torch's own error says little to a user
+        raise ConfigError(f"{run / CHECKPOINT_FILE}: not a readable fleet checkpoint ({type(exc).__name__})") from None
     if loaded is None:
         raise ConfigError(f"{run / CHECKPOINT_FILE}: not a readable fleet checkpoint; give a finished run's folder")
+    if cfg.devices.newcomers == 0:
+        return {}
     model = loaded[0]
     profile = DeviceProfile.load(cfg.hardware.profile)
     curves = []
@@ -265,6 +268,11 @@ def newcomers_from(
                 f"--newcomers-from: {run} holds no finished fleet run; give a run folder with {CHECKPOINT_FILE}"
             )
         per_run[i] = newcomer_figures(path, epochs, log, lr, overrides)
+        if not per_run[i]:
+            raise ConfigError(
+                f"--newcomers-from: {run} ran with devices.newcomers 0, so it has no new devices to personalize; "
+                "give a run made with newcomers"
+            )
     report = {"runs": [str(r) for r in runs], "newcomer_lr": lr, "overrides": dict(overrides or {})}
     report["new_devices"] = combine_newcomers(per_run)
     plot = Path(runs[0]).parent / "new-devices.png"

@@ -61,6 +61,7 @@ def run_round(grid: Grid, coord: Coordinator, mailbox: Mailbox, server_round: in
     pulled = mailbox.collect(ids, plan.train_bound_s)
     t = coord.lap("wait_train_s", t)
     coord.close_train(plan, take(coord, pulled, server_round, TRAIN, connected_nodes(grid)))
+    ask(grid, coord, mailbox, server_round)  # who connected while it trained answers before the next round
     t = coord.lap("aggregate_s", t)
     if coord.evaluates(server_round):
         nodes, order = coord.evaluation_nodes(server_round), plan.order.for_evaluation()
@@ -99,11 +100,22 @@ def wait_for_devices(grid: Grid, cfg: FleetConfig) -> set[str]:
 def open_membership(
     grid: Grid, coord: Coordinator, mailbox: Mailbox, server_round: int, connected: set[str]
 ) -> list[str]:
-    """Query the nodes the coordinator asks about; the eligible nodes. With nobody eligible (the first
-    round, or every device gone) it waits for query answers (:func:`wait_for_members`)."""
+    """Take the query answers already in, query the nodes the coordinator asks about; the eligible nodes.
+    With nobody eligible (the first round, or every device gone) it waits for query answers
+    (:func:`wait_for_members`)."""
+    waiting = mailbox.waiting(QUERY)
+    if waiting:  # a device asked during the last round that has answered since takes part in this one
+        take(coord, mailbox.collect(waiting, 0.0), server_round, QUERY, connected)
+    ask(grid, coord, mailbox, server_round, connected)
+    return coord.eligible(connected) or wait_for_members(grid, coord, mailbox, server_round)
+
+
+def ask(grid: Grid, coord: Coordinator, mailbox: Mailbox, server_round: int, connected: set[str] | None = None) -> None:
+    """Query the connected nodes the coordinator asks about (new ones, benched members), unless a query
+    is out to them already."""
+    connected = connected_nodes(grid) if connected is None else connected
     asked = {str(n) for n in mailbox.pending(QUERY)}
     mailbox.push(messages(coord.queries(connected, asked), QUERY), QUERY, server_round)
-    return coord.eligible(connected) or wait_for_members(grid, coord, mailbox, server_round)
 
 
 def wait_for_members(grid: Grid, coord: Coordinator, mailbox: Mailbox, server_round: int) -> list[str]:

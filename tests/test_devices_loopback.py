@@ -207,6 +207,7 @@ def check_membership(records: list[dict]) -> None:
     joined = [r["round"] for r in records if "pi-d" in names(r["joined"])]
     assert joined and joined[0] in (2, 3), [r["joined"] for r in records]
     assert sum(n > joined[0] and "pi-d" in t for n, t in by_round.items()) >= 2, by_round
+    assert "pi-d" in by_round[joined[0] + 1], by_round  # it trains in the round after the one it joined in
     assert "pi-b" in names(records[2]["missed"]), records[2]["missed"]
     assert all("pi-b" not in t for n, t in by_round.items() if n > 2), by_round
 

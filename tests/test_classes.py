@@ -89,7 +89,7 @@ def test_a_trace_sets_who_is_online_by_the_simulated_clock(tmp_path):
     assert [online(cfg, 0, 1, t) for t in (0, 49.9, 50, 120)] == [True, True, False, True]
     assert [online(cfg, 1, 1, t) for t in (0, 49.9, 50, 199)] == [False, False, True, True]
     assert load_trace(str(trace)).period_s == 100
-    assert [load_trace(str(trace)).wait_s(0, t) for t in (10, 60, 150)] == [0, 40, 0]
+    assert [load_trace(str(trace)).wait_s(0, t) for t in (10, 60, 150)] == [0, 40, 50]
 
 
 def test_when_every_device_is_off_its_trace_the_simulated_clock_waits_for_the_first_back(tmp_path):

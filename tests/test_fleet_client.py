@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fleet.base.errors import BudgetError, ConfigError
+from fleet.base.errors import BudgetError, ConfigError, FleetError
 from fleet.engine.experiment import make_model
 from fleet.engine.models import model_meta
 from fleet.engine.policies import blend_importance, fitted_window_mask, select_in_window, window_mask, window_position
@@ -257,7 +257,7 @@ def test_a_device_with_a_bad_node_config_is_refused_when_it_joins(setup, tmp_pat
         ({"memory-budget-mb": -5}, "node config memory-budget-mb: -5 is not allowed"),
         ({"profile": str(alien)}, f"profile {alien} (node config profile)"),
     ):
-        with pytest.raises(ConfigError, match=re.escape(message)):
+        with pytest.raises(FleetError, match=re.escape(message)):  # the refusal's reason, in one line
             tasks.query(tasks.Device.from_configs(cfg, {**base, **extra}))
 
 

@@ -101,6 +101,15 @@ def test_a_device_cgroup_is_made_below_our_own(tmp_path):
         cgroup.version(tmp_path / "none")
 
 
+def test_a_device_is_told_its_threads_uplink_and_memory_budget(tmp_path):
+    from fleet.federated.testbed_config import TestbedClassConfig
+    from fleet.testbed.run import Device
+
+    pi = TestbedClassConfig(name="pi4", cpu=0.2, memory_mb=1500, uplink_mbps=20)
+    config = Device("pi4-0", 0, pi, tmp_path / "pi4-0").node_config(1200)
+    assert "threads=1" in config and "uplink-mbps=20" in config and "memory-budget-mb=300" in config
+
+
 def test_class_round_times_take_each_class_slowest_device():
     rec = {"devices": [{"device": "a-0", "wall_s": 3.0}, {"device": "a-1", "wall_s": 5.0}, {"device": "b-0"}]}
     assert class_round_times(rec, {"a-0": "a", "a-1": "a", "b-0": "b"}) == {"a": 5.0}

@@ -21,7 +21,7 @@ from fleet.base.errors import ConfigError
 from fleet.engine.device_profile import DeviceProfile
 from fleet.engine.experiment import check_profile, make_model, obtain_profile
 from fleet.federated import keys
-from fleet.federated.classes import class_of
+from fleet.federated.classes import bandwidth_of, class_of
 from fleet.federated.config import FleetConfig, run_dir
 from fleet.federated.owned import device_roots
 from fleet.federated.paths import resolve_path
@@ -69,6 +69,22 @@ def threads_of(cfg: FleetConfig, node_config: dict[str, Any]) -> int:
             "threads from 1 to 1024 (its cores)"
         )
     return int(threads)
+
+
+def uplink_of(cfg: FleetConfig, node_config: dict[str, Any], partition_id: int | None) -> float:
+    """The device's uplink in bytes/s, which it plans its upload at: node config ``uplink-mbps`` (its
+    operator knows its link), else its simulated class's, else the fleet's ``devices.bandwidth_mbps``.
+    A device that assumed the fleet's rate on a slower link trained and uploaded more than its deadline
+    allowed (docs/testbed.md)."""
+    if keys.NODE_UPLINK_MBPS not in node_config:
+        return bandwidth_of(cfg, partition_id)
+    mbps = _number(node_config[keys.NODE_UPLINK_MBPS])
+    if not (math.isfinite(mbps) and 0.01 <= mbps <= 100_000):
+        raise ConfigError(
+            f"node config uplink-mbps: {node_config[keys.NODE_UPLINK_MBPS]!r} is not allowed; use the device's "
+            "uplink in Mbit/s, from 0.01 to 100000"
+        )
+    return mbps * 1e6 / 8
 
 
 def partition_of(cfg: FleetConfig, node_config: dict[str, Any]) -> int | None:

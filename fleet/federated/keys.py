@@ -64,4 +64,5 @@ NODE_PROFILE = "profile"  # the device's own profile YAML (else hardware.profile
 NODE_MEMORY_BUDGET_MB = "memory-budget-mb"  # activation memory budget
 NODE_SPILL_DIR = "spill-dir"  # where paged-out activations go
 NODE_STATE_DIR = "state-dir"  # where state that outlives a round is kept
+NODE_UPLINK_MBPS = "uplink-mbps"  # the device's uplink: it plans its upload at this rate; default: the fleet's
 NODE_THREADS = "threads"  # torch threads of the device's ClientApp (its cores); default: simulation.client_threads

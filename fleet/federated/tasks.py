@@ -25,7 +25,6 @@ from fleet.engine.device_profile import DeviceProfile
 from fleet.engine.experiment import make_model, model_with_weights
 from fleet.engine.trainer import accuracy
 from fleet.federated import keys
-from fleet.federated.classes import bandwidth_of
 from fleet.federated.config import FleetConfig
 from fleet.federated.device import (
     DeviceState,
@@ -40,6 +39,7 @@ from fleet.federated.device import (
     state_dir_of,
     threads_of,
     tier_of,
+    uplink_of,
 )
 from fleet.federated.personal import overlay_personal, personal_names
 from fleet.federated.records import TrainOrder
@@ -91,8 +91,8 @@ class Device:
 
     @property
     def bandwidth(self) -> float:
-        """Its uplink in bytes/s: its class's (a simulated device), else the fleet's."""
-        return bandwidth_of(self.cfg, self.partition_id)
+        """Its uplink in bytes/s (node config ``uplink-mbps``, its class's, else the fleet's)."""
+        return uplink_of(self.cfg, self.node_config, self.partition_id)
 
     def identity(self) -> dict[str, int]:
         """The partition a simulation-style device trains on, for its metrics (nothing for the others)."""
@@ -120,6 +120,7 @@ def query(device: Device) -> dict[str, float | int]:
     ready = readiness()  # counted, so that a simulation worker's later messages report no lifetime
     profile = device.profile(reference_model(device.cfg))
     memory_budget_of(device.cfg, device.partition_id, device.node_config, profile)
+    uplink_of(device.cfg, device.node_config, device.partition_id)  # a bad uplink-mbps is refused here too
     return {
         **device.identity(),
         **ready,

@@ -80,6 +80,7 @@ class Device:
 
     def node_config(self, runtime_mb: float) -> str:
         parts = [f"device-name='{self.name}'", f"data-root='{self.tree}'", f"threads={self.cls.threads()}"]
+        parts.append(f"uplink-mbps={self.cls.uplink_mbps:g}")  # as an operator who knows the device's link
         if self.cls.memory_mb is not None:
             parts.append(f"memory-budget-mb={self.cls.memory_mb - runtime_mb:g}")
         return " ".join(parts)

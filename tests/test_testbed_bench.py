@@ -12,6 +12,7 @@ from fleet.bench.testbed import (
     bench_table,
     class_start_s,
     device_entries,
+    memory_entries,
     method_entry,
     simulation_config,
     slowest_by_class,
@@ -88,6 +89,19 @@ def test_the_simulator_gets_each_class_profile_links_and_measured_start(tmp_path
     assert (pi.share, pi.bandwidth_mbps, pi.downlink_mbps, pi.start_s) == (pytest.approx(2 / 3), 8, 16, 20)
     assert pi.profile == str(tmp_path / "devices" / "pi-0" / "device-profile.yaml")
     assert fleet_config_from_dict(config_to_dict(sim)).devices.device_classes[1].start_s == 5  # it loads back
+
+
+def test_a_memory_limited_device_whose_reply_was_rejected_still_trained_that_round(tmp_path):
+    small = TestbedClassConfig(name="pi", count=1, cpu=0.2, memory_mb=1202)
+    records = [
+        {"round": 1, "sampled": ["pi-0"], "missed": [], "rejections": [], "devices": [row("pi-0", 50)]},
+        {"round": 2, "sampled": ["pi-0"], "missed": [], "rejections": [{"device": "pi-0"}], "devices": []},
+        {"round": 3, "sampled": ["pi-0"], "missed": ["pi-0"], "rejections": [], "devices": []},
+    ]
+    run = TestbedRun(records, None, {"pi-0": (1201.5, 0)}, {"pi-0": small}, tmp_path)
+    entry = memory_entries({"fleet": run})["pi-0"]["fleet"]
+    assert (entry["rounds"], entry["rounds_trained"], entry["rejected"], entry["oom_kills"]) == (3, 2, 1, 0)
+    assert entry["cgroup_peak_mb"] == 1201.5 and entry["memory_mb"] == 1202
 
 
 def test_the_report_says_which_target_was_missed_and_by_what():

@@ -206,7 +206,9 @@ def _class(run: TestbedRun, row: dict) -> str | None:
 
 def memory_entries(runs: dict[str, TestbedRun]) -> dict[str, dict]:
     """Per device under a memory limit, per method: its activation budget against an unplanned step's
-    activation peak (the device's memory profile), its cgroup's peak, OOM kills and rounds trained."""
+    activation peak (the device's memory profile), its cgroup's peak, OOM kills, and the rounds it was
+    sampled for against those it trained and answered (a reply the server's screen then rejected was
+    trained all the same: the limit held; ``rejected`` counts them)."""
     out: dict[str, dict] = {}
     for method, run in runs.items():
         for name, cls in run.classes.items():
@@ -223,8 +225,11 @@ def memory_entries(runs: dict[str, TestbedRun]) -> dict[str, dict]:
                 "planned_activation_peak_mb": max((d.get("memory_peak_bytes") or 0 for d in rows), default=0) / 2**20,
                 "cgroup_peak_mb": peak,
                 "oom_kills": kills,
-                "rounds_trained": len(rows),
-                "rounds": len(run.records),
+                "rounds": sum(name in r.get("sampled", []) for r in run.records),
+                "rounds_trained": sum(
+                    name in r.get("sampled", []) and name not in r.get("missed", []) for r in run.records
+                ),
+                "rejected": sum(e.get("device") == name for r in run.records for e in r.get("rejections", [])),
             }
     return out
 

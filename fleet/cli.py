@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 from fleet.base.errors import FleetError
 from fleet.commands import bench as bench_command
+from fleet.commands import certs, personalize, pfl, pretrain, profile, robustness, scale, testbed, train
 from fleet.commands import device as device_command
 from fleet.commands import fleet as fleet_command
 from fleet.commands import memory as memory_command
-from fleet.commands import personalize, pfl, pretrain, profile, robustness, scale, testbed, train
 
 # Modules exposing register(subparsers) and optionally register_bench(bench_subparsers).
 COMMAND_MODULES = (
@@ -31,6 +31,7 @@ COMMAND_MODULES = (
     scale,
     pfl,
     testbed,
+    certs,
 )
 
 

@@ -26,10 +26,10 @@ import pytest
 import yaml
 from flwr.supercore.exit import ExitCode
 
+from fleet.cli import main as cli_main
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-OPENSSL = shutil.which("openssl") or "/usr/bin/openssl"
-SSH_KEYGEN = shutil.which("ssh-keygen") or "/usr/bin/ssh-keygen"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # the run may take up to 900 s of it on a busy machine
 
@@ -85,68 +85,18 @@ def run_status(env: dict, timeout: float = 60) -> dict:
 
 
 def make_tls(d: Path, extra_ips: tuple[str, ...] = ()) -> tuple[Path, Path, Path]:
-    """A throwaway CA and a server certificate it signed, for 127.0.0.1 and localhost (and ``extra_ips``)."""
-    d.mkdir()
-    sans = ",".join(["IP:127.0.0.1", *(f"IP:{ip}" for ip in extra_ips), "DNS:localhost"])
-
-    def ssl(*args: str) -> None:
-        res = subprocess.run([OPENSSL, *args], cwd=d, capture_output=True, text=True, timeout=60)
-        assert res.returncode == 0, res.stdout + res.stderr
-
-    ssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "1",
-        "-subj",
-        "/CN=fleet-test-ca",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.crt",
-        "-addext",
-        "basicConstraints=critical,CA:TRUE",
-        "-addext",
-        "keyUsage=critical,keyCertSign,cRLSign",
-    )
-    ssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost", "-keyout", "server.key", "-out", "server.csr")
-    (d / "server.ext").write_text(
-        f"subjectAltName={sans}\nbasicConstraints=critical,CA:FALSE\n"
-        "keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
-        "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n"
-    )
-    ssl(
-        "x509",
-        "-req",
-        "-in",
-        "server.csr",
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-days",
-        "1",
-        "-extfile",
-        "server.ext",
-        "-out",
-        "server.pem",
-    )
+    """A CA and a server certificate it signed, for 127.0.0.1 and localhost (and ``extra_ips``), made by
+    ``fleet certs`` as the docs tell a user to: the real SuperLink and proxy below serve them."""
+    sans = ["--san", "DNS:localhost", *(a for ip in extra_ips for a in ("--san", f"IP:{ip}"))]
+    assert cli_main(["certs", "--out", str(d), *sans]) == 0
     return d / "ca.crt", d / "server.pem", d / "server.key"
 
 
 def make_node_key(path: Path) -> Path:
-    """An ECDSA P-384 key pair in OpenSSH format (`path` private, `path`.pub public)."""
-    res = subprocess.run(
-        [SSH_KEYGEN, "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-C", path.name, "-f", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert res.returncode == 0, res.stdout + res.stderr
+    """An ECDSA P-384 key pair in OpenSSH format (`path` private, `path`.pub public), made by ``fleet certs
+    --device`` in ``path``'s grandparent's keys/ folder."""
+    assert path.parent.name == "keys", path
+    assert cli_main(["certs", "--out", str(path.parent.parent), "--device", path.name]) == 0
     return path
 
 

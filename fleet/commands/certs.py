@@ -1,0 +1,177 @@
+"""``fleet certs --san IP:192.168.1.10 --device pi1 --device pi2``: what a secure deployment needs.
+
+A CA (``ca.crt``, which every SuperNode and ``flwr`` trust, and ``ca.key``, which stays with you), the
+SuperLink's certificate signed by it (``server.pem``, ``server.key``) for the names and addresses the
+devices dial plus 127.0.0.1 (``flwr`` and the SuperLink's own executor connect over loopback), and per
+device an ECDSA P-384 key pair in OpenSSH format (``keys/<name>``, ``keys/<name>.pub``), the public half
+being what ``flwr supernode register`` takes. Made with the ``cryptography`` library that Flower itself
+uses, so no openssl command lines to get right.
+
+Nothing is overwritten: an existing file is named in one line and nothing is written. A call with
+``--device`` names alone (no ``--san``) only adds their key pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import ipaddress
+import os
+from pathlib import Path
+
+from fleet.base.errors import ConfigError
+
+NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("certs", help="make the CA, the SuperLink's certificate and the devices' key pairs")
+    p.add_argument("--out", default="certs", help="folder to write them to (default: certs)")
+    p.add_argument(
+        "--san",
+        action="append",
+        default=[],
+        metavar="IP:ADDR|DNS:NAME",
+        help="an address or name the devices dial the SuperLink at (repeatable); 127.0.0.1 is always added",
+    )
+    p.add_argument("--device", action="append", default=[], metavar="NAME", help="a device's key pair (repeatable)")
+    p.add_argument("--days", type=int, default=825, help="validity of the certificates in days (default 825)")
+    p.set_defaults(func=run)
+
+
+def parse_san(text: str):
+    """``IP:1.2.3.4``, ``DNS:server.lan``, or a bare address or name, as an x509 general name."""
+    from cryptography import x509
+
+    kind, sep, value = text.partition(":")
+    if not sep or kind.upper() not in ("IP", "DNS"):
+        kind, value = ("IP", text) if _is_ip(text) else ("DNS", text)
+    if kind.upper() == "IP":
+        if not _is_ip(value):
+            raise ConfigError(f"--san {text}: {value!r} is not an IP address; write IP:192.168.1.10 or DNS:server.lan")
+        return x509.IPAddress(ipaddress.ip_address(value))
+    if not value or any(c.isspace() for c in value):
+        raise ConfigError(f"--san {text}: give a host name, e.g. DNS:server.lan")
+    return x509.DNSName(value)
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _planned(out: Path, devices: list[str], with_server: bool) -> list[Path]:
+    server = [out / n for n in ("ca.crt", "ca.key", "server.pem", "server.key")] if with_server else []
+    return server + [out / "keys" / f"{d}{ext}" for d in devices for ext in ("", ".pub")]
+
+
+def check_args(args: argparse.Namespace) -> tuple[Path, list, bool]:
+    """The folder, the SANs and whether the CA and server certificate are to be made; one line on bad input
+    or on a file that exists (nothing is written then)."""
+    if not 1 <= args.days <= 3650:
+        raise ConfigError(f"--days: {args.days} is not allowed; use 1 to 3650")
+    bad = next((d for d in args.device if not d or not set(d) <= NAME_CHARS or len(d) > 64), None)
+    if bad is not None:
+        raise ConfigError(f"--device {bad!r}: use 1-64 letters, digits, '-', '_' or '.'")
+    out = Path(args.out).expanduser()
+    if (out / "ca.key").exists() and args.san:
+        raise ConfigError(f"--san: {out / 'ca.key'} exists; to make a new server certificate, use a new --out folder")
+    if not args.san and not args.device:
+        raise ConfigError("--san: name the address the devices dial the SuperLink at, e.g. --san IP:192.168.1.10")
+    with_server = bool(args.san)
+    sans = [parse_san(s) for s in args.san]
+    existing = [p for p in _planned(out, args.device, with_server) if p.exists()]
+    if existing:
+        raise ConfigError(f"{existing[0]} exists; nothing was written (remove it, or pick another --out or --device)")
+    return out, sans, with_server
+
+
+def _write(path: Path, data: bytes, secret: bool) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if secret else 0o644)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+
+
+def _certificate(subject: str, key, issuer: str, signer, days: int, extensions: list):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+        .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+    )
+    for ext, critical in extensions:
+        builder = builder.add_extension(ext, critical=critical)
+    return builder.sign(signer, hashes.SHA256())
+
+
+def make_server(out: Path, sans: list, days: int) -> None:
+    """The CA and the SuperLink's certificate for ``sans`` (and 127.0.0.1), signed by it."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_usage = x509.KeyUsage(False, False, False, False, False, True, True, False, False)
+    ca = _certificate(
+        "fleet CA", ca_key, "fleet CA", ca_key, days, [(x509.BasicConstraints(True, None), True), (ca_usage, True)]
+    )
+    names = list(dict.fromkeys([*sans, x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]))
+    usage = x509.KeyUsage(True, False, True, False, False, False, False, False, False)
+    server = _certificate(
+        "fleet SuperLink",
+        key,
+        "fleet CA",
+        ca_key,
+        days,
+        [
+            (x509.SubjectAlternativeName(names), False),
+            (x509.BasicConstraints(False, None), True),
+            (usage, True),
+            (x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), False),
+        ],
+    )
+    pem, pkcs8 = serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8
+    plain = serialization.NoEncryption()
+    _write(out / "ca.crt", ca.public_bytes(pem), secret=False)
+    _write(out / "ca.key", ca_key.private_bytes(pem, pkcs8, plain), secret=True)
+    _write(out / "server.pem", server.public_bytes(pem), secret=False)
+    _write(out / "server.key", key.private_bytes(pem, pkcs8, plain), secret=True)
+
+
+def make_device_keys(out: Path, name: str) -> None:
+    """``keys/<name>`` (private, stays on the device) and ``keys/<name>.pub`` (to register), as ssh-keygen
+    -t ecdsa -b 384 would make them."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP384R1())
+    ssh = serialization.Encoding.OpenSSH
+    private = key.private_bytes(ssh, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption())
+    public = key.public_key().public_bytes(ssh, serialization.PublicFormat.OpenSSH) + f" {name}\n".encode()
+    _write(out / "keys" / name, private, secret=True)
+    _write(out / "keys" / f"{name}.pub", public, secret=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    out, sans, with_server = check_args(args)
+    if with_server:
+        make_server(out, sans, args.days)
+        shown = ", ".join(s.value if isinstance(s.value, str) else str(s.value) for s in sans)
+        print(f"wrote {out}/ca.crt (give it to every device and flwr), ca.key (keep it here, private)")
+        print(f"wrote {out}/server.pem and server.key for {shown} and 127.0.0.1 (the SuperLink's --ssl-* flags)")
+    for name in args.device:
+        make_device_keys(out, name)
+        print(f"wrote {out}/keys/{name} (copy to the device, private) and {name}.pub (flwr supernode register)")
+    return 0

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from fleet.base.errors import FleetError
 from fleet.commands import bench as bench_command
-from fleet.commands import certs, personalize, pfl, pretrain, profile, robustness, scale, testbed, train
+from fleet.commands import certs, personalize, pfl, pretrain, profile, robustness, scale, supervise, testbed, train
 from fleet.commands import device as device_command
 from fleet.commands import fleet as fleet_command
 from fleet.commands import memory as memory_command
@@ -32,6 +32,7 @@ COMMAND_MODULES = (
     pfl,
     testbed,
     certs,
+    supervise,
 )
 
 

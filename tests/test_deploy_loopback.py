@@ -367,3 +367,43 @@ def test_secure_supernodes_tls_auth_and_memory_budget(tmp_path):
         # device 1 trained under its node-config budget on a real SuperNode; device 0 had none
         assert devs[1]["memory_budget_bytes"] == budget and 0 < devs[1]["memory_peak_bytes"] <= budget, devs[1]
         assert "memory_budget_bytes" not in devs[0]
+
+
+def read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def test_a_supervised_run_resumes_by_itself_after_a_superlink_crash(tmp_path):
+    """`fleet supervise` submits 6 rounds; the SuperLink (and the ServerApp with it) is killed after round 2
+    and started again on its --database. The SuperNodes reconnect by themselves; the supervisor sees the
+    run failed, resubmits it with resume=true within 60 s, and the run ends with every round, none twice."""
+    link = Loopback(tmp_path, secure=False, database=tmp_path / "superlink.db")
+    config_path, profile = tiny_deploy_config(tmp_path, link.env)
+    cfg = yaml.safe_load(config_path.read_text())
+    cfg["federation"]["rounds"] = 6
+    config_path.write_text(yaml.safe_dump(cfg))
+    metrics = tmp_path / "runs" / "deploy" / "metrics.jsonl"
+    try:
+        superlink = link.start_link()
+        for i in range(2):
+            node = link.start_node(i, f"partition-id={i} profile='{profile}' state-dir='{tmp_path / f'd{i}'}'", False)
+            wait_port(int(node.args[node.args.index("--port") + 1]), node, link.logs[f"supernode{i}"])
+        argv = [str(BIN / "fleet"), "supervise", "loopback", "--config", str(config_path), "--app", str(ROOT)]
+        supervisor = link.start("supervise", [*argv, "--poll-s", "1"])
+        deadline = time.time() + 600
+        while len(read_records(metrics)) < 2 and time.time() < deadline and supervisor.poll() is None:
+            time.sleep(0.5)
+        assert len(read_records(metrics)) >= 2, link.logs["supervise"].read_text()[-2000:]
+        os.killpg(superlink.pid, signal.SIGKILL)  # a crash: the SuperLink, its executor and the ServerApp
+        superlink.wait()
+        link.start_link("superlink-2")
+        restarted = time.time()
+        while "(resume=true)" not in link.logs["supervise"].read_text() and time.time() < restarted + 120:
+            time.sleep(0.5)
+        resumed_after = time.time() - restarted
+        assert supervisor.wait(timeout=900) == 0, link.logs["supervise"].read_text()[-3000:]
+    finally:
+        link.stop()
+    log = link.logs["supervise"].read_text()
+    assert "finished:failed" in log and "(resume=true)" in log and resumed_after <= 60, (resumed_after, log)
+    assert [r["round"] for r in read_records(metrics)] == [1, 2, 3, 4, 5, 6], log

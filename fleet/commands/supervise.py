@@ -1,0 +1,119 @@
+"""``fleet supervise CONNECTION --config simulations/pi.yaml``: submit the run and keep it going.
+
+A SuperLink that restarts (a crash, a reboot, an upgrade) takes the ServerApp with it. With
+``--database`` the SuperNodes come back under their node ids by themselves, but the run stays
+``finished:failed``. The supervisor submits the run with ``flwr run``, watches it with ``flwr ls``
+every ``--poll-s`` seconds, and when the run failed or stopped it submits it again with
+``resume=true``: the ServerApp continues from the last finished round's checkpoint, so no finished
+round is lost. While the SuperLink is down it keeps asking. It ends when the run completes (exit 0),
+or once it has resubmitted ``--max-restarts`` times (exit 1, with the last status). Run it as a
+systemd service beside the SuperLink's (scripts/fleet-supervise.service), one line per change.
+
+Design notes:
+
+* **Flower's own CLI.** It drives ``flwr run`` and ``flwr ls --format json`` as a person would, so it
+  needs nothing of Flower's internals and works wherever ``flwr`` does.
+* **A pure decision.** :func:`next_step` maps the last status seen to what to do; the loop around it
+  only runs commands and sleeps, and the decision is tested without a SuperLink.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fleet.base.errors import ConfigError
+
+COMPLETED, FAILED, STOPPED = "finished:completed", "finished:failed", "finished:stopped"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("supervise", help="submit a deployed run and resubmit it (resume=true) whenever it fails")
+    p.add_argument("connection", help="the flwr connection of the SuperLink (flwr's config.toml)")
+    p.add_argument("--config", required=True, help="the fleet YAML of the run, as `flwr run` ships it")
+    p.add_argument("--app", default=".", help="the app folder `flwr run` packs (default: the current folder)")
+    p.add_argument("--run-config", default="", help="more run config, e.g. \"output_dir='/srv/fleet-runs'\"")
+    p.add_argument("--poll-s", type=float, default=5.0, help="seconds between status checks (default 5)")
+    p.add_argument("--max-restarts", type=int, default=20, help="resubmissions before giving up (default 20)")
+    p.set_defaults(func=run)
+
+
+def next_step(status: str | None, restarts: int, max_restarts: int) -> str:
+    """``wait`` (running, or the SuperLink unreachable: ``status`` None), ``done`` (completed), ``resume``
+    (it failed or was stopped: submit again with resume=true) or ``give-up`` (too many resumes)."""
+    if status == COMPLETED:
+        return "done"
+    if status in (FAILED, STOPPED) or (status or "").startswith("finished:"):
+        return "resume" if restarts < max_restarts else "give-up"
+    return "wait"
+
+
+def flwr(args: list[str], app: Path, timeout_s: float = 120) -> dict | None:
+    """A ``flwr ... --format json`` command's JSON, or None when it failed (the SuperLink down)."""
+    exe = shutil.which("flwr") or str(Path(sys.executable).parent / "flwr")
+    try:
+        done = subprocess.run(
+            [exe, *args, "--format", "json"], cwd=app, capture_output=True, text=True, timeout=timeout_s
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    start = done.stdout.find("{")
+    try:
+        return json.loads(done.stdout[start:]) if start >= 0 else None
+    except json.JSONDecodeError:
+        return None
+
+
+def submit(args: argparse.Namespace, resume: bool) -> int | None:
+    """``flwr run`` the app; its run id, or None when the SuperLink did not take it."""
+    config = f"config='{Path(args.config).resolve()}' {args.run_config} resume={'true' if resume else 'false'}"
+    out = flwr(["run", str(Path(args.app).resolve()), args.connection, "--run-config", config.strip()], Path(args.app))
+    if not out or not out.get("success") or out.get("run-id") in (None, ""):
+        return None
+    return int(out["run-id"])
+
+
+def status_of(args: argparse.Namespace, run_id: int) -> str | None:
+    out = flwr(["ls", args.connection, "--run-id", str(run_id)], Path(args.app))
+    runs = (out or {}).get("runs") or []
+    return str(runs[0].get("status")) if runs else None
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if not Path(args.config).is_file():
+        raise ConfigError(f"--config: {args.config} is not a file; give the run's fleet YAML")
+    if not args.poll_s > 0 or args.max_restarts < 0:
+        raise ConfigError("--poll-s: a number of seconds > 0, and --max-restarts an integer >= 0")
+    if not (Path(args.app) / "pyproject.toml").is_file():
+        raise ConfigError(f"--app: {args.app} holds no pyproject.toml; give the fleet repo, the app `flwr run` packs")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    run_id, restarts, last = None, 0, None
+    while True:
+        if run_id is None:
+            run_id = submit(args, resume=restarts > 0)
+            if run_id is not None:
+                print(f"supervise: submitted run {run_id}" + (" (resume=true)" if restarts else ""), flush=True)
+        status = None if run_id is None else status_of(args, run_id)
+        if status != last:
+            print(f"supervise: run {run_id}: {status or 'SuperLink unreachable'}", flush=True)
+            last = status
+        step = next_step(status, restarts, args.max_restarts)
+        if step == "done":
+            return 0
+        if step == "give-up":
+            print(f"supervise: run {run_id} ended {status} after {restarts} resumes (--max-restarts); see flwr log")
+            return 1
+        if step == "resume":
+            run_id, restarts = None, restarts + 1
+            continue
+        time.sleep(args.poll_s)

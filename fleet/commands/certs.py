@@ -158,7 +158,8 @@ def make_device_keys(out: Path, name: str) -> None:
 
     key = ec.generate_private_key(ec.SECP384R1())
     ssh = serialization.Encoding.OpenSSH
-    private = key.private_bytes(ssh, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption())
+    pem, openssh = serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH
+    private = key.private_bytes(pem, openssh, serialization.NoEncryption())  # the "OPENSSH PRIVATE KEY" block
     public = key.public_key().public_bytes(ssh, serialization.PublicFormat.OpenSSH) + f" {name}\n".encode()
     _write(out / "keys" / name, private, secret=True)
     _write(out / "keys" / f"{name}.pub", public, secret=False)

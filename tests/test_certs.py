@@ -81,6 +81,13 @@ def test_nothing_is_overwritten_and_devices_can_be_added_later(tmp_path, capsys)
         assert err.startswith(f"error: {message}") and "\n" not in err, err
 
 
+def test_an_out_folder_that_cannot_be_made_is_one_line(tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    assert main(["certs", "--out", str(tmp_path / "afile"), "--san", "10.0.0.5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --out: cannot make the folder {tmp_path / 'afile'}") and "\n" not in err
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -86,6 +86,14 @@ def check_args(args: argparse.Namespace) -> tuple[Path, list, bool]:
     existing = [p for p in _planned(out, args.device, with_server) if p.exists()]
     if existing:
         raise ConfigError(f"{existing[0]} exists; nothing was written (remove it, or pick another --out or --device)")
+    try:
+        (out / "keys" if args.device else out).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"--out: cannot make the folder {out} ({exc.strerror or exc}); give a writable folder"
+        ) from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out: the folder {out} is not writable; give a writable folder")
     return out, sans, with_server
 
 

@@ -95,10 +95,12 @@ def device_entries(run: TestbedRun, records: list[dict], download_bytes: int) ->
 
 
 def download_bytes(cfg: FleetConfig) -> int:
-    """The global model's size: what every train and evaluate message carries down (its every array)."""
-    from fleet.engine.experiment import make_model
+    """The global model's size: what every train and evaluate message carries down, as the coordinator
+    counts it for the simulator's download."""
+    from fleet.federated.coordinator import shared_bytes
+    from fleet.federated.server_run import initial_arrays
 
-    return sum(t.numel() * t.element_size() for t in make_model(cfg.model).state_dict().values())
+    return shared_bytes(initial_arrays(cfg), frozenset())
 
 
 def method_entry(run: TestbedRun, budget_s: float | None, target: float | None, down: int) -> dict:
@@ -122,6 +124,11 @@ def class_start_s(run: TestbedRun, cls: str) -> float:
     return _median([v for v in ready if v is not None]) or 0.0
 
 
+def class_profile(run: TestbedRun, cls: str) -> Path:
+    """The profile the class's first device measured under its limits, in its state folder."""
+    return run.run_dir / "devices" / f"{cls}-0" / "device-profile.yaml"
+
+
 def simulation_config(cfg: FleetConfig, fleet: TestbedRun, fedavg: TestbedRun, rounds: int) -> FleetConfig:
     """The fleet method in Flower's simulation, a device class per testbed class: its devices' profile
     as measured under their limits, its links, and its start as FedAvg's rounds measured it."""
@@ -131,7 +138,7 @@ def simulation_config(cfg: FleetConfig, fleet: TestbedRun, fedavg: TestbedRun, r
             DeviceClassConfig(
                 name=c.name,
                 share=c.count / total,
-                profile=str(fleet.run_dir / "devices" / f"{c.name}-0" / "device-profile.yaml"),
+                profile=str(class_profile(fleet, c.name)),
                 bandwidth_mbps=c.uplink_mbps,
                 downlink_mbps=c.downlink_mbps,
                 start_s=round(class_start_s(fedavg, c.name), 3),
@@ -182,7 +189,7 @@ def class_entries(cfg: FleetConfig, fleet: TestbedRun, fedavg: TestbedRun, simul
     out = {}
     for c in cfg.testbed.classes:
         ran = next(k for n, k in fleet.classes.items() if k.name == c.name)
-        profile = fleet.run_dir / "devices" / f"{c.name}-0" / "device-profile.yaml"
+        profile = class_profile(fleet, c.name)
         m, p = measured.get(c.name), predicted.get(c.name)
         out[c.name] = {
             "cpu": ran.cpu,

@@ -84,9 +84,13 @@ class FleetClasses:
     cfg: FleetConfig
     partitions: dict[str, int]  # device name -> partition, for the simulated devices
 
-    def class_name(self, name: str | None) -> str | None:
+    def device_class(self, name: str | None) -> DeviceClassConfig | None:
+        """The class of the simulated device called ``name`` (None: a deployed device, or no classes)."""
         pid = self.partitions.get(name or "")
-        cls = None if pid is None else class_of(self.cfg, pid)
+        return None if pid is None else class_of(self.cfg, pid)
+
+    def class_name(self, name: str | None) -> str | None:
+        cls = self.device_class(name)
         return None if cls is None else cls.name
 
     def bandwidth(self, name: str | None) -> float:
@@ -95,8 +99,7 @@ class FleetClasses:
     def fixed_s(self, name: str | None, download_bytes: int) -> float:
         """What a round costs the device whatever it trains: its start (``start_s``) and its download of
         the global model (``download_bytes`` over ``downlink_mbps``); 0 without a class saying so."""
-        pid = self.partitions.get(name or "")
-        cls = None if pid is None else class_of(self.cfg, pid)
+        cls = self.device_class(name)
         if cls is None:
             return 0.0
         download = 0.0 if cls.downlink_mbps is None else download_bytes * 8 / (cls.downlink_mbps * 1e6)
@@ -111,7 +114,7 @@ class FleetClasses:
         now or is online by chance each round, which the next round draws again)."""
         waits = []
         for name in names:
-            pid = self.partitions.get(name)
-            cls = None if pid is None else class_of(self.cfg, pid)
-            waits.append(0.0 if cls is None or cls.trace is None else load_trace(cls.trace).wait_s(pid, sim_time_s))
+            cls = self.device_class(name)
+            traced = cls is not None and cls.trace is not None
+            waits.append(load_trace(cls.trace).wait_s(self.partitions[name], sim_time_s) if traced else 0.0)
         return min(waits, default=0.0)

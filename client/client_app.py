@@ -42,7 +42,11 @@ def query(msg: Message, context: Context) -> Message:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    device = device_of(context)
+    return train_device(msg, device_of(context))
+
+
+def train_device(msg: Message, device: tasks.Device) -> Message:
+    """The train reply of ``device`` (the robustness bench hands in one that trains on altered data)."""
     weights = msg.content[keys.ARRAYS].to_torch_state_dict()
     result = tasks.train(device, weights, msg.content[keys.CONFIG])
     return _reply(msg, device, result.metrics, ArrayRecord.from_torch_state_dict(result.arrays))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -321,3 +322,73 @@ def test_bench_end_to_end_prints_one_json_object(tmp_path):
     assert json.loads((tmp_path / "robustness.json").read_text())["attacks"] == report["attacks"]
     spec = json.loads((Path(entry["run_dir"]) / adv.ATTACK_FILE).read_text())
     assert spec == {"attack": "sign_flip", "partitions": [0]}
+
+
+def spied(device) -> list[adv.attacks.Update]:
+    """Two honest updates seen a round earlier: the device's own, and one that trained only the
+    first half of its tensors, scaled (so tensors differ in how many devices trained them)."""
+    own = adv.own_update(tensors(device["honest"]), device["state_dict"], set(adv.trainable_names(device["train_msg"])))
+    half = dict(list(own.items())[: len(own) // 2])
+    return [own, {n: 2 * u for n, u in half.items()}]
+
+
+@pytest.mark.parametrize("attack", adv.KNOWING)
+def test_an_adaptive_attacker_that_knows_nothing_yet_sends_its_honest_reply(device, attack):
+    assert poisoned(device, attack) is device["honest"]  # round 1: no honest update seen
+
+
+def test_alie_replaces_the_trained_tensors_and_keeps_the_statistics(device):
+    honest = spied(device)
+    gen = torch.Generator().manual_seed(0)
+    reply = adv.poison_train_reply("alie", device["train_msg"], device["honest"], gen, honest)
+    bad, glob, sent = tensors(reply), device["state_dict"], tensors(device["honest"])
+    assert set(bad) == set(sent) and metrics(reply)[keys.SELECTED] == metrics(device["honest"])[keys.SELECTED]
+    own = adv.own_update(sent, glob, set(adv.trainable_names(device["train_msg"])))
+    expected = adv.attacks.alie(own, honest)
+    for name, t in bad.items():
+        if name in expected:
+            assert torch.allclose(t.double() - glob[name].double(), expected[name], atol=1e-5), name
+        else:
+            assert torch.equal(t, sent[name]), name
+
+
+def test_mask_abuse_claims_the_rarest_tensors_and_passes_the_upload_check(device):
+    from fleet.federated.robust import upload_problem
+
+    honest = spied(device)
+    gen = torch.Generator().manual_seed(0)
+    reply = adv.poison_train_reply("mask_abuse", device["train_msg"], device["honest"], gen, honest)
+    bad, names = tensors(reply), adv.trainable_names(device["train_msg"])
+    half = set(honest[1])
+    assert bad and set(bad) == {n for n in tensors(device["honest"]) if n in names and n not in half}
+    arrays = {n: t.numpy() for n, t in bad.items()}
+    assert upload_problem(arrays, metrics(reply)[keys.SELECTED], names) is None  # claims exactly what it sends
+    assert metrics(reply)[keys.BYTES_UPLOADED] == sum(a.nbytes for a in arrays.values())
+
+
+def test_honest_devices_leave_their_update_for_the_next_rounds_adversaries(device):
+    ctx3 = device["context"](3)
+    spec = run_dir(device["cfg"]) / adv.ATTACK_FILE
+    spec.parent.mkdir(parents=True, exist_ok=True)
+    spec.write_text(json.dumps({"attack": "alie", "partitions": [0]}))
+    try:
+        adv.train(device["train_msg"], ctx3)  # honest in round 1: leaves its update
+        assert (adv.spy_dir(ctx3, 1) / "3.pt").is_file()
+        content = device["train_msg"].content
+        config = ConfigRecord({**dict(content[keys.CONFIG]), keys.SERVER_ROUND: 2})
+        round2 = incoming(MessageType.TRAIN, RecordDict({keys.ARRAYS: content[keys.ARRAYS], keys.CONFIG: config}))
+        seen = adv.spied_updates(device["context"](0), round2)
+        assert len(seen) == 1 and set(seen[0]) <= set(adv.trainable_names(device["train_msg"]))
+        assert adv.spied_updates(device["context"](0), device["train_msg"]) == []  # round 1: nothing before it
+    finally:
+        spec.unlink()
+        shutil.rmtree(spec.parent / adv.SPY_DIR, ignore_errors=True)
+
+
+def test_data_attacks_train_the_real_device_on_altered_labels(device):
+    base = client_app.device_of(device["context"](0))
+    flipped = adv.PoisonedDevice(base.cfg, base.partition_id, base.name, base.node_config, "label_flip")
+    assert torch.equal(flipped.data().train.labels, 9 - base.data().train.labels)
+    backdoor = adv.PoisonedDevice(base.cfg, base.partition_id, base.name, base.node_config, "backdoor")
+    share = float((backdoor.data().train.labels != base.data().train.labels).float().mean())
+    assert 0.3 < share <= 0.5  # half triggered as class 0; the ones already of class 0 keep their label

@@ -8,12 +8,20 @@ before it leaves, so an attack is exactly "what an honest device would have sent
 The bench writes ``<run_dir>/attack.json`` (``{"attack": "sign_flip", "partitions": [0]}``)
 before launching the simulation; a device is adversarial when its node config ``partition-id``
 is listed there. Without that file this app behaves exactly like the real one.
+
+The adaptive attacks (:mod:`fleet.bench.attacks`) know the honest updates of the previous round:
+under them every honest device also leaves its update in ``<run_dir>/spy/<round>/``, which the
+adversaries read a round later (a device the bench made honest still answers exactly as the real one).
+Label flipping and the backdoor train the real device on altered data.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -22,19 +30,14 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from client import client_app
-from fleet.federated import keys
+from fleet.bench import attacks
+from fleet.bench.attack_names import ATTACKS, DATA_ATTACKS, KNOWING
+from fleet.federated import keys, tasks
 from fleet.federated.config import config_from_run_config, run_dir
+from fleet.federated.split import DeviceData
 
 ATTACK_FILE = "attack.json"
-ATTACKS = (
-    "huge_samples",  # the reply claims 1e12 samples: one device outweighs the fleet in a sample-weighted mean
-    "scaled_update",  # the weights' update (reply - received global) times 1e3
-    "sign_flip",  # the weights' update times -10: gradient ascent, amplified
-    "random_weights",  # every uploaded float tensor replaced by noise of its own scale
-    "bn_poison",  # BatchNorm running_var -1 (a negative variance) and running_mean 1e6
-    "metric_poison",  # absurd train metrics (clocks, bytes, loss, trained fraction) and evaluate accuracies
-    "all_tensors",  # uploads every tensor (received + small noise) while claiming one trained tensor and few bytes
-)
+SPY_DIR = "spy"
 HUGE_SAMPLES = 10**12
 UPDATE_SCALES = {"scaled_update": 1e3, "sign_flip": -10.0}
 POISON_RUNNING_VAR = -1.0
@@ -57,17 +60,23 @@ def attack_file(context: Context) -> Path:
     return run_dir(config_from_run_config(dict(context.run_config))) / ATTACK_FILE
 
 
-def attack_of(context: Context) -> str | None:
-    """This device's attack, or None when it is honest (no attack file, or not one of its partitions)."""
+def attack_spec(context: Context) -> dict | None:
+    """The run's attack file (``{"attack": ..., "partitions": [...]}``), or None in a clean run."""
     path = attack_file(context)
     if not path.is_file():
         return None
     spec = json.loads(path.read_text())
-    partition = context.node_config.get(keys.NODE_PARTITION_ID)
-    if partition is None or int(partition) not in {int(p) for p in spec.get("partitions", [])}:
-        return None
     if spec.get("attack") not in ATTACKS:
         raise ValueError(f"{path}: unknown attack {spec.get('attack')!r}; use one of {', '.join(ATTACKS)}")
+    return spec
+
+
+def attack_of(context: Context) -> str | None:
+    """This device's attack, or None when it is honest (no attack file, or not one of its partitions)."""
+    spec = attack_spec(context)
+    partition = context.node_config.get(keys.NODE_PARTITION_ID)
+    if spec is None or partition is None or int(partition) not in {int(p) for p in spec.get("partitions", [])}:
+        return None
     return str(spec["attack"])
 
 
@@ -135,18 +144,127 @@ def _generator(msg: Message, context: Context) -> torch.Generator:
     return torch.Generator().manual_seed(1_000_003 * server_round + partition)
 
 
-def poison_train_reply(attack: str, msg: Message, reply: Message, gen: torch.Generator) -> Message:
-    """The honest train ``reply`` to ``msg`` rewritten by ``attack``: a new reply to the same message."""
-    if reply.has_error():
+def poison_train_reply(
+    attack: str, msg: Message, reply: Message, gen: torch.Generator, honest: list[attacks.Update] | None = None
+) -> Message:
+    """The honest train ``reply`` to ``msg`` rewritten by ``attack``: a new reply to the same message.
+    ``honest``: the spied honest updates an adaptive attack works from (without them, in round 1, it
+    sends its honest reply)."""
+    if reply.has_error() or attack in ("label_flip",) or (attack in KNOWING and not honest):
         return reply
     content = reply.content
     sent = content[keys.ARRAYS].to_torch_state_dict()
     received = msg.content[keys.ARRAYS].to_torch_state_dict()
     metrics = poison_train_metrics(attack, dict(content[keys.METRICS]), sent)
-    arrays = poison_arrays(attack, sent, received, gen)
+    if attack in KNOWING:
+        arrays = adaptive_arrays(attack, sent, received, honest or [], trainable_names(msg))
+        metrics[keys.SELECTED] = sum(1 for name in arrays if name in set(trainable_names(msg)))
+        metrics[keys.BYTES_UPLOADED] = sum(t.numel() * t.element_size() for t in arrays.values())
+    else:
+        arrays = poison_arrays(attack, sent, received, gen)
     new = RecordDict({keys.METRICS: MetricRecord(metrics), keys.DEVICE: content[keys.DEVICE]})
     new[keys.ARRAYS] = ArrayRecord.from_torch_state_dict(arrays)
     return Message(new, reply_to=msg)
+
+
+def own_update(sent: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor], names) -> attacks.Update:
+    """The trainable float tensors of an upload as updates (float64) from the model received."""
+    return {n: sent[n].double() - received[n].double() for n in sent if n in names and sent[n].is_floating_point()}
+
+
+def adaptive_arrays(
+    attack: str,
+    sent: Mapping[str, torch.Tensor],
+    received: Mapping[str, torch.Tensor],
+    honest: list[attacks.Update],
+    names: list[str],
+) -> dict[str, torch.Tensor]:
+    """What an adaptive attacker uploads: its honest upload with the trainable tensors' updates
+    replaced (mask abuse: only the tensors it claims)."""
+    own = own_update(sent, received, set(names))
+    if attack == "alie":
+        update = attacks.alie(own, honest)
+    elif attack in attacks.IPM_EPS:
+        update = attacks.ipm(own, honest, attacks.IPM_EPS[attack])
+    elif attack == "min_max":
+        update = attacks.min_max(own, honest)
+    elif attack == "backdoor":
+        update = attacks.under_bound(own, honest)
+    else:
+        update = attacks.mask_abuse(own, honest, list(own))  # among what it may send: no personal tensor
+    out = {} if attack == "mask_abuse" else dict(sent)
+    for name, u in update.items():
+        out[name] = (received[name].double() + u).to(received[name].dtype)
+    return out
+
+
+_NAMES: dict[str, list[str]] = {}
+
+
+def trainable_names(msg: Message) -> list[str]:
+    """The model's trainable tensors in the message's order: the floats a BatchNorm does not keep as
+    statistics (what a device may claim as trained)."""
+    arrays = msg.content[keys.ARRAYS]
+    key = ",".join(arrays.keys())
+    if key not in _NAMES:
+        _NAMES[key] = [n for n in arrays.keys() if not is_norm_statistic(n) and not n.endswith("num_batches_tracked")]
+    return _NAMES[key]
+
+
+# --- what the adaptive attackers know: the honest updates of the previous round ------------------
+def spy_dir(context: Context, server_round: int) -> Path:
+    return attack_file(context).parent / SPY_DIR / str(server_round)
+
+
+def leave_update(context: Context, msg: Message, reply: Message) -> None:
+    """An honest device's update of this round, for the adversaries of the next (written atomically;
+    the round before last is removed: nobody reads it again)."""
+    if reply.has_error():
+        return
+    server_round = _round_of(msg)
+    sent = reply.content[keys.ARRAYS].to_torch_state_dict()
+    received = msg.content[keys.ARRAYS].to_torch_state_dict()
+    update = {n: u.float() for n, u in own_update(sent, received, set(trainable_names(msg))).items()}
+    folder = spy_dir(context, server_round)
+    folder.mkdir(parents=True, exist_ok=True)
+    partition = int(context.node_config.get(keys.NODE_PARTITION_ID, 0))
+    tmp = folder / f".{partition}.pt.tmp"
+    torch.save(update, tmp)
+    os.replace(tmp, folder / f"{partition}.pt")
+    shutil.rmtree(spy_dir(context, server_round - 2), ignore_errors=True)
+
+
+def spied_updates(context: Context, msg: Message) -> list[attacks.Update]:
+    """The honest updates of the previous round (none in round 1)."""
+    folder = spy_dir(context, _round_of(msg) - 1)
+    files = sorted(folder.glob("*.pt")) if folder.is_dir() else []
+    return [{n: t.double() for n, t in torch.load(f, weights_only=True).items()} for f in files]
+
+
+def _round_of(msg: Message) -> int:
+    return int(msg.content[keys.CONFIG].get(keys.SERVER_ROUND, 0))
+
+
+@dataclasses.dataclass
+class PoisonedDevice(tasks.Device):
+    """The real device, training on altered data: labels flipped, or part of it backdoored."""
+
+    attack: str = "label_flip"
+
+    def data(self) -> DeviceData:
+        data = super().data()
+        if self.attack == "label_flip":
+            return dataclasses.replace(data, train=attacks.flip_labels(data.train))
+        return dataclasses.replace(data, train=attacks.backdoor_data(data.train, self.cfg.data.input_size, self.seed))
+
+
+def device_train(msg: Message, context: Context, attack: str | None) -> Message:
+    """The device's train reply, from altered data under a data attack."""
+    if attack not in DATA_ATTACKS:
+        return client_app.train(msg, context)
+    base = client_app.device_of(context)
+    device = PoisonedDevice(base.cfg, base.partition_id, base.name, base.node_config, attack)
+    return client_app.train_device(msg, device)
 
 
 def poison_evaluate_reply(attack: str, msg: Message, reply: Message) -> Message:
@@ -164,9 +282,14 @@ app.query()(client_app.query)
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    reply = client_app.train(msg, context)
-    attack = attack_of(context)
-    return reply if attack is None else poison_train_reply(attack, msg, reply, _generator(msg, context))
+    spec, attack = attack_spec(context), attack_of(context)
+    reply = device_train(msg, context, attack)
+    if attack is None:
+        if spec is not None and spec["attack"] in KNOWING:
+            leave_update(context, msg, reply)
+        return reply
+    honest = spied_updates(context, msg) if attack in KNOWING else None
+    return poison_train_reply(attack, msg, reply, _generator(msg, context), honest)
 
 
 @app.evaluate()

@@ -1,6 +1,6 @@
 """``fleet bench robustness``: how far 1, then 2, adversarial devices move an 8-device fleet.
 
-One clean run, then one run per attack (:data:`fleet.bench.adversary_app.ATTACKS`) and number
+One clean run, then one run per attack (:data:`fleet.bench.attack_names.ATTACKS`) and number
 of adversaries. Adversaries are the first partitions (0, then 0 and 1), so every count adds one
 device to the previous set. Every run shares the seed, the partitions, one measured profile and
 one pretrained start (made once in ``<output_dir>/<name>-shared``, as ``fleet bench fleet`` does), so
@@ -27,9 +27,14 @@ from typing import Any
 
 from fleet.base.errors import ConfigError
 from fleet.bench.adversary_app import ATTACK_FILE, ATTACKS
+from fleet.bench.attacks import triggered_test
 from fleet.bench.launch import HONEST_APP, Log, launch, progress_log, shared_start
-from fleet.federated.config import load_fleet_config, run_dir
+from fleet.engine.experiment import model_with_weights
+from fleet.engine.trainer import accuracy
+from fleet.federated.config import FleetConfig, load_fleet_config, run_dir
 from fleet.federated.prepare import prepare
+from fleet.federated.server_eval import server_test_set
+from fleet.federated.state import load_checkpoint
 from fleet.federated.tracking import SUMMARY_FILE
 
 DEFAULT_CONFIG = "simulations/robustness.yaml"
@@ -87,6 +92,17 @@ def run_figures(out: Path, error: str | None, honest_from: int) -> dict[str, Any
     return figures
 
 
+def backdoor_success(cfg: FleetConfig, out: Path) -> float | None:
+    """The share of the server's triggered test images (none of the target class) that the run's last
+    global model labels as the backdoor's target; None without a checkpoint."""
+    loaded = load_checkpoint(out)
+    if loaded is None:
+        return None
+    model = model_with_weights(cfg.model, loaded[0])
+    size = cfg.data.input_size
+    return accuracy(model, triggered_test(server_test_set(cfg), size), size)
+
+
 def run_one(
     path: str,
     overrides: dict[str, Any],
@@ -112,6 +128,8 @@ def run_one(
     error = launch(config_path, HONEST_APP if attack is None else ADVERSARY_APP, timeout_s, log)
     entry = {"attack": attack, "adversaries": len(partitions), "partitions": partitions}
     entry.update(run_figures(out, error, honest_from))
+    if attack in (None, "backdoor"):  # the clean model's rate is the baseline a backdoor is measured against
+        entry["backdoor_success"] = backdoor_success(cfg, out)
     shutil.rmtree(out / "devices", ignore_errors=True)  # 8 devices' weights and momentum: ~0.7 GB a run, unused
     entry["run_dir"] = str(out)
     acc = entry["final_accuracy"]
@@ -173,6 +191,7 @@ def bench_robustness(
     honest = max(adversaries)
     report["clean"] = run_one(path, common, None, [], timeout_s=timeout_s, log=log, honest_from=honest)
     report["clean_final_accuracy"] = report["clean"]["final_accuracy"]
+    report["clean_backdoor_success"] = report["clean"]["backdoor_success"]
     out.write_text(json.dumps(report, indent=2))
     for attack in attacks:
         for k in adversaries:
@@ -193,15 +212,17 @@ def robustness_table(report: dict[str, Any]) -> str:
     clean = report["clean_final_accuracy"]
     lines = [
         f"{report['devices']} devices, {report['rounds']} rounds, {report['strategy']}, "
-        f"aggregation {report['aggregation']}; clean final accuracy {pct(clean).strip()}",
-        f"{'attack':>15} {'adv':>3} {'final':>8} {'vs clean':>9} {'rejected':>8} {'rounds':>6}  server",
+        f"aggregation {report['aggregation']}; clean final accuracy {pct(clean).strip()}, "
+        f"backdoor success of the clean model {pct(report.get('clean_backdoor_success')).strip()}",
+        f"{'attack':>15} {'adv':>3} {'final':>8} {'vs clean':>9} {'rejected':>8} {'rounds':>6} {'backdoor':>8}  server",
     ]
     for e in report["attacks"]:
         acc = e["final_accuracy"]
         gap = f"{100 * (acc - clean):+8.2f}" if acc is not None and clean is not None else "     n/a"
+        backdoor = pct(e["backdoor_success"]) if "backdoor_success" in e else "       -"
         lines.append(
             f"{e['attack']:>15} {e['adversaries']:>3} {pct(acc)} {gap:>9} {e['rejected_replies']:>8} "
-            f"{e['rounds']:>6}  {'CRASHED: ' + e['error'] if e['server_crashed'] else 'ok'}"
+            f"{e['rounds']:>6} {backdoor:>8}  {'CRASHED: ' + e['error'] if e['server_crashed'] else 'ok'}"
         )
     lines.append(f"report: {report.get('report', '')}")
     return "\n".join(lines)

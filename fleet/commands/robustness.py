@@ -12,6 +12,8 @@ DEFAULT_CONFIG = "simulations/robustness.yaml"
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
+    from fleet.bench.attack_names import ATTACKS  # the help lists exactly what the bench runs
+
     p = sub.add_parser(
         "robustness", help="final accuracy and rejections of an 8-device fleet with 1, then 2, adversarial devices"
     )
@@ -21,8 +23,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         "--attacks",
         nargs="+",
         metavar="ATTACK",
-        help="run only these (default: all of huge_samples scaled_update sign_flip random_weights bn_poison "
-        "metric_poison all_tensors; the bench checks the names)",
+        help=f"run only these (default: all of {' '.join(ATTACKS)}; the bench checks the names)",
     )
     p.add_argument(
         "--adversaries", type=int, nargs="+", default=[1, 2], help="adversarial devices per run: partitions 0..k-1"
@@ -46,7 +47,7 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 
 def run_robustness(args: argparse.Namespace) -> int:
-    from fleet.bench.adversary_app import ATTACKS
+    from fleet.bench.attack_names import ATTACKS
     from fleet.bench.robustness import bench_robustness, robustness_table
 
     report = bench_robustness(

@@ -17,8 +17,11 @@ from dataclasses import dataclass
 from flwr.app import Message
 from flwr.serverapp import Grid
 
+from fleet.federated.records import QUERY
+
 POLL_S = 0.1  # the longest pause between pulls: a reply is picked up within this of its arrival
 FIRST_POLL_S = 0.02  # the pause after a push or a reply, doubled while nothing comes, up to POLL_S
+PULL_DECAY = 0.8  # the pull time a wait keeps in hand follows a slower pull at once, a faster one by this a pull
 FORGET_ROUNDS = 3  # a message unanswered this many rounds later is no longer pulled (a query is then sent again)
 
 
@@ -29,6 +32,7 @@ class Sent:
     server_round: int
     pushed_s: float = 0.0  # time.monotonic() when it was pushed
     wall_s: float | None = None  # seconds from its push to the pull of its reply, once pulled
+    first: bool = False  # the first query to its node (its answer is waited for, once)
 
 
 def from_device(sent: Sent, msg: Message) -> bool:
@@ -43,22 +47,37 @@ class Mailbox:
     def __init__(self, grid: Grid) -> None:
         self.grid = grid
         self.sent: dict[str, Sent] = {}
+        self.asked: set[int] = set()  # nodes ever sent a query
+        self.pull_s = 0.0  # how long a pull that brings replies takes, lately at most (decaying)
 
     def push(self, messages: Iterable[Message], kind: str, server_round: int) -> set[str]:
         messages = list(messages)
         ids = [str(i) for i in self.grid.push_messages(messages)]
         for msg_id, msg in zip(ids, messages):
-            self.sent[msg_id] = Sent(kind, msg.metadata.dst_node_id, server_round, time.monotonic())
+            node = msg.metadata.dst_node_id
+            first = kind == QUERY and node not in self.asked
+            self.sent[msg_id] = Sent(kind, node, server_round, time.monotonic(), first=first)
+            self.asked.update([node] if kind == QUERY else [])
         return set(ids)
+
+    def first_queries(self) -> set[str]:
+        """Ids of first queries still unanswered, each handed out once."""
+        ids = {i for i, s in self.sent.items() if s.first}
+        for i in ids:
+            self.sent[i].first = False
+        return ids
 
     def collect(self, wait_for: set[str], timeout_s: float) -> list[tuple[Sent, Message]]:
         """Pull until every message in ``wait_for`` is answered or ``timeout_s`` has passed; returns
-        every reply pulled meanwhile, each with the message it answers (late ones included)."""
+        every reply pulled meanwhile, each with the message it answers (late ones included). A pull
+        that brings replies takes time (each carries the model): none starts that would end past
+        ``timeout_s`` by the time such pulls lately took, so the wait keeps its bound."""
         end = time.monotonic() + max(0.0, timeout_s)
         replies: list[tuple[Sent, Message]] = []
         waiting = set(wait_for)
         pause = FIRST_POLL_S  # replies come in bursts (a simulation's workers finish together): look again soon
         while True:
+            started, before = time.monotonic(), len(replies)
             for reply in self._pull():
                 msg_id = reply.metadata.reply_to_message_id
                 sent = self.sent.pop(msg_id, None)
@@ -66,10 +85,13 @@ class Mailbox:
                 if sent is not None:
                     sent.wall_s = time.monotonic() - sent.pushed_s
                     replies.append((sent, reply))
-                    pause = FIRST_POLL_S
-            if not waiting or time.monotonic() >= end:
+            if len(replies) > before:
+                self.pull_s = max(time.monotonic() - started, PULL_DECAY * self.pull_s)
+                pause = FIRST_POLL_S
+            left = end - time.monotonic() - self.pull_s
+            if not waiting or left <= 0:
                 return replies
-            time.sleep(min(pause, max(0.0, end - time.monotonic())))
+            time.sleep(min(pause, left))
             pause = min(2 * pause, POLL_S)
 
     def _pull(self) -> list[Message]:

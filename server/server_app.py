@@ -19,7 +19,7 @@ from flwr.serverapp import Grid, ServerApp
 from fleet.base.errors import FleetError
 from fleet.federated import keys
 from fleet.federated.config import FleetConfig, config_from_run_config
-from fleet.federated.coordinator import Coordinator, devices_wanted
+from fleet.federated.coordinator import Coordinator, PlannedRound, devices_wanted
 from fleet.federated.records import EVALUATE, QUERY, TRAIN, Reply, TrainOrder
 from fleet.federated.server_run import ServerRun
 from server.mailbox import Mailbox, Sent, from_device
@@ -50,7 +50,7 @@ def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool, simulated: bool = F
 
 
 def run_round(grid: Grid, coord: Coordinator, mailbox: Mailbox, server_round: int) -> dict:
-    """One round: admit, plan, train, evaluate; returns its metrics record."""
+    """One round: admit, plan, train, evaluate, within the round's whole bound; returns its record."""
     connected = connected_nodes(grid)
     started = t = coord.open_round(connected)
     eligible = open_membership(grid, coord, mailbox, server_round, connected)
@@ -58,20 +58,30 @@ def run_round(grid: Grid, coord: Coordinator, mailbox: Mailbox, server_round: in
     t = coord.lap("open_s", t)
     ids = mailbox.push(messages(plan.nodes, TRAIN, coord.arrays, plan.order), TRAIN, server_round)
     t = coord.lap("push_train_s", t)
+    end = coord.fix_bound(plan, started)
     pulled = mailbox.collect(ids, plan.train_bound_s)
     t = coord.lap("wait_train_s", t)
     coord.close_train(plan, take(coord, pulled, server_round, TRAIN, connected_nodes(grid)))
     ask(grid, coord, mailbox, server_round)  # who connected while it trained answers before the next round
     t = coord.lap("aggregate_s", t)
     if coord.evaluates(server_round):
-        nodes, order = coord.evaluation_nodes(server_round), plan.order.for_evaluation()
-        ids = mailbox.push(messages(nodes, EVALUATE, coord.arrays, order), EVALUATE, server_round)
-        pulled = mailbox.collect(ids, plan.eval_bound_s)
-        coord.close_evaluate(server_round, take(coord, pulled, server_round, EVALUATE, connected_nodes(grid)))
-        coord.lap("evaluate_s", t)
+        evaluate(grid, coord, mailbox, plan, end)
     record = coord.close_round(plan, started)
     mailbox.forget_old(server_round)
     return record
+
+
+def evaluate(grid: Grid, coord: Coordinator, mailbox: Mailbox, plan: PlannedRound, end: float) -> None:
+    """The evaluation phase, its wait cut to what is left of the round's bound."""
+    t, server_round = time.perf_counter(), plan.server_round
+    nodes, order = coord.evaluation_nodes(server_round), plan.order.for_evaluation()
+    ids = mailbox.push(messages(nodes, EVALUATE, coord.arrays, order), EVALUATE, server_round)
+    t = coord.lap("push_eval_s", t)
+    pulled = mailbox.collect(ids, coord.evaluation_wait(plan, end))
+    t = coord.lap("wait_eval_s", t)
+    coord.close_evaluate(server_round, take(coord, pulled, server_round, EVALUATE, connected_nodes(grid)))
+    ask(grid, coord, mailbox, server_round)
+    coord.lap("close_eval_s", t)
 
 
 # --- membership over the Grid ------------------------------------------------------------------
@@ -107,6 +117,9 @@ def open_membership(
     if waiting:  # a device asked during the last round that has answered since takes part in this one
         take(coord, mailbox.collect(waiting, 0.0), server_round, QUERY, connected)
     ask(grid, coord, mailbox, server_round, connected)
+    first = mailbox.first_queries()
+    if first:  # a device that connected since the last round takes part in this one: its answer is waited for, once
+        take(coord, mailbox.collect(first, coord.cfg.membership.grace_s), server_round, QUERY, connected)
     return coord.eligible(connected) or wait_for_members(grid, coord, mailbox, server_round)
 
 

@@ -147,7 +147,7 @@ def test_admission_deadline_and_a_rejected_tensor(fleet):
     full_bytes = sum(a.nbytes for a in fleet["sent"][0].values() if a.dtype.kind == "f")  # no personal tensor
     assert coord.full_bytes == full_bytes
     assert fleet["deadline1"] == 2.0 + full_bytes / BANDWIDTH  # the fastest full round: training and upload
-    assert rec1["deadline_s"] == fleet["deadline1"] and rec1["wall_bound_s"] == fleet["deadline1"] + 30.0
+    assert rec1["deadline_s"] == fleet["deadline1"] and rec1["train_bound_s"] == fleet["deadline1"] + 30.0
     assert rec1["joined"] == [f"device-{i}" for i in range(5)] and rec1["connected"] == 6
     (refused,) = rec1["refused"]
     assert refused["node_id"] == 106 and "'device-0' is already used by node 101" in refused["reason"]
@@ -197,7 +197,7 @@ def test_a_late_reply_is_dropped_and_one_pulling_back_is_rejected(fleet, caplog)
         again = run_rounds()
     text = caplog.text
     assert "round 2: dropped a late train reply from device-4 (its phase of round 1 had closed)" in text
-    assert "round 1: no reply from device device-4 within" in text
+    assert "round 1: device device-4 missed the round (no reply within its bound of" in text
     assert "round 1: refused device device-0 (node 106): device name 'device-0' is already used" in text
     assert "round 1: evaluation from device device-2 (node 103) failed: ValueError: no test split" in text
     rec2 = again["records"][1]

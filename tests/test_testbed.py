@@ -173,7 +173,7 @@ def test_a_three_device_testbed_runs_fedavg_and_fleet_within_real_limits(tmp_pat
     assert fleet.summary["rounds"] == 2
     fleet_records = [json.loads(line) for line in (tmp_path / "runs/tb-fleet/metrics.jsonl").read_text().splitlines()]
     assert fleet_records[1]["missed"] == ["free-1"]
-    assert fleet_records[1]["round_wall_s"] <= fleet_records[1]["wall_bound_s"] + 120  # evaluation: grace_s more
+    assert fleet_records[1]["round_wall_s"] <= fleet_records[1]["round_bound_s"]  # the whole round, evaluation included
     out = capsys.readouterr().out
     assert "round   1/2" in out and "testbed: round 2: kill free-1" in out
     calibrated = re.search(r"testbed: class slow calibrated to .*: ([0-9.]+) core \(full step (\d+) ms here", out)

@@ -76,6 +76,7 @@ from fleet.federated.server_eval import server_accuracy
 from fleet.federated.split import known_data_sizes
 from fleet.federated.state import RoundReplies, ServerState
 from fleet.federated.tracking import device_rows, round_record, round_time
+from fleet.federated.wall import ServerWork, evaluation_wait, expected_work, learn_work, round_bound
 
 log = logging.getLogger("fleet.server")
 
@@ -214,7 +215,8 @@ class Coordinator:
                     reply.server_round,
                 )
             elif not reply.by_device:
-                log.debug("round %d: %s", server_round, "" if reply.error is None else error_summary(reply.error))
+                why = "its node is gone" if reply.error is None else error_summary(reply.error)
+                self.state.replies.no_answer[str(reply.node_id)] = f"the SuperLink answered for it: {why}"
             elif reply.kind != QUERY:
                 kept.append(reply)
         return kept
@@ -336,18 +338,42 @@ class Coordinator:
         overhead = overhead_of(self.state.roster, nodes)
         return expected + overhead + grace, overhead + grace
 
+    def fix_bound(self, plan: PlannedRound, started: float) -> float:
+        """The round's whole wall-time bound, fixed once its train messages are out (fleet.federated.wall);
+        returns when the round must end (``time.perf_counter()``)."""
+        got = self.state.replies
+        evaluating = self.evaluates(plan.server_round)
+        work = expected_work(self.state.server_work, got.timings.get("push_train_s", 0.0))
+        spent = time.perf_counter() - started
+        got.round_bound_s = round_bound(spent, plan.train_bound_s, plan.eval_bound_s if evaluating else None, work)
+        return started + got.round_bound_s
+
+    def evaluation_wait(self, plan: PlannedRound, end: float) -> float:
+        """The evaluation's wait: its bound, less what the server's own work overran (said so)."""
+        work = expected_work(self.state.server_work, self.state.replies.timings.get("push_train_s", 0.0))
+        wait = evaluation_wait(plan.eval_bound_s, end - time.perf_counter(), work)
+        if wait < plan.eval_bound_s:
+            log.warning(
+                "round %d: evaluation waits %.1fs of its %.1fs: the server's own work took longer than allowed",
+                plan.server_round,
+                wait,
+                plan.eval_bound_s,
+            )
+        return wait
+
     # --- training -------------------------------------------------------------------------------
     def close_train(self, plan: PlannedRound, replies: list[Reply]) -> None:
         """Count who answered, check every reply, defend, average: the new global model in ``arrays``."""
         got = self.state.replies
         got.attendance.missed = record_attendance(self.state.roster, plan.nodes, {str(r.node_id) for r in replies})
-        for name in got.attendance.missed:
-            log.warning(
-                "round %d: no reply from device %s within %.0fs; went on without it",
-                plan.server_round,
-                name,
-                plan.train_bound_s,
-            )
+        waited = f"no reply within its bound of {plan.train_bound_s:.1f}s"
+        for node in plan.nodes:
+            name = self.name_of(node)
+            if name in got.attendance.missed:
+                reason = got.attendance.misses[name] = got.no_answer.get(node, waited)
+                log.warning(
+                    "round %d: device %s missed the round (%s); went on without it", plan.server_round, name, reason
+                )
         got.answered = sorted({str(r.node_id) for r in replies if r.error is None})
         candidates = [c for c in (self._check(plan.server_round, r) for r in replies) if c is not None]
         self._aggregate(plan.server_round, candidates)
@@ -448,23 +474,42 @@ class Coordinator:
         self.state.replies.accuracy = Accuracy.of(rows)
 
     def close_round(self, plan: PlannedRound, started: float) -> dict:
-        """Advance the clocks (fine-tuning before evaluation is on the devices' clock) and return the
-        round's metrics.jsonl record."""
+        """Score the global model (``evaluation.server_test``), advance the clocks (fine-tuning before
+        evaluation is on the devices' clock), learn the server's work and return the round's
+        metrics.jsonl record."""
         state, got = self.state, self.state.replies
-        round_time_s = got.round_time_s + finetune_time(self.cfg, state)
-        wall = time.perf_counter() - started
-        state.finish_round(plan.server_round, round_time_s, wall)
         scored = None
         if self.server_test is not None:
             t = time.perf_counter()
             scored = server_accuracy(self.cfg, self.arrays, self.server_test)
             self.lap("server_eval_s", t)
+        round_time_s = got.round_time_s + finetune_time(self.cfg, state)
+        wall = time.perf_counter() - started
+        state.finish_round(plan.server_round, round_time_s, wall)
+        state.server_work = learn_work(state.server_work, work_of(got.timings, wall))
+        bound = got.round_bound_s
+        if bound is not None and wall > bound:
+            log.warning("round %d took %.1fs of wall time, over its bound of %.1fs", plan.server_round, wall, bound)
         rows = device_rows(got.train, got.evaluation, self.classes, self.full_bytes, self.fixed_s)
         rec = round_record(state, self.cfg.federation.strategy, plan.deadline_s, round_time_s, self.names.params, rows)
-        rec.update({"round_wall_s": wall, "wall_bound_s": plan.train_bound_s, **got.attendance.as_dict()})
+        rec.update({"round_wall_s": wall, "round_bound_s": bound, "train_bound_s": plan.train_bound_s})
+        rec.update({"eval_bound_s": plan.eval_bound_s, **got.attendance.as_dict()})
         if scored is not None:
             rec["server_accuracy"] = scored
         return rec
+
+
+WAIT_LAPS = ("wait_train_s", "wait_eval_s")  # timings spent waiting on devices; the rest is the server's own work
+BEFORE_TRAIN_WAIT = ("open_s", "push_train_s")
+AFTER_TRAIN_WAIT = ("aggregate_s", "push_eval_s")
+
+
+def work_of(timings: dict[str, float], wall_s: float) -> ServerWork:
+    """The server's own seconds of a round from its laps: after the train wait up to the evaluation
+    wait, and whatever came after that."""
+    after = sum(timings.get(k, 0.0) for k in AFTER_TRAIN_WAIT)
+    before = sum(timings.get(k, 0.0) for k in (*BEFORE_TRAIN_WAIT, *WAIT_LAPS))
+    return ServerWork(after_train_s=after, close_s=max(0.0, wall_s - before - after))
 
 
 def _query_problem(reply: Reply) -> str | None:

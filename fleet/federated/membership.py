@@ -143,6 +143,7 @@ class Attendance:
     connected: int = 0
     sampled: list[str] = field(default_factory=list)  # device names
     missed: list[str] = field(default_factory=list)
+    misses: dict[str, str] = field(default_factory=dict)  # device name -> why it missed the round
     joined: list[str] = field(default_factory=list)
     refused: list[Refusal] = field(default_factory=list)
     benched: list[str] = field(default_factory=list)
@@ -153,6 +154,7 @@ class Attendance:
             "connected": self.connected,
             "sampled": self.sampled,
             "missed": self.missed,
+            "miss_reasons": self.misses,
             "joined": self.joined,
             "refused": [dataclasses.asdict(r) for r in self.refused],
             "benched": self.benched,

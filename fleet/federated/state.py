@@ -27,6 +27,7 @@ from fleet.federated.aggregate import Rejection
 from fleet.federated.defense import DefenseReport
 from fleet.federated.membership import Attendance, Roster
 from fleet.federated.records import Accuracy, EvaluateReply, Member, TrainReply
+from fleet.federated.wall import ServerWork
 
 CHECKPOINT_FILE = "checkpoint.pt"
 
@@ -46,6 +47,8 @@ class RoundReplies:
     attendance: Attendance = field(default_factory=Attendance)  # who was here, sampled, missed, joined
     defense: DefenseReport = field(default_factory=DefenseReport)  # what robust aggregation did
     timings: dict[str, float] = field(default_factory=dict)  # the server's wall seconds per part of the round
+    no_answer: dict[str, str] = field(default_factory=dict)  # node -> why the SuperLink, not the device, replied
+    round_bound_s: float | None = None  # the whole round's wall-time bound, fixed once its train messages are out
 
     def lap(self, key: str, started: float) -> float:
         """Record the seconds since ``started`` under ``key``; returns now, the next part's start."""
@@ -68,6 +71,7 @@ class ServerState:
     # oversized it is not trusted again (an honest device is never oversized), back to ordinary size it is
     suspects: dict[str, int] = field(default_factory=dict)
     momentum: dict[str, np.ndarray] = field(default_factory=dict)  # federation.server_momentum, per trained tensor
+    server_work: ServerWork | None = None  # the server's own seconds around the waits, learned (fleet.federated.wall)
     replies: RoundReplies = field(default_factory=RoundReplies)
 
     def finish_round(self, server_round: int, round_time_s: float, wall_s: float) -> None:
@@ -80,6 +84,7 @@ class ServerState:
         """Plain values only: the checkpoint is read back with weights_only, which loads no classes."""
         meta = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in TENSORS}
         meta["roster"] = {node: m.as_dict() for node, m in self.roster.items()}
+        meta["server_work"] = None if self.server_work is None else dataclasses.asdict(self.server_work)
         return meta
 
 
@@ -103,8 +108,17 @@ def load_checkpoint(out: Path) -> tuple[dict[str, torch.Tensor], ServerState] | 
     known = {f.name for f in dataclasses.fields(ServerState)} - set(TENSORS)
     state = ServerState(**{k: v for k, v in obj["meta"].items() if k in known})
     state.roster = {node: Member.from_dict(m) for node, m in state.roster.items()}
+    state.server_work = _work(obj["meta"].get("server_work"))
     state.momentum = {k: v.numpy() for k, v in obj.get("momentum", {}).items()}
     return obj["model"], state
+
+
+def _work(saved: object) -> ServerWork | None:
+    """The learned server work of a checkpoint; one it cannot read is relearned (it only sizes a bound)."""
+    try:
+        return ServerWork(**saved) if isinstance(saved, dict) else None
+    except TypeError:
+        return None
 
 
 def check_resumable(out: Path) -> None:

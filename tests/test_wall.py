@@ -1,0 +1,79 @@
+"""A round's whole wall-time bound (fleet/federated/wall.py) and the waits that keep it (server/mailbox.py)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from fleet.federated import wall
+from fleet.federated.coordinator import work_of
+from fleet.federated.records import TRAIN
+from server.mailbox import Mailbox
+
+
+def test_before_any_round_the_servers_work_is_taken_as_twice_the_push():
+    work = wall.expected_work(None, push_s=4.0)
+    assert (work.after_train_s, work.close_s) == (8.0, 2.0)
+    bound = wall.round_bound(5.0, 60.0, 20.0, work)
+    assert bound == pytest.approx(5.0 + 60.0 + 20.0 + 1.5 * 10.0 + 2.0)
+    assert wall.round_bound(5.0, 60.0, None, work) == pytest.approx(bound - 20.0)  # a round that does not evaluate
+
+
+def test_learned_work_follows_a_slower_round_at_once_and_a_faster_one_slowly():
+    slow = wall.learn_work(wall.ServerWork(2.0, 1.0), wall.ServerWork(10.0, 0.5))
+    assert (slow.after_train_s, slow.close_s) == (10.0, 0.8)
+    assert wall.learn_work(slow, wall.ServerWork(1.0, 0.1)).after_train_s == pytest.approx(8.0)
+    assert wall.expected_work(slow, push_s=100.0) is slow  # learned beats the guess
+
+
+def test_the_evaluation_wait_gives_way_when_the_server_ran_over_and_never_goes_negative():
+    work = wall.ServerWork(after_train_s=4.0, close_s=2.0)
+    assert wall.evaluation_wait(30.0, left_s=100.0, work=work) == 30.0
+    assert wall.evaluation_wait(30.0, left_s=20.0, work=work) == pytest.approx(20.0 - (1.5 * 2.0 + 1.0))
+    assert wall.evaluation_wait(30.0, left_s=1.0, work=work) == 0.0
+
+
+def test_the_servers_work_is_what_the_laps_do_not_spend_waiting():
+    laps = {"open_s": 1.0, "push_train_s": 2.0, "wait_train_s": 50.0, "aggregate_s": 3.0, "push_eval_s": 2.0}
+    laps["wait_eval_s"] = 10.0
+    work = work_of(laps, wall_s=70.0)
+    assert (work.after_train_s, work.close_s) == (5.0, pytest.approx(2.0))
+
+
+class SlowGrid:
+    """Stand-in messages: replies come ``arrive_s`` after the push, each pull that brings any takes ``pull_s``."""
+
+    def __init__(self, arrive_s: dict[int, float], pull_s: float) -> None:
+        self.arrive_s, self.pull_s, self.pushed, self.start = arrive_s, pull_s, {}, time.monotonic()
+
+    def push_messages(self, messages):
+        ids = []
+        for i, msg in enumerate(messages):
+            self.pushed[f"m{msg.metadata.dst_node_id}-{i}"] = msg
+            ids.append(f"m{msg.metadata.dst_node_id}-{i}")
+        return ids
+
+    def pull_messages(self, ids):
+        now, out = time.monotonic() - self.start, []
+        for msg_id in ids:
+            msg = self.pushed.get(msg_id)
+            if msg is not None and now >= self.arrive_s[msg.metadata.dst_node_id]:
+                out.append(SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=msg_id)))
+                del self.pushed[msg_id]
+        if out:
+            time.sleep(self.pull_s)
+        return out
+
+
+def test_a_wait_starts_no_pull_it_cannot_finish_within_its_bound():
+    grid = SlowGrid({1: 0.0, 2: 0.9}, pull_s=0.4)
+    box = Mailbox(grid)
+    ids = box.push([SimpleNamespace(metadata=SimpleNamespace(dst_node_id=n)) for n in (1, 2)], TRAIN, 1)
+    started = time.monotonic()
+    got = box.collect(ids, timeout_s=1.0)
+    took = time.monotonic() - started
+    assert [s.node for s, _ in got] == [1]  # node 2's reply would be pulled only after the bound
+    assert box.pull_s == pytest.approx(0.4, abs=0.1)
+    assert took <= 1.0 + 0.05, took

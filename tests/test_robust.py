@@ -120,7 +120,13 @@ def test_a_device_is_judged_on_shared_tensors_and_the_verdict_covers_the_ones_it
     # pi-14's whole update was scaled by 1/1000 (its ratio to the others on w), also on v that it alone sent
     assert s.state.replies.defense.scaled == {"pi-14": pytest.approx(1000.0)}
     np.testing.assert_allclose(out["v"], 1.0, rtol=1e-5)
-    assert s.state.replies.defense.screen["pi-11"] == {"norm_ratio": 1.0, "pull": 1.0, "tensors": 1}
+    assert s.state.replies.defense.screen["pi-11"] == {
+        "norm_ratio": 1.0,
+        "pull": 1.0,
+        "cos": 1.0,
+        "sign_skew": 0.0,
+        "tensors": 1,
+    }
 
 
 def test_two_attackers_cannot_lift_the_bound_with_the_lower_median():
@@ -233,3 +239,68 @@ def test_trimmed_mean_is_the_mean_of_the_sorted_middle_over_many_tensors(senders
         stack = np.sort(np.stack([u[name] for u, _ in ups]), axis=0)
         np.testing.assert_allclose(out[name], stack[cut : senders - cut].mean(axis=0), rtol=1e-5, atol=1e-6)
         assert out[name].dtype == np.float32 and senders_of[name] == senders
+
+
+def spread_update(node: int, seed: int, shift: float = 0.0, scale: float = 1.0) -> Reply:
+    """An update on a 64-coordinate tensor "u": a common step plus noise of its own (honest non-IID
+    devices agree a little and differ a lot), moved by ``shift`` and scaled by ``scale``."""
+    rng = np.random.default_rng(seed)
+    step = np.full(64, 0.3) + rng.normal(size=64)
+    msg = honest(node, 1.0)
+    msg.arrays["u"] = (scale * (step + shift)).astype(np.float32)
+    msg.metrics["selected"] = 2
+    return msg
+
+
+def spread_strategy(**robust) -> Coordinator:
+    start = {**GLOBAL, "u": np.zeros(64, np.float32)}
+    return strategy(global_arrays=start, params=["w", "u"], norm_bound=3.0, min_pull=-0.5, **robust)
+
+
+def test_updates_that_fall_on_nearly_every_coordinate_are_rejected_for_their_sign_skew():
+    honest_ones = [spread_update(n, n) for n in (11, 12, 13, 14, 15)]
+    # ALIE's shape: the mean minus one standard deviation falls on nearly every coordinate, at an ordinary size
+    alie = spread_update(16, 0, shift=-3.0, scale=0.5)
+    s = spread_strategy()
+    aggregate(s, [*honest_ones, alie])
+    assert [r.device for r in s.state.replies.rejections] == ["pi-16"]
+    assert "rises on a share of coordinates" in s.state.replies.rejections[0].reason
+    assert all(abs(s.state.replies.defense.screen[f"pi-{n}"]["sign_skew"]) < 0.2 for n in range(11, 16))
+
+
+def test_a_small_update_opposite_the_others_is_rejected_for_its_cosine_though_its_pull_is_small():
+    honest_ones = [spread_update(n, n, shift=1.0) for n in (11, 12, 13, 14, 15)]
+    ipm = honest(16, -0.05)  # -eps x the honest mean on "w": a tenth of their length, pointing back
+    ipm.arrays["u"] = np.full(64, -0.1, np.float32)
+    ipm.metrics["selected"] = 2
+    s = spread_strategy()
+    aggregate(s, [*honest_ones, ipm])
+    screen = s.state.replies.defense.screen["pi-16"]
+    assert screen["pull"] > -0.5 and screen["cos"] < -0.3
+    assert [r.device for r in s.state.replies.rejections] == ["pi-16"]
+    assert "points against the other devices'" in s.state.replies.rejections[0].reason
+    assert not spread_strategy(min_cos=None).state.replies.rejections
+
+
+def test_a_reply_that_cannot_be_judged_is_rejected_while_others_are():
+    start = {**GLOBAL, "v": np.zeros(3, np.float32)}
+    s = strategy(global_arrays=start, params=["w", "v"], norm_bound=3.0, min_pull=-0.5)
+    rare = reply(15, {"v": np.full(3, -50.0, np.float32)})  # claims only a tensor nobody else trained
+    rare.metrics.update({**device_metrics(100, selected=1)})
+    out = aggregate(s, [*(shared_and_own(n, 1.0) for n in (11, 12, 13, 14)), rare])
+    assert [r.device for r in s.state.replies.rejections] == ["pi-15"]
+    assert "enough other devices trained too to be judged" in s.state.replies.rejections[0].reason
+    np.testing.assert_allclose(out["v"], 0.0)
+    alone = strategy(global_arrays=start, params=["w", "v"], norm_bound=3.0, min_pull=-0.5)
+    aggregate(alone, [shared_and_own(11, 1.0), rare])  # nobody can be judged in a fleet this small: kept
+    assert not alone.state.replies.rejections
+
+
+def test_a_tensors_bound_grows_from_its_typical_norm_by_at_most_norm_growth_a_round():
+    s = strategy(norm_bound=3.0, norm_growth=1.25)
+    aggregate(s, [honest(11, 1.0), honest(12, 1.0)])
+    assert s.state.typical_norms["w"] == pytest.approx(2.0)  # |(1, 1, 1, 1)|
+    s.state.replies.sent = {}
+    out = aggregate(s, [honest(13, 100.0)])  # alone on "w" the next round: its own norm cannot set its bound
+    np.testing.assert_allclose(out["w"], 1.0 + 3.0 * 1.25 * 2.0 / 2.0, rtol=1e-5)  # clipped to 3 x 1.25 x typical
+    assert s.state.typical_norms["w"] == pytest.approx(2.0 * 1.25)

@@ -218,6 +218,13 @@ class RobustConfig:
     # over the tensors it shares with at least 3 others) is rejected whole: the only guard for tensors that
     # attackers alone trained. Honest pulls stay well above it (docs/results.md: the measured ranges); null: off
     min_pull: float | None = -0.5
+    # ... and one whose update's cosine with the others' median is below this, however small (IPM); null: off
+    min_cos: float | None = -0.3
+    # ... and one whose share of rising coordinates is this far from the others' (ALIE, Min-Max); null: off
+    max_sign_skew: float | None = 0.2
+    # a tensor's bound follows its typical update norm of earlier rounds, which may grow by at most this factor a
+    # round: where only attackers (or one honest device) trained a tensor, its senders cannot set their own bound
+    norm_growth: float | None = 1.25
     max_samples_per_device: int = 100_000  # cap on a reply's sample weight (simulation: the device's data size)
     time_band: float = 4.0  # a reported full-round time is clamped to [known / band, known * band]
 
@@ -227,6 +234,9 @@ class RobustConfig:
         "norm_bound": (lambda v: v is None or v >= 1, "a multiple >= 1 of the median update norm, or null"),
         "norm_action": (lambda v: v in NORM_ACTIONS, "clip or reject"),
         "min_pull": (lambda v: v is None or v <= 0, "a number <= 0 (typical update lengths), or null"),
+        "min_cos": (lambda v: v is None or -1 <= v <= 0, "a cosine in [-1, 0], or null"),
+        "max_sign_skew": (lambda v: v is None or 0 < v <= 1, "a share in (0, 1], or null"),
+        "norm_growth": (lambda v: v is None or v >= 1, "a factor >= 1, or null"),
         "max_samples_per_device": (lambda v: v >= 1, "an integer >= 1"),
         "time_band": (lambda v: v >= 1, "a factor >= 1"),
     }

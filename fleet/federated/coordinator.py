@@ -424,7 +424,14 @@ class Coordinator:
         state, robust, fed = self.state, self.cfg.robust, self.cfg.federation
         current = state.replies.sent
         kept, rejected = defend(
-            server_round, candidates, current, self.names.params, robust, state.suspects, state.replies.defense
+            server_round,
+            candidates,
+            current,
+            self.names.params,
+            robust,
+            state.suspects,
+            state.replies.defense,
+            state.typical_norms,
         )
         for c, reason in rejected:
             self._reject(server_round, c.reply.node_id, c.reply.device, reason)

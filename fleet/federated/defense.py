@@ -17,7 +17,7 @@ import numpy as np
 
 from fleet.federated.config import RobustConfig
 from fleet.federated.records import TrainReply
-from fleet.federated.robust import Screen, bound_update, scale_update, screen_devices, update_limits, update_norms
+from fleet.federated.robust import Screen, bound_update, lower_medians, scale_update, screen_devices, update_norms
 
 
 @dataclass
@@ -65,11 +65,13 @@ def defend(
     robust: RobustConfig,
     suspects: dict[str, int],
     report: DefenseReport,
+    typical: dict[str, float] | None = None,
 ) -> tuple[list[Candidate], list[Rejected]]:
     """Screen each device against the others, then hold every update to ``norm_bound`` x the lower
-    median norm per tensor; (kept, rejected with the reason), in the order they were decided."""
+    median norm per tensor (no more than its ``typical`` norm of earlier rounds allows, which this
+    round updates); (kept, rejected with the reason), in the order they were decided."""
     kept, rejected = screen(server_round, candidates, current, param_names, robust, suspects, report)
-    kept, late = bound(kept, current, robust, report)
+    kept, late = bound(kept, current, robust, report, {} if typical is None else typical)
     return kept, rejected + late
 
 
@@ -89,14 +91,22 @@ def screen(
 
     The suspects' memory is for late rounds: honest updates grow nearly orthogonal, so an
     amplified sign flip's pull, its size counted only up to the bound, can read small and pass,
-    scaled down but still reversed. An honest device is never oversized, so it never meets it."""
+    scaled down but still reversed. An honest device is never oversized, so it never meets it.
+
+    A reply that shares no tensor with enough others to be judged is rejected while others are
+    judged (with the screen on): a device picks the tensors it claims, and one that claims only
+    those the fewest others trained (mask abuse) meets no majority. Honest devices all train the
+    cheap tensors near the output, which everyone shares."""
     cap = robust.norm_bound if robust.norm_bound is not None else math.inf
     screens = screen_devices(current, [c.arrays for c in candidates], param_names, size_cap=cap)
     kept, rejected = [], []
     for i, c in enumerate(candidates):
         name, sc = c.reply.device, screens.get(i)
-        if sc is None:  # it shares no tensor with enough others to be judged
-            kept.append(c)
+        if sc is None:
+            if screens and robust.min_pull is not None:
+                rejected.append((c, "it trained no tensor that enough other devices trained too to be judged"))
+            else:
+                kept.append(c)
             continue
         report.screen[name] = sc.as_dict()
         reason = screen_problem(sc, robust, suspects.get(name))
@@ -115,13 +125,22 @@ def screen(
 
 
 def bound(
-    candidates: list[Candidate], current: Mapping[str, np.ndarray], robust: RobustConfig, report: DefenseReport
+    candidates: list[Candidate],
+    current: Mapping[str, np.ndarray],
+    robust: RobustConfig,
+    report: DefenseReport,
+    typical: dict[str, float],
 ) -> tuple[list[Candidate], list[Rejected]]:
-    """Updates held to ``norm_bound`` x the lower median norm per tensor: clipped, or rejected."""
+    """Updates held to ``norm_bound`` x the lower median norm per tensor, and to ``norm_growth`` x its
+    ``typical`` norm of earlier rounds: clipped, or rejected. ``typical`` then learns this round's."""
     if robust.norm_bound is None or not candidates:
         return candidates, []
     norms = update_norms(current, [c.arrays for c in candidates])  # computed once for the limits and the clips
-    limits = update_limits(norms, robust.norm_bound)
+    medians = lower_medians(norms)
+    if robust.norm_growth is not None:
+        medians = {n: min(m, robust.norm_growth * typical.get(n, math.inf)) for n, m in medians.items()}
+    typical.update(medians)
+    limits = {name: robust.norm_bound * m for name, m in medians.items()}
     kept, rejected = [], []
     for c, sent_norms in zip(candidates, norms):
         bounded, clipped = bound_update(current, c.arrays, limits, sent_norms)
@@ -148,6 +167,13 @@ def screen_problem(sc: Screen, robust: RobustConfig, suspect_since: int | None =
     shared = f"over {sc.tensors} tensors other devices trained too"
     if robust.min_pull is not None and sc.pull < robust.min_pull:
         return f"its update pulls against the other devices' ({sc.pull:.2f} typical updates {shared})"
+    if robust.min_cos is not None and sc.cos < robust.min_cos:
+        return f"its update points against the other devices' (cosine {sc.cos:.2f} {shared}; floor {robust.min_cos:g})"
+    if robust.max_sign_skew is not None and abs(sc.sign_skew) > robust.max_sign_skew:
+        return (
+            f"its update rises on a share of coordinates {sc.sign_skew:+.2f} off the other devices' ({shared}; "
+            f"allowed {robust.max_sign_skew:g})"
+        )
     too_big = f"its update is {sc.norm_ratio:.1f}x the other devices' (median {shared}; bound {robust.norm_bound:g})"
     if oversized(sc, robust) and (robust.norm_action == "reject" or suspect_since is not None):
         return too_big + ("" if suspect_since is None else f", and it pulled back in round {suspect_since}")

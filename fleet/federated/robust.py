@@ -50,14 +50,19 @@ def bn_problem(name: str, values: np.ndarray) -> str | None:
     return None
 
 
-def update_limits(norms: list[dict[str, float]], bound: float) -> dict:
-    """Per float tensor sent by anyone: the largest update norm allowed (bound x lower median), from each
-    reply's :func:`update_norms`."""
+def lower_medians(norms: list[dict[str, float]]) -> dict[str, float]:
+    """Per float tensor sent by anyone, the lower median of its senders' update norms (each reply's
+    :func:`update_norms`): with two senders the smaller, so two devices cannot lift a bound drawn from it."""
     by_name: dict[str, list[float]] = {}
     for sent_norms in norms:
         for name, norm in sent_norms.items():
             by_name.setdefault(name, []).append(norm)
-    return {name: bound * statistics.median_low(ns) for name, ns in by_name.items()}
+    return {name: statistics.median_low(ns) for name, ns in by_name.items()}
+
+
+def update_limits(norms: list[dict[str, float]], bound: float) -> dict:
+    """Per float tensor sent by anyone: the largest update norm allowed (bound x lower median)."""
+    return {name: bound * m for name, m in lower_medians(norms).items()}
 
 
 def update_norms(current: Mapping[str, np.ndarray], arrays: list[dict[str, np.ndarray]]) -> list[dict[str, float]]:
@@ -103,9 +108,12 @@ class Screen:
     norm_ratio: float  # median over shared tensors of its update norm / the others' (lower) median norm
     pull: float  # median over shared tensors of its update's length along the others' median, in those norms
     tensors: int  # how many shared tensors the figures rest on
+    cos: float = 0.0  # median over shared tensors of its update's cosine with the others' median
+    sign_skew: float = 0.0  # median over shared tensors of its share of rising coordinates less the others' median
 
     def as_dict(self) -> dict:
-        return {"norm_ratio": round(self.norm_ratio, 3), "pull": round(self.pull, 3), "tensors": self.tensors}
+        figures = {"norm_ratio": self.norm_ratio, "pull": self.pull, "cos": self.cos, "sign_skew": self.sign_skew}
+        return {**{k: round(v, 3) for k, v in figures.items()}, "tensors": self.tensors}
 
 
 def screen_devices(
@@ -130,9 +138,13 @@ def screen_devices(
 
     A pull counts the update's size only up to ``size_cap`` (the norm bound): an oversized update is
     scaled down anyway, and a huge update in an honest direction, a few degrees off the others'
-    median late in training, would otherwise read as pulling back by dozens of typical lengths."""
-    ratios: dict[int, list[float]] = {}
-    pulls: dict[int, list[float]] = {}
+    median late in training, would otherwise read as pulling back by dozens of typical lengths.
+
+    Two more figures catch attacks that stay inside the honest spread: the cosine itself, whatever
+    the size (IPM sends a small update opposite the others', -0.4 to -0.7, where honest ones stayed
+    above -0.2), and the *sign skew*: the share of its coordinates that rise against the others'
+    share (honest updates rise on about half; ALIE and Min-Max fall on nearly all)."""
+    figures: dict[int, list[tuple[float, float, float, float]]] = {}  # (ratio, pull, cos, skew) per shared tensor
     for name in names:
         senders = [i for i, sent in enumerate(arrays) if name in sent]
         if len(senders) <= peers or current[name].dtype.kind != "f":
@@ -141,16 +153,30 @@ def screen_devices(
         coords = _coordinates(current[name].size)
         ref = current[name].ravel()[coords].astype(np.float64)
         deltas = np.stack([arrays[i][name].ravel()[coords].astype(np.float64) - ref for i in senders])
+        rising = rising_share(deltas)
         for j, i in enumerate(senders):
             others = np.delete(np.arange(len(senders)), j)
             typical = statistics.median_low(norms[others].tolist())
             median = np.median(deltas[others], axis=0)
             denom = float(np.linalg.norm(deltas[j])) * float(np.linalg.norm(median))
             if typical > 0 and denom > 0:
-                ratio = float(norms[j]) / typical
-                ratios.setdefault(i, []).append(ratio)
-                pulls.setdefault(i, []).append(min(ratio, size_cap) * float(deltas[j] @ median) / denom)
-    return {i: Screen(statistics.median(ratios[i]), statistics.median(pulls[i]), len(ratios[i])) for i in ratios}
+                ratio, cos = float(norms[j]) / typical, float(deltas[j] @ median) / denom
+                skew = float(rising[j] - np.median(rising[others]))
+                figures.setdefault(i, []).append((ratio, min(ratio, size_cap) * cos, cos, skew))
+    return {i: _screen(rows) for i, rows in figures.items()}
+
+
+def _screen(rows: list[tuple[float, float, float, float]]) -> Screen:
+    ratio, pull, cos, skew = (statistics.median(column) for column in zip(*rows))
+    return Screen(ratio, pull, len(rows), cos, skew)
+
+
+def rising_share(deltas: np.ndarray) -> np.ndarray:
+    """Per row (a device's update on sampled coordinates), the share of its moving coordinates that rise.
+    Honest updates rise on about half (docs/results.md); ALIE and Min-Max move the honest mean along
+    minus the honest spread, which falls on nearly every coordinate."""
+    moving = np.maximum((deltas != 0).sum(axis=1), 1)
+    return (deltas > 0).sum(axis=1) / moving
 
 
 SCREEN_COORDINATES = 4096  # a direction is judged on this many coordinates of a larger tensor

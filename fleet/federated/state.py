@@ -70,6 +70,9 @@ class ServerState:
     # device name -> the round its update was rejected for pulling the model back: while its updates stay
     # oversized it is not trusted again (an honest device is never oversized), back to ordinary size it is
     suspects: dict[str, int] = field(default_factory=dict)
+    # tensor -> its typical update norm (lower median over its senders) as the defense last bounded it: a bound
+    # may grow from it by robust.norm_growth a round, so attackers alone on a tensor cannot set their own
+    typical_norms: dict[str, float] = field(default_factory=dict)
     momentum: dict[str, np.ndarray] = field(default_factory=dict)  # federation.server_momentum, per trained tensor
     server_work: ServerWork | None = None  # the server's own seconds around the waits, learned (fleet.federated.wall)
     replies: RoundReplies = field(default_factory=RoundReplies)

@@ -192,7 +192,7 @@ def test_the_evaluation_and_the_device_rows(fleet):
         assert key not in d0  # one spelling in metrics.jsonl: the field's
 
 
-def test_a_late_reply_is_dropped_and_one_pulling_back_is_rejected(fleet, caplog):
+def test_a_late_reply_is_dropped_and_one_pointing_back_is_rejected(fleet, caplog):
     with caplog.at_level(logging.WARNING, logger="fleet.server"):
         again = run_rounds()
     text = caplog.text
@@ -202,7 +202,7 @@ def test_a_late_reply_is_dropped_and_one_pulling_back_is_rejected(fleet, caplog)
     assert "round 1: evaluation from device device-2 (node 103) failed: ValueError: no test split" in text
     rec2 = again["records"][1]
     assert [r["device"] for r in rec2["rejections"]] == ["device-4"]
-    assert "pulls against the other devices' (-3.00 typical updates" in rec2["rejections"][0]["reason"]
+    assert "points against the global model's last step (cosine -1.00" in rec2["rejections"][0]["reason"]
     assert again["suspects"] == [{"device-4": 2}, {}]  # a suspect after round 2; an ordinary update: trusted again
     sent, after = again["sent"][1], again["after"][1]
     for name in TRAINED:  # the three kept: nothing to trim, their mean

@@ -218,7 +218,8 @@ class RobustConfig:
     # over the tensors it shares with at least 3 others) is rejected whole: the only guard for tensors that
     # attackers alone trained. Honest pulls stay well above it (docs/results.md: the measured ranges); null: off
     min_pull: float | None = -0.5
-    # ... and one whose update's cosine with the others' median is below this, however small (IPM); null: off
+    # ... and one whose update's cosine with the global model's last step (median over the tensors it sent) is below
+    # this, however small (IPM, mask abuse): honest devices kept 0.1 to 0.8 (docs/results.md); null: off
     min_cos: float | None = -0.3
     # ... and one whose share of rising coordinates is this far from the others' (ALIE, Min-Max); null: off
     max_sign_skew: float | None = 0.2

@@ -432,6 +432,7 @@ class Coordinator:
             state.suspects,
             state.replies.defense,
             state.typical_norms,
+            state.last_step,
         )
         for c, reason in rejected:
             self._reject(server_round, c.reply.node_id, c.reply.device, reason)
@@ -447,6 +448,7 @@ class Coordinator:
             )
         state.replies.train = [c.reply for c in kept]
         state.global_importance = global_importance(new, current, shared, self.cfg.train.lr)
+        state.last_step = last_step(current, new, self.names.params)
         self.arrays = new
 
     def _reject(self, server_round: int, node_id: int, device: str | None, reason: str) -> None:
@@ -504,6 +506,13 @@ class Coordinator:
         if scored is not None:
             rec["server_accuracy"] = scored
         return rec
+
+
+def last_step(before: dict[str, np.ndarray], after: dict[str, np.ndarray], params: list[str]) -> dict[str, np.ndarray]:
+    """The global model's step on every trainable tensor that moved: the direction next round's
+    updates are judged against (robust.min_cos)."""
+    steps = {n: after[n] - before[n] for n in params if n in after and after[n].dtype.kind == "f"}
+    return {n: d for n, d in steps.items() if d.any()}
 
 
 WAIT_LAPS = ("wait_train_s", "wait_eval_s")  # timings spent waiting on devices; the rest is the server's own work

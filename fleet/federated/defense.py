@@ -17,7 +17,15 @@ import numpy as np
 
 from fleet.federated.config import RobustConfig
 from fleet.federated.records import TrainReply
-from fleet.federated.robust import Screen, bound_update, lower_medians, scale_update, screen_devices, update_norms
+from fleet.federated.robust import (
+    Screen,
+    bound_update,
+    lower_medians,
+    scale_update,
+    screen_devices,
+    trend_cosines,
+    update_norms,
+)
 
 
 @dataclass
@@ -40,12 +48,13 @@ class DefenseReport:
     screen: dict[str, dict] = field(default_factory=dict)  # device -> its Screen (as_dict)
     scaled: dict[str, float] = field(default_factory=dict)  # device -> the factor its update was scaled down by
     clipped: dict[str, int] = field(default_factory=dict)  # device -> tensors clipped to the norm bound
+    trend: dict[str, float] = field(default_factory=dict)  # device -> its cosine with the global model's last step
 
     def as_dict(self) -> dict[str, Any]:
         """The screens always (what every device measured); the rest only when it happened."""
         out: dict[str, Any] = {"capped": self.capped} if self.capped else {}
         out["screen"] = self.screen
-        out.update({k: v for k, v in (("scaled", self.scaled), ("clipped", self.clipped)) if v})
+        out.update({k: v for k, v in (("scaled", self.scaled), ("clipped", self.clipped), ("trend", self.trend)) if v})
         return out
 
 
@@ -66,11 +75,13 @@ def defend(
     suspects: dict[str, int],
     report: DefenseReport,
     typical: dict[str, float] | None = None,
+    trend: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[list[Candidate], list[Rejected]]:
-    """Screen each device against the others, then hold every update to ``norm_bound`` x the lower
-    median norm per tensor (no more than its ``typical`` norm of earlier rounds allows, which this
-    round updates); (kept, rejected with the reason), in the order they were decided."""
-    kept, rejected = screen(server_round, candidates, current, param_names, robust, suspects, report)
+    """Screen each device against the others and against ``trend`` (the global model's last step),
+    then hold every update to ``norm_bound`` x the lower median norm per tensor (no more than its
+    ``typical`` norm of earlier rounds allows, which this round updates); (kept, rejected with the
+    reason), in the order they were decided."""
+    kept, rejected = screen(server_round, candidates, current, param_names, robust, suspects, report, trend)
     kept, late = bound(kept, current, robust, report, {} if typical is None else typical)
     return kept, rejected + late
 
@@ -83,11 +94,14 @@ def screen(
     robust: RobustConfig,
     suspects: dict[str, int],
     report: DefenseReport,
+    trend: Mapping[str, np.ndarray] | None = None,
 ) -> tuple[list[Candidate], list[Rejected]]:
     """Each device judged on the tensors others trained too, the verdict applied to its whole
-    reply: pulling against the fleet (``pull`` below ``min_pull``) is rejected; oversized
-    (above ``norm_bound`` x the others') is scaled down as a whole to their size, or rejected,
-    and always rejected from a device caught pulling back in an earlier round (a suspect).
+    reply: pulling against the fleet (``pull`` below ``min_pull``) or skewed in its signs is
+    rejected; oversized (above ``norm_bound`` x the others') is scaled down as a whole to their
+    size, or rejected, and always rejected from a device caught pulling back in an earlier round
+    (a suspect). Every device is also judged against ``trend``, the global model's last step
+    (``min_cos``), which no device of this round can drag.
 
     The suspects' memory is for late rounds: honest updates grow nearly orthogonal, so an
     amplified sign flip's pull, its size counted only up to the bound, can read small and pass,
@@ -98,30 +112,49 @@ def screen(
     those the fewest others trained (mask abuse) meets no majority. Honest devices all train the
     cheap tensors near the output, which everyone shares."""
     cap = robust.norm_bound if robust.norm_bound is not None else math.inf
-    screens = screen_devices(current, [c.arrays for c in candidates], param_names, size_cap=cap)
+    arrays = [c.arrays for c in candidates]
+    screens = screen_devices(current, arrays, param_names, size_cap=cap)
+    trends = trend_cosines(current, arrays, param_names, trend) if trend and robust.min_cos is not None else {}
     kept, rejected = [], []
     for i, c in enumerate(candidates):
         name, sc = c.reply.device, screens.get(i)
-        if sc is None:
-            if screens and robust.min_pull is not None:
-                rejected.append((c, "it trained no tensor that enough other devices trained too to be judged"))
-            else:
-                kept.append(c)
-            continue
-        report.screen[name] = sc.as_dict()
-        reason = screen_problem(sc, robust, suspects.get(name))
+        if sc is not None:
+            report.screen[name] = sc.as_dict()
+        if i in trends:
+            report.trend[name] = round(trends[i][0], 3)
+        reason = trend_problem(trends.get(i), robust) or judge_problem(sc, bool(screens), robust, suspects.get(name))
         if reason is not None:
             suspects.setdefault(name, server_round)
             rejected.append((c, reason))
             continue
-        if oversized(sc, robust):
+        if sc is not None and oversized(sc, robust):
             # to a typical update's size, not to the bound: inflating an update past the bound buys nothing
             c.arrays = scale_update(current, c.arrays, 1.0 / sc.norm_ratio, param_names)
             report.scaled[name] = round(sc.norm_ratio, 3)
-        else:
+        elif sc is not None:
             suspects.pop(name, None)  # back to an ordinary size: trusted again
         kept.append(c)
     return kept, rejected
+
+
+def trend_problem(trend: tuple[float, int] | None, robust: RobustConfig) -> str | None:
+    """Why a device's cosine with the global model's last step rejects its reply, or None."""
+    if trend is None or robust.min_cos is None or trend[0] >= robust.min_cos:
+        return None
+    return (
+        f"its update points against the global model's last step (cosine {trend[0]:.2f} over {trend[1]} "
+        f"tensors; floor {robust.min_cos:g})"
+    )
+
+
+def judge_problem(sc: Screen | None, others_judged: bool, robust: RobustConfig, suspect: int | None) -> str | None:
+    """Why the screen rejects a reply, or None; a reply it could not judge while it judged others is
+    rejected (with the screen on)."""
+    if sc is not None:
+        return screen_problem(sc, robust, suspect)
+    if others_judged and robust.min_pull is not None:
+        return "it trained no tensor that enough other devices trained too to be judged"
+    return None
 
 
 def bound(
@@ -167,8 +200,6 @@ def screen_problem(sc: Screen, robust: RobustConfig, suspect_since: int | None =
     shared = f"over {sc.tensors} tensors other devices trained too"
     if robust.min_pull is not None and sc.pull < robust.min_pull:
         return f"its update pulls against the other devices' ({sc.pull:.2f} typical updates {shared})"
-    if robust.min_cos is not None and sc.cos < robust.min_cos:
-        return f"its update points against the other devices' (cosine {sc.cos:.2f} {shared}; floor {robust.min_cos:g})"
     if robust.max_sign_skew is not None and abs(sc.sign_skew) > robust.max_sign_skew:
         return (
             f"its update rises on a share of coordinates {sc.sign_skew:+.2f} off the other devices' ({shared}; "

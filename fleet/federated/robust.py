@@ -108,11 +108,10 @@ class Screen:
     norm_ratio: float  # median over shared tensors of its update norm / the others' (lower) median norm
     pull: float  # median over shared tensors of its update's length along the others' median, in those norms
     tensors: int  # how many shared tensors the figures rest on
-    cos: float = 0.0  # median over shared tensors of its update's cosine with the others' median
     sign_skew: float = 0.0  # median over shared tensors of its share of rising coordinates less the others' median
 
     def as_dict(self) -> dict:
-        figures = {"norm_ratio": self.norm_ratio, "pull": self.pull, "cos": self.cos, "sign_skew": self.sign_skew}
+        figures = {"norm_ratio": self.norm_ratio, "pull": self.pull, "sign_skew": self.sign_skew}
         return {**{k: round(v, 3) for k, v in figures.items()}, "tensors": self.tensors}
 
 
@@ -140,11 +139,11 @@ def screen_devices(
     scaled down anyway, and a huge update in an honest direction, a few degrees off the others'
     median late in training, would otherwise read as pulling back by dozens of typical lengths.
 
-    Two more figures catch attacks that stay inside the honest spread: the cosine itself, whatever
-    the size (IPM sends a small update opposite the others', -0.4 to -0.7, where honest ones stayed
-    above -0.2), and the *sign skew*: the share of its coordinates that rise against the others'
-    share (honest updates rise on about half; ALIE and Min-Max fall on nearly all)."""
-    figures: dict[int, list[tuple[float, float, float, float]]] = {}  # (ratio, pull, cos, skew) per shared tensor
+    One more figure catches attacks that stay inside the honest spread: the *sign skew*, the share
+    of its coordinates that rise against the others' share (honest updates rise on about half; ALIE
+    and Min-Max fall on nearly all). Colluding attackers can drag the others' median, so a direction
+    that no device can drag is judged apart, in :func:`trend_cosines`."""
+    figures: dict[int, list[tuple[float, float, float]]] = {}  # (ratio, pull, skew) per shared tensor
     for name in names:
         senders = [i for i, sent in enumerate(arrays) if name in sent]
         if len(senders) <= peers or current[name].dtype.kind != "f":
@@ -162,13 +161,40 @@ def screen_devices(
             if typical > 0 and denom > 0:
                 ratio, cos = float(norms[j]) / typical, float(deltas[j] @ median) / denom
                 skew = float(rising[j] - np.median(rising[others]))
-                figures.setdefault(i, []).append((ratio, min(ratio, size_cap) * cos, cos, skew))
+                figures.setdefault(i, []).append((ratio, min(ratio, size_cap) * cos, skew))
     return {i: _screen(rows) for i, rows in figures.items()}
 
 
-def _screen(rows: list[tuple[float, float, float, float]]) -> Screen:
-    ratio, pull, cos, skew = (statistics.median(column) for column in zip(*rows))
-    return Screen(ratio, pull, len(rows), cos, skew)
+def _screen(rows: list[tuple[float, float, float]]) -> Screen:
+    ratio, pull, skew = (statistics.median(column) for column in zip(*rows))
+    return Screen(ratio, pull, len(rows), skew)
+
+
+def trend_cosines(
+    current: Mapping[str, np.ndarray], arrays: list[dict[str, np.ndarray]], names: list[str], trend: Mapping
+) -> dict[int, tuple[float, int]]:
+    """Per device (index into ``arrays``): the median over the trainable tensors it sent of its update's
+    cosine with ``trend``, the global model's last step on that tensor, and how many tensors it rests on.
+
+    The last step is the defended aggregate of honest devices, which no device of this round can
+    drag, and it judges every tensor, also those a device alone trained. Honest updates keep moving
+    the same way (cosines of 0.1 to 0.8 with the last step, docs/results.md); IPM sends minus the
+    honest mean it learned, which is about minus that step, and mask abuse reverses it where nobody
+    else can outvote it."""
+    out: dict[int, tuple[float, int]] = {}
+    wanted = [n for n in names if n in trend and current[n].dtype.kind == "f"]
+    for i, sent in enumerate(arrays):
+        cosines = []
+        for name in (n for n in wanted if n in sent):
+            coords = _coordinates(current[name].size)
+            step = np.asarray(trend[name]).ravel()[coords].astype(np.float64)
+            delta = sent[name].ravel()[coords].astype(np.float64) - current[name].ravel()[coords]
+            denom = float(np.linalg.norm(delta)) * float(np.linalg.norm(step))
+            if denom > 0:
+                cosines.append(float(delta @ step) / denom)
+        if cosines:
+            out[i] = (statistics.median(cosines), len(cosines))
+    return out
 
 
 def rising_share(deltas: np.ndarray) -> np.ndarray:

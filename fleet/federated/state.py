@@ -73,6 +73,9 @@ class ServerState:
     # tensor -> its typical update norm (lower median over its senders) as the defense last bounded it: a bound
     # may grow from it by robust.norm_growth a round, so attackers alone on a tensor cannot set their own
     typical_norms: dict[str, float] = field(default_factory=dict)
+    # tensor -> the global model's last step on it (robust.min_cos judges updates against it); not checkpointed:
+    # a resumed run judges against the first step it takes
+    last_step: dict[str, np.ndarray] = field(default_factory=dict)
     momentum: dict[str, np.ndarray] = field(default_factory=dict)  # federation.server_momentum, per trained tensor
     server_work: ServerWork | None = None  # the server's own seconds around the waits, learned (fleet.federated.wall)
     replies: RoundReplies = field(default_factory=RoundReplies)
@@ -91,7 +94,8 @@ class ServerState:
         return meta
 
 
-TENSORS = ("replies", "momentum")  # not in the checkpoint's meta: the round's replies, and arrays kept as tensors
+# not in the checkpoint's meta: the round's replies, and arrays (momentum is saved as tensors, the last step not)
+TENSORS = ("replies", "momentum", "last_step")
 
 
 def _tensors(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:

@@ -292,6 +292,8 @@ def test_bench_end_to_end_prints_one_json_object(tmp_path):
         "sign_flip",
         "--adversaries",
         "1",
+        "--cost-seeds",
+        "0",
         "--set",
         "federation.rounds=2",
         "--output-dir",
@@ -320,6 +322,10 @@ def test_bench_end_to_end_prints_one_json_object(tmp_path):
     assert isinstance(entry["final_accuracy"], float) and isinstance(entry["rejected_replies"], int)
     assert entry["rounds"] == 2
     assert json.loads((tmp_path / "robustness.json").read_text())["attacks"] == report["attacks"]
+    (cost,) = report["clean_cost"]["seeds"]  # seed 0's clean run reused, its plain-mean twin run
+    assert cost["seed"] == 0 and cost["defenses"] == report["clean_final_accuracy"]
+    assert cost["cost"] == pytest.approx(cost["plain_mean"] - cost["defenses"])
+    assert report["clean_cost"]["mean_cost"] == pytest.approx(cost["cost"])
     spec = json.loads((Path(entry["run_dir"]) / adv.ATTACK_FILE).read_text())
     assert spec == {"attack": "sign_flip", "partitions": [0]}
 

@@ -153,6 +153,49 @@ def check_choices(attacks: Sequence[str], adversaries: Sequence[int], num_device
             )
 
 
+def started(path: str, overrides: dict[str, Any], log: Log, fresh: bool = False) -> dict[str, Any]:
+    """The overrides every run of one seed shares: one measured profile and one pretrained start, and
+    the server's balanced test set (the final accuracy). ``fresh``: a new start for another seed (the
+    start of ``overrides`` is dropped, its profile kept)."""
+    if fresh:  # the same measured profile (the same machine and model), a start pretrained with this seed
+        overrides = {k: v for k, v in overrides.items() if k != "model.weights"}
+    shared = shared_start(path, overrides, log)
+    common = {**overrides, "hardware.profile": shared.hardware.profile, "model.weights": shared.model.weights}
+    common["evaluation.server_test"] = True
+    return common
+
+
+# every defense off: the masked mean of docs/algorithms.md, what the defenses' cost is measured against
+PLAIN_MEAN = {
+    "robust.aggregation": "mean",
+    "robust.norm_bound": None,
+    "robust.min_pull": None,
+    "robust.min_cos": None,
+    "robust.max_sign_skew": None,
+    "robust.norm_growth": None,
+}
+
+
+def clean_cost(
+    path: str, common: dict[str, Any], clean: dict[str, Any], seeds: Sequence[int], timeout_s: float, log: Log
+) -> dict[str, Any]:
+    """Per seed, the clean fleet's final accuracy with the config's defenses and with the plain masked
+    mean, from the same start. ``common`` and ``clean``: the bench's own start and clean run, reused
+    for its seed."""
+    base = load_fleet_config(path, common)
+    rows = []
+    for seed in seeds:
+        own = seed == base.train.seed
+        name = base.name if own else f"{base.name}-s{seed}"
+        start = common if own else started(path, {**common, "train.seed": seed, "name": name}, log, fresh=True)
+        defended = clean if own else run_one(path, start, None, [], timeout_s=timeout_s, log=log)
+        plain = run_one(path, {**start, **PLAIN_MEAN, "name": f"{name}-plain"}, None, [], timeout_s=timeout_s, log=log)
+        d, p = defended["final_accuracy"], plain["final_accuracy"]
+        rows.append({"seed": seed, "defenses": d, "plain_mean": p, "cost": None if None in (d, p) else p - d})
+    costs = [r["cost"] for r in rows if r["cost"] is not None]
+    return {"seeds": rows, "mean_cost": _mean(costs), "cost_is": "plain mean's final accuracy less the defenses'"}
+
+
 def bench_robustness(
     path: str = DEFAULT_CONFIG,
     overrides: dict[str, Any] | None = None,
@@ -161,15 +204,15 @@ def bench_robustness(
     adversaries: Sequence[int] = (1, 2),
     timeout_s: float = 1800.0,
     quiet: bool = False,
+    cost_seeds: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """The clean run, then every attack with each number of adversaries; the report is also written
-    to ``<output_dir>/robustness.json`` after every run, so a killed bench keeps what it measured."""
+    """The clean run, then every attack with each number of adversaries, then (``cost_seeds``) what
+    the defenses cost a clean fleet; the report is also written to ``<output_dir>/robustness.json``
+    after every run, so a killed bench keeps what it measured."""
     base = load_fleet_config(path, overrides or {})
     check_choices(attacks, adversaries, base.devices.num_devices)
     log = progress_log(quiet)
-    shared = shared_start(path, dict(overrides or {}), log)
-    common = {**(overrides or {}), "hardware.profile": shared.hardware.profile, "model.weights": shared.model.weights}
-    common["evaluation.server_test"] = True  # the final accuracy: the global model on a balanced test set
+    common = started(path, dict(overrides or {}), log)
     fed = base.federation
     report: dict[str, Any] = {
         "config": str(path),
@@ -198,6 +241,8 @@ def bench_robustness(
             entry = run_one(path, common, attack, list(range(k)), timeout_s=timeout_s, log=log, honest_from=honest)
             report["attacks"].append(entry)
             out.write_text(json.dumps(report, indent=2))
+    if cost_seeds:
+        report["clean_cost"] = clean_cost(path, common, report["clean"], cost_seeds, timeout_s, log)
     report["report"] = str(out)
     out.write_text(json.dumps(report, indent=2))
     return report
@@ -224,5 +269,12 @@ def robustness_table(report: dict[str, Any]) -> str:
             f"{e['attack']:>15} {e['adversaries']:>3} {pct(acc)} {gap:>9} {e['rejected_replies']:>8} "
             f"{e['rounds']:>6} {backdoor:>8}  {'CRASHED: ' + e['error'] if e['server_crashed'] else 'ok'}"
         )
+    cost = report.get("clean_cost")
+    if cost:
+        per_seed = ", ".join(
+            f"seed {r['seed']} {pct(r['defenses']).strip()} vs {pct(r['plain_mean']).strip()}" for r in cost["seeds"]
+        )
+        mean = "n/a" if cost["mean_cost"] is None else f"{100 * cost['mean_cost']:+.2f}"
+        lines.append(f"clean cost (plain mean - defenses): {mean} points ({per_seed})")
     lines.append(f"report: {report.get('report', '')}")
     return "\n".join(lines)

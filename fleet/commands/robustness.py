@@ -29,6 +29,15 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         "--adversaries", type=int, nargs="+", default=[1, 2], help="adversarial devices per run: partitions 0..k-1"
     )
     p.add_argument("--aggregation", help="robust.aggregation: mean, trimmed_mean or median")
+    p.add_argument(
+        "--cost-seeds",
+        type=int,
+        nargs="*",
+        default=[0, 1],
+        metavar="SEED",
+        help="seeds whose clean fleet runs once more with every defense off, to measure what they cost "
+        "(default: 0 1; none: skip)",
+    )
     p.add_argument("--output-dir")
     p.add_argument(
         "--timeout-s", type=float, default=1800.0, help="a simulation still running after this counts as crashed"
@@ -57,6 +66,7 @@ def run_robustness(args: argparse.Namespace) -> int:
         adversaries=list(dict.fromkeys(args.adversaries)),
         timeout_s=args.timeout_s,
         quiet=args.json,
+        cost_seeds=list(dict.fromkeys(args.cost_seeds)),
     )
     print(json.dumps(report, indent=2) if args.json else robustness_table(report))
     return 0

@@ -308,3 +308,14 @@ def test_a_tensors_bound_grows_from_its_typical_norm_by_at_most_norm_growth_a_ro
     out = aggregate(s, [honest(13, 100.0)])  # alone on "w" the next round: its own norm cannot set its bound
     np.testing.assert_allclose(out["w"], 1.0 + 3.0 * 1.25 * 2.0 / 2.0, rtol=1e-5)  # clipped to 3 x 1.25 x typical
     assert s.state.typical_norms["w"] == pytest.approx(2.0 * 1.25)
+
+
+def test_colluders_are_rejected_first_so_the_honest_device_they_dragged_is_not():
+    s = strategy(norm_bound=3.0, min_pull=-0.5, max_sign_skew=None)
+    steps = {11: 1.0, 12: 1.1, 13: 0.9, 14: -3.0, 15: -3.0}  # pi-14 and pi-15 collude: the same reversed update
+    aggregate(s, [honest(n, v) for n, v in steps.items()])
+    # judged once against everyone, an honest device's "others" hold two colluders of four: their median is
+    # dragged to (1 - 3) / 2 and it reads as pulling back; screened again without the worst, it does not
+    first = screen_devices(GLOBAL, [{"w": np.full(4, v, np.float32)} for v in steps.values()], ["w"], size_cap=3.0)
+    assert first[0].pull < -0.5
+    assert sorted(r.device for r in s.state.replies.rejections) == ["pi-14", "pi-15"]

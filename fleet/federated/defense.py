@@ -111,20 +111,28 @@ def screen(
     judged (with the screen on): a device picks the tensors it claims, and one that claims only
     those the fewest others trained (mask abuse) meets no majority. Honest devices all train the
     cheap tensors near the output, which everyone shares."""
-    cap = robust.norm_bound if robust.norm_bound is not None else math.inf
-    arrays = [c.arrays for c in candidates]
-    screens = screen_devices(current, arrays, param_names, size_cap=cap)
-    trends = trend_cosines(current, arrays, param_names, trend) if trend and robust.min_cos is not None else {}
-    kept, rejected = [], []
+    trends = trend_cosines(current, [c.arrays for c in candidates], param_names, trend) if trend else {}
+    pending, rejected = [], []
     for i, c in enumerate(candidates):
-        name, sc = c.reply.device, screens.get(i)
+        if i in trends:
+            report.trend[c.reply.device] = round(trends[i][0], 3)
+        reason = trend_problem(trends.get(i), robust)
+        if reason is None:
+            pending.append(c)
+        else:
+            suspects.setdefault(c.reply.device, server_round)
+            rejected.append((c, reason))
+    screens, late = worst_first(server_round, pending, current, param_names, robust, suspects)
+    gone = {id(c) for c, _ in late}
+    survivors = [(c, sc) for c, sc in zip(pending, screens) if id(c) not in gone]
+    judged = any(sc is not None for _, sc in survivors)
+    kept = []
+    for c, sc in survivors:
+        name = c.reply.device
         if sc is not None:
             report.screen[name] = sc.as_dict()
-        if i in trends:
-            report.trend[name] = round(trends[i][0], 3)
-        reason = trend_problem(trends.get(i), robust) or judge_problem(sc, bool(screens), robust, suspects.get(name))
+        reason = judge_problem(sc, judged, robust, suspects.get(name))
         if reason is not None:
-            suspects.setdefault(name, server_round)
             rejected.append((c, reason))
             continue
         if sc is not None and oversized(sc, robust):
@@ -134,7 +142,50 @@ def screen(
         elif sc is not None:
             suspects.pop(name, None)  # back to an ordinary size: trusted again
         kept.append(c)
-    return kept, rejected
+    return kept, rejected + late
+
+
+def worst_first(
+    server_round: int,
+    candidates: list[Candidate],
+    current: Mapping[str, np.ndarray],
+    param_names: list[str],
+    robust: RobustConfig,
+    suspects: dict[str, int],
+) -> tuple[list[Screen | None], list[Rejected]]:
+    """Screen the candidates against each other, rejecting the worst offender and screening the rest
+    again until none fails: two colluders drag the others' median, and an honest device judged
+    against it can read as pulling back, which it no longer does once they are gone. Returns each
+    candidate's last screen (None: not judged) and the rejected, in the order rejected."""
+    cap = robust.norm_bound if robust.norm_bound is not None else math.inf
+    alive, rejected = list(range(len(candidates))), []
+    screens: list[Screen | None] = [None] * len(candidates)
+    while True:
+        found = screen_devices(current, [candidates[i].arrays for i in alive], param_names, size_cap=cap)
+        for j, i in enumerate(alive):
+            screens[i] = found.get(j)
+        failing = {}
+        for i in alive:
+            sc, name = screens[i], candidates[i].reply.device
+            reason = None if sc is None else screen_problem(sc, robust, suspects.get(name))
+            if reason is not None:
+                failing[i] = reason
+        if not failing:
+            return screens, rejected
+        worst = max(failing, key=lambda i: severity(screens[i], robust))
+        suspects.setdefault(candidates[worst].reply.device, server_round)
+        rejected.append((candidates[worst], failing[worst]))
+        alive.remove(worst)
+
+
+def severity(sc: Screen, robust: RobustConfig) -> float:
+    """How far a screen is past the limit it fails, in units of that limit: who goes first."""
+    parts = [sc.norm_ratio / robust.norm_bound if robust.norm_bound else 0.0]
+    if robust.min_pull is not None:
+        parts.append(sc.pull / robust.min_pull)
+    if robust.max_sign_skew is not None:
+        parts.append(abs(sc.sign_skew) / robust.max_sign_skew)
+    return max(parts)
 
 
 def trend_problem(trend: tuple[float, int] | None, robust: RobustConfig) -> str | None:

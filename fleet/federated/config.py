@@ -226,6 +226,11 @@ class RobustConfig:
     # a tensor's bound follows its typical update norm of earlier rounds, which may grow by at most this factor a
     # round: where only attackers (or one honest device) trained a tensor, its senders cannot set their own bound
     norm_growth: float | None = 1.25
+    # judge each reply by the loss it causes on the server's own clean data (Zeno): start = a sample of the data the
+    # server pretrained on, held out from every device (label flipping); null: off (a deployed server holds no data)
+    validate: str | None = None
+    # a reply whose loss rise on that data exceeds the fleet's median rise by more than this (nats) is rejected
+    max_loss_rise: float = 0.5
     max_samples_per_device: int = 100_000  # cap on a reply's sample weight (simulation: the device's data size)
     time_band: float = 4.0  # a reported full-round time is clamped to [known / band, known * band]
 
@@ -238,6 +243,8 @@ class RobustConfig:
         "min_cos": (lambda v: v is None or -1 <= v <= 0, "a cosine in [-1, 0], or null"),
         "max_sign_skew": (lambda v: v is None or 0 < v <= 1, "a share in (0, 1], or null"),
         "norm_growth": (lambda v: v is None or v >= 1, "a factor >= 1, or null"),
+        "validate": (lambda v: v in (None, "start"), "start or null"),
+        "max_loss_rise": (lambda v: v > 0, "a loss difference > 0 (nats)"),
         "max_samples_per_device": (lambda v: v >= 1, "an integer >= 1"),
         "time_band": (lambda v: v >= 1, "a factor >= 1"),
     }

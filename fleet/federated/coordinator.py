@@ -43,7 +43,7 @@ from fleet.federated.aggregate import (
 )
 from fleet.federated.classes import FleetClasses
 from fleet.federated.config import FleetConfig
-from fleet.federated.defense import Candidate, defend, sample_cap
+from fleet.federated.defense import Candidate, defend, loss_problems, sample_cap
 from fleet.federated.device import DEVICE_NAME
 from fleet.federated.membership import (
     EVAL_STREAM,
@@ -72,7 +72,7 @@ from fleet.federated.records import (
 )
 from fleet.federated.robust import plausible, plausible_times, robust_average, upload_problem
 from fleet.federated.round import compute_steps
-from fleet.federated.server_eval import server_accuracy
+from fleet.federated.server_eval import reference_loss, server_accuracy
 from fleet.federated.split import known_data_sizes
 from fleet.federated.state import RoundReplies, ServerState
 from fleet.federated.tracking import device_rows, round_record, round_time
@@ -174,6 +174,7 @@ class Coordinator:
         self.full_bytes = shared_bytes(arrays, self.names.personal)
         self.download_bytes = shared_bytes(arrays, frozenset())  # each train message carries the whole model
         self.server_test = server_test  # evaluation.server_test: the global model is also scored on this
+        self.reference: ArrayDataset | None = None  # robust.validate: the server's own clean data replies are judged on
         self.refusals: dict[str, str] = {}  # node -> the last reason it was refused (logged once)
 
     # --- membership ---------------------------------------------------------------------------
@@ -434,6 +435,7 @@ class Coordinator:
             state.typical_norms,
             state.last_step,
         )
+        kept, rejected = self._validate(kept, rejected)
         for c, reason in rejected:
             self._reject(server_round, c.reply.node_id, c.reply.device, reason)
         if not kept:
@@ -450,6 +452,20 @@ class Coordinator:
         state.global_importance = global_importance(new, current, shared, self.cfg.train.lr)
         state.last_step = last_step(current, new, self.names.params)
         self.arrays = new
+
+    def _validate(self, kept: list[Candidate], rejected: list) -> tuple[list[Candidate], list]:
+        """``robust.validate``: each kept reply scored by the loss its update adds on the server's own clean
+        data; one far above the fleet's median rise is rejected."""
+        if self.reference is None or not kept:
+            return kept, rejected
+        current = self.state.replies.sent
+        base = reference_loss(self.cfg, current, self.reference)
+        rises = [reference_loss(self.cfg, {**current, **c.arrays}, self.reference) - base for c in kept]
+        for c, rise in zip(kept, rises):
+            self.state.replies.defense.loss_rise[c.reply.device] = round(rise, 4)
+        problems = loss_problems(rises, self.cfg.robust)
+        late = [(kept[i], reason) for i, reason in problems.items()]
+        return [c for i, c in enumerate(kept) if i not in problems], rejected + late
 
     def _reject(self, server_round: int, node_id: int, device: str | None, reason: str) -> None:
         rejection = Rejection(server_round, node_id, device, reason)

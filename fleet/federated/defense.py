@@ -9,6 +9,7 @@ coordinator reports every rejection of a round in one place and one wording.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,12 +50,14 @@ class DefenseReport:
     scaled: dict[str, float] = field(default_factory=dict)  # device -> the factor its update was scaled down by
     clipped: dict[str, int] = field(default_factory=dict)  # device -> tensors clipped to the norm bound
     trend: dict[str, float] = field(default_factory=dict)  # device -> its cosine with the global model's last step
+    loss_rise: dict[str, float] = field(default_factory=dict)  # device -> the loss its update adds on the server's data
 
     def as_dict(self) -> dict[str, Any]:
         """The screens always (what every device measured); the rest only when it happened."""
         out: dict[str, Any] = {"capped": self.capped} if self.capped else {}
         out["screen"] = self.screen
-        out.update({k: v for k, v in (("scaled", self.scaled), ("clipped", self.clipped), ("trend", self.trend)) if v})
+        extra = {"scaled": self.scaled, "clipped": self.clipped, "trend": self.trend, "loss_rise": self.loss_rise}
+        out.update({k: v for k, v in extra.items() if v})
         return out
 
 
@@ -260,3 +263,19 @@ def screen_problem(sc: Screen, robust: RobustConfig, suspect_since: int | None =
     if oversized(sc, robust) and (robust.norm_action == "reject" or suspect_since is not None):
         return too_big + ("" if suspect_since is None else f", and it pulled back in round {suspect_since}")
     return None
+
+
+def loss_problems(rises: list[float], robust: RobustConfig) -> dict[int, str]:
+    """Per reply (index into ``rises``, each the loss its update adds on the server's clean data), why it
+    is rejected: a rise more than ``max_loss_rise`` above the fleet's median rise. Honest non-IID
+    updates raise a balanced set's loss a little, each toward its own classes; a flipped head raises it
+    far more (Zeno, Xie et al. 2019, judged against the fleet rather than a fixed threshold)."""
+    if len(rises) < 3:
+        return {}
+    median = statistics.median(rises)
+    return {
+        i: f"its update raises the loss on the server's own data by {r:.2f} (the fleet's median {median:.2f}; "
+        f"allowed {robust.max_loss_rise:g} more)"
+        for i, r in enumerate(rises)
+        if r - median > robust.max_loss_rise
+    }

@@ -15,12 +15,14 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from fleet.data.datasets import ArrayDataset
+from fleet.base.errors import ConfigError
+from fleet.data.datasets import ArrayDataset, batches
 from fleet.engine.experiment import model_with_weights
 from fleet.engine.trainer import accuracy
 from fleet.federated.config import FleetConfig
-from fleet.federated.split import datasets
+from fleet.federated.split import datasets, fleet_indices
 
 
 def server_test_set(cfg: FleetConfig) -> ArrayDataset:
@@ -33,3 +35,30 @@ def server_accuracy(cfg: FleetConfig, arrays: Mapping[str, np.ndarray], test: Ar
     model = model_with_weights(cfg.model, {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()})
     with torch.no_grad():
         return accuracy(model, test, cfg.data.input_size)
+
+
+REFERENCE_SAMPLES = 256  # the server's clean batch for judging updates: a few ms of forward pass per reply
+
+
+def reference_set(cfg: FleetConfig) -> ArrayDataset:
+    """A fixed sample of the data the server pretrained the start on (``start.samples``, held out from
+    every device): the server's own clean data, which no device's update has seen."""
+    train = datasets(cfg)[0]
+    pre, _ = fleet_indices(cfg, train.labels.numpy())
+    if len(pre) == 0:
+        raise ConfigError(
+            "robust.validate: 'start' needs the server's own held-out data; set start.samples > 0 or validate: null"
+        )
+    chosen = np.random.default_rng([cfg.train.seed, 11]).permutation(pre)[:REFERENCE_SAMPLES]
+    return train.subset(np.sort(chosen))
+
+
+def reference_loss(cfg: FleetConfig, arrays: Mapping[str, np.ndarray], data: ArrayDataset) -> float:
+    """Mean cross-entropy of the model ``arrays`` on ``data`` (eval mode)."""
+    model = model_with_weights(cfg.model, {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()})
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for x, y in batches(data, REFERENCE_SAMPLES, shuffle=False, input_size=cfg.data.input_size):
+            total += float(F.cross_entropy(model(x), y, reduction="sum"))
+    return total / max(len(data), 1)

@@ -20,7 +20,7 @@ from fleet.federated.classes import FleetClasses
 from fleet.federated.config import FleetConfig, run_dir
 from fleet.federated.coordinator import Coordinator, out_of_time
 from fleet.federated.device import simulated_names
-from fleet.federated.server_eval import server_test_set
+from fleet.federated.server_eval import reference_set, server_test_set
 from fleet.federated.state import ServerState, check_resumable, keep_previous_run, load_checkpoint, save_checkpoint
 from fleet.federated.tracking import Tracker, plot_run, progress_line
 
@@ -66,6 +66,8 @@ class ServerRun:
         coordinator = Coordinator(cfg, state, arrays, classes=classes, simulated=simulated)
         if cfg.evaluation.server_test:
             coordinator.server_test = server_test_set(cfg)
+        if cfg.robust.validate == "start":
+            coordinator.reference = reference_set(cfg)
         return cls(cfg, out, coordinator, tracker)
 
     def rounds(self) -> Iterator[int]:

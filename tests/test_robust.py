@@ -319,3 +319,30 @@ def test_colluders_are_rejected_first_so_the_honest_device_they_dragged_is_not()
     first = screen_devices(GLOBAL, [{"w": np.full(4, v, np.float32)} for v in steps.values()], ["w"], size_cap=3.0)
     assert first[0].pull < -0.5
     assert sorted(r.device for r in s.state.replies.rejections) == ["pi-14", "pi-15"]
+
+
+def test_a_reply_raising_the_servers_loss_far_above_the_fleets_median_rise_is_rejected():
+    from fleet.federated.defense import loss_problems
+
+    robust = RobustConfig(max_loss_rise=0.5)
+    problems = loss_problems([0.10, 0.12, -0.05, 0.08, 1.40], robust)
+    assert list(problems) == [4] and "raises the loss on the server's own data by 1.40" in problems[4]
+    assert loss_problems([0.1, 0.7], robust) == {}  # two replies: no fleet to judge against
+    assert loss_problems([0.1, 0.2, 0.55], robust) == {}  # within the allowance of the median (0.2)
+
+
+def test_the_servers_reference_data_is_its_own_held_out_start_and_none_without_one():
+    from fleet.base.errors import ConfigError
+    from fleet.federated.config import load_fleet_config
+    from fleet.federated.server_eval import REFERENCE_SAMPLES, reference_loss, reference_set
+    from fleet.federated.server_run import initial_arrays
+    from fleet.federated.split import datasets, fleet_indices
+
+    cfg = load_fleet_config("simulations/fleet-tiny.yaml", {"start.samples": 300})
+    data = reference_set(cfg)
+    pre, _ = fleet_indices(cfg, datasets(cfg)[0].labels.numpy())
+    assert len(data) == min(REFERENCE_SAMPLES, len(pre))
+    loss = reference_loss(cfg, initial_arrays(cfg), data)
+    assert 0 < loss < 10  # an untrained 10-class model: about ln 10
+    with pytest.raises(ConfigError, match="robust.validate: 'start' needs the server's own held-out data"):
+        reference_set(load_fleet_config("simulations/fleet-tiny.yaml", {"start.samples": 0}))

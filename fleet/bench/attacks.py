@@ -55,18 +55,19 @@ def typical_norm(honest: list[Update], name: str) -> float | None:
     return statistics.median_low(norms) if norms else None
 
 
-def alie(own: Update, honest: list[Update], z: float = ALIE_Z) -> Update:
-    """Per tensor the honest mean minus ``z`` standard deviations (its own update where fewer than
-    two honest devices trained the tensor)."""
+def spread_attack(own: Update, honest: list[Update], make) -> Update:
+    """Per tensor ``make(stack)`` of the honest updates (stacked), or its own update where fewer than
+    two honest devices trained the tensor: no spread to hide in."""
     out = {}
     for name, mine in own.items():
         values = senders(honest, name)
-        if len(values) < 2:
-            out[name] = mine
-            continue
-        stack = torch.stack(values)
-        out[name] = stack.mean(0) - z * stack.std(0, unbiased=False)
+        out[name] = mine if len(values) < 2 else make(torch.stack(values)).reshape(mine.shape)
     return out
+
+
+def alie(own: Update, honest: list[Update], z: float = ALIE_Z) -> Update:
+    """Per tensor the honest mean minus ``z`` standard deviations."""
+    return spread_attack(own, honest, lambda stack: stack.mean(0) - z * stack.std(0, unbiased=False))
 
 
 def ipm(own: Update, honest: list[Update], eps: float) -> Update:
@@ -81,18 +82,14 @@ def ipm(own: Update, honest: list[Update], eps: float) -> Update:
 def min_max(own: Update, honest: list[Update]) -> Update:
     """Per tensor the honest mean minus ``gamma`` standard deviations, ``gamma`` as large as keeps the
     farthest honest update no farther than the two farthest-apart honest updates are."""
-    out = {}
-    for name, mine in own.items():
-        values = senders(honest, name)
-        if len(values) < 2:
-            out[name] = mine
-            continue
-        stack = torch.stack(values).flatten(1)
-        mean, direction = stack.mean(0), -stack.std(0, unbiased=False)
-        limit = float(torch.cdist(stack, stack).max())
-        gamma = _largest_gamma(stack, mean, direction, limit)
-        out[name] = (mean + gamma * direction).reshape(mine.shape)
-    return out
+
+    def make(stack: torch.Tensor) -> torch.Tensor:
+        flat = stack.flatten(1)
+        mean, direction = flat.mean(0), -flat.std(0, unbiased=False)
+        limit = float(torch.cdist(flat, flat).max())
+        return mean + _largest_gamma(flat, mean, direction, limit) * direction
+
+    return spread_attack(own, honest, make)
 
 
 def _largest_gamma(stack: torch.Tensor, mean: torch.Tensor, direction: torch.Tensor, limit: float) -> float:

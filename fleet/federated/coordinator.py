@@ -43,7 +43,7 @@ from fleet.federated.aggregate import (
 )
 from fleet.federated.classes import FleetClasses
 from fleet.federated.config import FleetConfig
-from fleet.federated.defense import Candidate, defend, loss_problems, sample_cap
+from fleet.federated.defense import Candidate, Judging, defend, loss_problems, sample_cap
 from fleet.federated.device import DEVICE_NAME
 from fleet.federated.membership import (
     EVAL_STREAM,
@@ -424,9 +424,8 @@ class Coordinator:
         and the next round's global importance."""
         state, robust, fed = self.state, self.cfg.robust, self.cfg.federation
         current = state.replies.sent
-        kept, rejected = defend(
+        judging = Judging(
             server_round,
-            candidates,
             current,
             self.names.params,
             robust,
@@ -435,6 +434,7 @@ class Coordinator:
             state.typical_norms,
             state.last_step,
         )
+        kept, rejected = defend(judging, candidates)
         kept, rejected = self._validate(kept, rejected)
         for c, reason in rejected:
             self._reject(server_round, c.reply.node_id, c.reply.device, reason)

@@ -69,42 +69,57 @@ def sample_cap(robust: RobustConfig, known: Mapping[str, int], name: str | None)
     return float(min(size, cap) if size else cap)
 
 
-def defend(
-    server_round: int,
-    candidates: list[Candidate],
-    current: Mapping[str, np.ndarray],
-    param_names: list[str],
-    robust: RobustConfig,
-    suspects: dict[str, int],
-    report: DefenseReport,
-    typical: dict[str, float] | None = None,
-    trend: Mapping[str, np.ndarray] | None = None,
-) -> tuple[list[Candidate], list[Rejected]]:
-    """Screen each device against the others and against ``trend`` (the global model's last step),
-    then hold every update to ``norm_bound`` x the lower median norm per tensor (no more than its
-    ``typical`` norm of earlier rounds allows, which this round updates); (kept, rejected with the
-    reason), in the order they were decided."""
-    kept, rejected = screen(server_round, candidates, current, param_names, robust, suspects, report, trend)
-    kept, late = bound(kept, current, robust, report, {} if typical is None else typical)
-    return kept, rejected + late
+@dataclass
+class Judging:
+    """What one round's defense judges replies by, and what it keeps across rounds."""
+
+    server_round: int
+    current: Mapping[str, np.ndarray]  # the global arrays the round started from: an update is reply - current
+    param_names: list[str]  # the trainable tensors (normalization statistics are not steps)
+    robust: RobustConfig
+    suspects: dict[str, int]  # device -> the round the screen first rejected it (ServerState.suspects)
+    report: DefenseReport  # what the defense did, for metrics.jsonl
+    typical: dict[str, float] = field(default_factory=dict)  # tensor -> its typical update norm (ServerState)
+    trend: Mapping[str, np.ndarray] = field(default_factory=dict)  # tensor -> the global model's last step
+
+    def reject(self, c: Candidate, reason: str, rejected: list[Rejected]) -> None:
+        self.suspects.setdefault(c.reply.device, self.server_round)
+        rejected.append((c, reason))
 
 
-def screen(
-    server_round: int,
-    candidates: list[Candidate],
-    current: Mapping[str, np.ndarray],
-    param_names: list[str],
-    robust: RobustConfig,
-    suspects: dict[str, int],
-    report: DefenseReport,
-    trend: Mapping[str, np.ndarray] | None = None,
-) -> tuple[list[Candidate], list[Rejected]]:
+def defend(j: Judging, candidates: list[Candidate]) -> tuple[list[Candidate], list[Rejected]]:
+    """Judge each device against the global model's last step, then against the others, then hold
+    every update to ``norm_bound`` x the lower median norm per tensor (no more than its typical norm
+    of earlier rounds allows, which this round updates); (kept, rejected with the reason), in the
+    order they were decided."""
+    pending, rejected = by_trend(j, candidates)
+    kept, screened = screen(j, pending)
+    kept, late = bound(kept, j.current, j.robust, j.report, j.typical)
+    return kept, rejected + screened + late
+
+
+def by_trend(j: Judging, candidates: list[Candidate]) -> tuple[list[Candidate], list[Rejected]]:
+    """Every device against ``trend``, the global model's last step (``min_cos``), which no device of
+    this round can drag, and which also judges the tensors a device alone trained."""
+    trends = trend_cosines(j.current, [c.arrays for c in candidates], j.param_names, j.trend) if j.trend else {}
+    pending, rejected = [], []
+    for i, c in enumerate(candidates):
+        if i in trends:
+            j.report.trend[c.reply.device] = round(trends[i][0], 3)
+        reason = trend_problem(trends.get(i), j.robust)
+        if reason is None:
+            pending.append(c)
+        else:
+            j.reject(c, reason, rejected)
+    return pending, rejected
+
+
+def screen(j: Judging, candidates: list[Candidate]) -> tuple[list[Candidate], list[Rejected]]:
     """Each device judged on the tensors others trained too, the verdict applied to its whole
     reply: pulling against the fleet (``pull`` below ``min_pull``) or skewed in its signs is
     rejected; oversized (above ``norm_bound`` x the others') is scaled down as a whole to their
     size, or rejected, and always rejected from a device caught pulling back in an earlier round
-    (a suspect). Every device is also judged against ``trend``, the global model's last step
-    (``min_cos``), which no device of this round can drag.
+    (a suspect).
 
     The suspects' memory is for late rounds: honest updates grow nearly orthogonal, so an
     amplified sign flip's pull, its size counted only up to the bound, can read small and pass,
@@ -114,81 +129,27 @@ def screen(
     judged (with the screen on): a device picks the tensors it claims, and one that claims only
     those the fewest others trained (mask abuse) meets no majority. Honest devices all train the
     cheap tensors near the output, which everyone shares."""
-    trends = trend_cosines(current, [c.arrays for c in candidates], param_names, trend) if trend else {}
-    pending, rejected = [], []
-    for i, c in enumerate(candidates):
-        if i in trends:
-            report.trend[c.reply.device] = round(trends[i][0], 3)
-        reason = trend_problem(trends.get(i), robust)
-        if reason is None:
-            pending.append(c)
-        else:
-            suspects.setdefault(c.reply.device, server_round)
-            rejected.append((c, reason))
-    screens, late = worst_first(server_round, pending, current, param_names, robust, suspects)
-    gone = {id(c) for c, _ in late}
-    survivors = [(c, sc) for c, sc in zip(pending, screens) if id(c) not in gone]
+    screens, rejected = worst_first(j, candidates)
+    gone = {id(c) for c, _ in rejected}
+    survivors = [(c, sc) for c, sc in zip(candidates, screens) if id(c) not in gone]
     judged = any(sc is not None for _, sc in survivors)
     kept = []
     for c, sc in survivors:
         name = c.reply.device
         if sc is not None:
-            report.screen[name] = sc.as_dict()
-        reason = judge_problem(sc, judged, robust, suspects.get(name))
+            j.report.screen[name] = sc.as_dict()
+        reason = judge_problem(sc, judged, j.robust, j.suspects.get(name))
         if reason is not None:
             rejected.append((c, reason))
             continue
-        if sc is not None and oversized(sc, robust):
+        if sc is not None and oversized(sc, j.robust):
             # to a typical update's size, not to the bound: inflating an update past the bound buys nothing
-            c.arrays = scale_update(current, c.arrays, 1.0 / sc.norm_ratio, param_names)
-            report.scaled[name] = round(sc.norm_ratio, 3)
+            c.arrays = scale_update(j.current, c.arrays, 1.0 / sc.norm_ratio, j.param_names)
+            j.report.scaled[name] = round(sc.norm_ratio, 3)
         elif sc is not None:
-            suspects.pop(name, None)  # back to an ordinary size: trusted again
+            j.suspects.pop(name, None)  # back to an ordinary size: trusted again
         kept.append(c)
-    return kept, rejected + late
-
-
-def worst_first(
-    server_round: int,
-    candidates: list[Candidate],
-    current: Mapping[str, np.ndarray],
-    param_names: list[str],
-    robust: RobustConfig,
-    suspects: dict[str, int],
-) -> tuple[list[Screen | None], list[Rejected]]:
-    """Screen the candidates against each other, rejecting the worst offender and screening the rest
-    again until none fails: two colluders drag the others' median, and an honest device judged
-    against it can read as pulling back, which it no longer does once they are gone. Returns each
-    candidate's last screen (None: not judged) and the rejected, in the order rejected."""
-    cap = robust.norm_bound if robust.norm_bound is not None else math.inf
-    alive, rejected = list(range(len(candidates))), []
-    screens: list[Screen | None] = [None] * len(candidates)
-    while True:
-        found = screen_devices(current, [candidates[i].arrays for i in alive], param_names, size_cap=cap)
-        for j, i in enumerate(alive):
-            screens[i] = found.get(j)
-        failing = {}
-        for i in alive:
-            sc, name = screens[i], candidates[i].reply.device
-            reason = None if sc is None else screen_problem(sc, robust, suspects.get(name))
-            if reason is not None:
-                failing[i] = reason
-        if not failing:
-            return screens, rejected
-        worst = max(failing, key=lambda i: severity(screens[i], robust))
-        suspects.setdefault(candidates[worst].reply.device, server_round)
-        rejected.append((candidates[worst], failing[worst]))
-        alive.remove(worst)
-
-
-def severity(sc: Screen, robust: RobustConfig) -> float:
-    """How far a screen is past the limit it fails, in units of that limit: who goes first."""
-    parts = [sc.norm_ratio / robust.norm_bound if robust.norm_bound else 0.0]
-    if robust.min_pull is not None:
-        parts.append(sc.pull / robust.min_pull)
-    if robust.max_sign_skew is not None:
-        parts.append(abs(sc.sign_skew) / robust.max_sign_skew)
-    return max(parts)
+    return kept, rejected
 
 
 def trend_problem(trend: tuple[float, int] | None, robust: RobustConfig) -> str | None:
@@ -209,6 +170,41 @@ def judge_problem(sc: Screen | None, others_judged: bool, robust: RobustConfig, 
     if others_judged and robust.min_pull is not None:
         return "it trained no tensor that enough other devices trained too to be judged"
     return None
+
+
+def worst_first(j: Judging, candidates: list[Candidate]) -> tuple[list[Screen | None], list[Rejected]]:
+    """Screen the candidates against each other, rejecting the worst offender and screening the rest
+    again until none fails: two colluders drag the others' median, and an honest device judged
+    against it can read as pulling back, which it no longer does once they are gone. Returns each
+    candidate's last screen (None: not judged) and the rejected, in the order rejected."""
+    cap = j.robust.norm_bound if j.robust.norm_bound is not None else math.inf
+    alive, rejected = list(range(len(candidates))), []
+    screens: list[Screen | None] = [None] * len(candidates)
+    while True:
+        found = screen_devices(j.current, [candidates[i].arrays for i in alive], j.param_names, size_cap=cap)
+        for k, i in enumerate(alive):
+            screens[i] = found.get(k)
+        failing = {}
+        for i in alive:
+            sc = screens[i]
+            reason = None if sc is None else screen_problem(sc, j.robust, j.suspects.get(candidates[i].reply.device))
+            if reason is not None:
+                failing[i] = reason
+        if not failing:
+            return screens, rejected
+        worst = max(failing, key=lambda i: severity(screens[i], j.robust))
+        j.reject(candidates[worst], failing[worst], rejected)
+        alive.remove(worst)
+
+
+def severity(sc: Screen, robust: RobustConfig) -> float:
+    """How far a screen is past the limit it fails, in units of that limit: who goes first."""
+    parts = [sc.norm_ratio / robust.norm_bound if robust.norm_bound else 0.0]
+    if robust.min_pull is not None:
+        parts.append(sc.pull / robust.min_pull)
+    if robust.max_sign_skew is not None:
+        parts.append(abs(sc.sign_skew) / robust.max_sign_skew)
+    return max(parts)
 
 
 def bound(

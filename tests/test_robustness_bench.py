@@ -398,3 +398,12 @@ def test_data_attacks_train_the_real_device_on_altered_labels(device):
     backdoor = adv.PoisonedDevice(base.cfg, base.partition_id, base.name, base.node_config, "backdoor")
     share = float((backdoor.data().train.labels != base.data().train.labels).float().mean())
     assert 0.3 < share <= 0.5  # half triggered as class 0; the ones already of class 0 keep their label
+
+
+def test_the_plain_mean_the_defenses_cost_is_measured_against_has_every_defense_off():
+    from fleet.bench.robustness import PLAIN_MEAN
+
+    robust = load_fleet_config("simulations/robustness.yaml", PLAIN_MEAN).robust
+    assert robust.aggregation == "mean"
+    assert (robust.norm_bound, robust.min_pull, robust.min_cos, robust.max_sign_skew, robust.norm_growth) == (None,) * 5
+    assert robust.validate is None

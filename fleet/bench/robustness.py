@@ -29,6 +29,7 @@ from fleet.base.errors import ConfigError
 from fleet.bench.adversary_app import ATTACK_FILE, ATTACKS
 from fleet.bench.attacks import triggered_test
 from fleet.bench.launch import HONEST_APP, Log, launch, progress_log, shared_start
+from fleet.engine.config import NULL
 from fleet.engine.experiment import model_with_weights
 from fleet.engine.trainer import accuracy
 from fleet.federated.config import FleetConfig, load_fleet_config, run_dir
@@ -168,11 +169,11 @@ def started(path: str, overrides: dict[str, Any], log: Log, fresh: bool = False)
 # every defense off: the masked mean of docs/algorithms.md, what the defenses' cost is measured against
 PLAIN_MEAN = {
     "robust.aggregation": "mean",
-    "robust.norm_bound": None,
-    "robust.min_pull": None,
-    "robust.min_cos": None,
-    "robust.max_sign_skew": None,
-    "robust.norm_growth": None,
+    "robust.norm_bound": NULL,
+    "robust.min_pull": NULL,
+    "robust.min_cos": NULL,
+    "robust.max_sign_skew": NULL,
+    "robust.norm_growth": NULL,
 }
 
 

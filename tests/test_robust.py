@@ -346,3 +346,14 @@ def test_the_servers_reference_data_is_its_own_held_out_start_and_none_without_o
     assert 0 < loss < 10  # an untrained 10-class model: about ln 10
     with pytest.raises(ConfigError, match="robust.validate: 'start' needs the server's own held-out data"):
         reference_set(load_fleet_config("simulations/fleet-tiny.yaml", {"start.samples": 0}))
+
+
+def test_with_every_defense_off_the_round_is_the_plain_masked_mean():
+    off = {"min_pull": None, "min_cos": None, "max_sign_skew": None, "norm_growth": None}
+    start = {**GLOBAL, "u": np.zeros(64, np.float32)}
+    s = strategy(global_arrays=start, params=["w", "u"], aggregation="mean", norm_bound=None, **off)
+    replies = [spread_update(n, n) for n in (11, 12, 13, 14, 15)] + [spread_update(16, 0, shift=-3.0, scale=50.0)]
+    out = aggregate(s, replies)
+    expected = np.mean([r.arrays["u"] for r in replies], axis=0)
+    np.testing.assert_allclose(out["u"], expected, rtol=1e-5)
+    assert not s.state.replies.rejections and not s.state.replies.defense.scaled

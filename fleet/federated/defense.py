@@ -255,8 +255,9 @@ def screen_problem(sc: Screen, robust: RobustConfig, suspect_since: int | None =
             f"its update rises on a share of coordinates {sc.sign_skew:+.2f} off the other devices' ({shared}; "
             f"allowed {robust.max_sign_skew:g})"
         )
-    too_big = f"its update is {sc.norm_ratio:.1f}x the other devices' (median {shared}; bound {robust.norm_bound:g})"
     if oversized(sc, robust) and (robust.norm_action == "reject" or suspect_since is not None):
+        bound = robust.norm_bound
+        too_big = f"its update is {sc.norm_ratio:.1f}x the other devices' (median {shared}; bound {bound:g})"
         return too_big + ("" if suspect_since is None else f", and it pulled back in round {suspect_since}")
     return None
 

@@ -150,15 +150,16 @@ def poison_train_reply(
     """The honest train ``reply`` to ``msg`` rewritten by ``attack``: a new reply to the same message.
     ``honest``: the spied honest updates an adaptive attack works from (without them, in round 1, it
     sends its honest reply)."""
-    if reply.has_error() or attack in ("label_flip",) or (attack in KNOWING and not honest):
-        return reply
+    if reply.has_error() or attack == "label_flip" or (attack in KNOWING and not honest):
+        return reply  # label flipping is all in the data it trained on
     content = reply.content
     sent = content[keys.ARRAYS].to_torch_state_dict()
     received = msg.content[keys.ARRAYS].to_torch_state_dict()
     metrics = poison_train_metrics(attack, dict(content[keys.METRICS]), sent)
     if attack in KNOWING:
-        arrays = adaptive_arrays(attack, sent, received, honest or [], trainable_names(msg))
-        metrics[keys.SELECTED] = sum(1 for name in arrays if name in set(trainable_names(msg)))
+        names = trainable_names(msg)
+        arrays = adaptive_arrays(attack, sent, received, honest or [], names)
+        metrics[keys.SELECTED] = sum(1 for name in arrays if name in set(names))
         metrics[keys.BYTES_UPLOADED] = sum(t.numel() * t.element_size() for t in arrays.values())
     else:
         arrays = poison_arrays(attack, sent, received, gen)

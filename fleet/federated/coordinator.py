@@ -344,14 +344,14 @@ class Coordinator:
         returns when the round must end (``time.perf_counter()``)."""
         got = self.state.replies
         evaluating = self.evaluates(plan.server_round)
-        work = expected_work(self.state.server_work, got.timings.get("push_train_s", 0.0))
+        got.expected_work = work = expected_work(self.state.server_work, got.timings.get("push_train_s", 0.0))
         spent = time.perf_counter() - started
         got.round_bound_s = round_bound(spent, plan.train_bound_s, plan.eval_bound_s if evaluating else None, work)
         return started + got.round_bound_s
 
     def evaluation_wait(self, plan: PlannedRound, end: float) -> float:
         """The evaluation's wait: its bound, less what the server's own work overran (said so)."""
-        work = expected_work(self.state.server_work, self.state.replies.timings.get("push_train_s", 0.0))
+        work = self.state.replies.expected_work or expected_work(self.state.server_work, 0.0)
         wait = evaluation_wait(plan.eval_bound_s, end - time.perf_counter(), work)
         if wait < plan.eval_bound_s:
             log.warning(

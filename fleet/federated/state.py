@@ -48,6 +48,7 @@ class RoundReplies:
     defense: DefenseReport = field(default_factory=DefenseReport)  # what robust aggregation did
     timings: dict[str, float] = field(default_factory=dict)  # the server's wall seconds per part of the round
     no_answer: dict[str, str] = field(default_factory=dict)  # node -> why the SuperLink, not the device, replied
+    expected_work: ServerWork | None = None  # the server's work after the train wait, as the bound allowed for it
     round_bound_s: float | None = None  # the whole round's wall-time bound, fixed once its train messages are out
 
     def lap(self, key: str, started: float) -> float:

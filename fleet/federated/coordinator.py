@@ -70,7 +70,7 @@ from fleet.federated.records import (
     TrainOrder,
     TrainReply,
 )
-from fleet.federated.robust import plausible, plausible_times, robust_average, upload_problem
+from fleet.federated.robust import plausible, plausible_times, robust_average, scale_update, upload_problem
 from fleet.federated.round import compute_steps
 from fleet.federated.server_eval import reference_loss, server_accuracy
 from fleet.federated.split import known_data_sizes
@@ -538,11 +538,7 @@ def probe_step(current: dict[str, np.ndarray], sent: dict[str, np.ndarray]) -> d
     """The global model moved ``PROBE_STEP`` of the way along a reply's update. A whole non-IID update
     applied alone overfits the balanced set (honest rises of 0.2 to 9 nats were measured); a short
     step keeps the direction's first-order effect, where a flipped head shows, and drops the rest."""
-    out = dict(current)
-    for name, value in sent.items():
-        if value.dtype.kind == "f":
-            out[name] = (current[name] + PROBE_STEP * (value - current[name])).astype(value.dtype)
-    return out
+    return {**current, **scale_update(current, sent, PROBE_STEP, list(sent))}
 
 
 WAIT_LAPS = ("wait_train_s", "wait_eval_s")  # timings spent waiting on devices; the rest is the server's own work

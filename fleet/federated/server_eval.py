@@ -32,9 +32,13 @@ def server_test_set(cfg: FleetConfig) -> ArrayDataset:
 
 def server_accuracy(cfg: FleetConfig, arrays: Mapping[str, np.ndarray], test: ArrayDataset) -> float:
     """Top-1 accuracy of the global model ``arrays`` on ``test``."""
-    model = model_with_weights(cfg.model, {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()})
     with torch.no_grad():
-        return accuracy(model, test, cfg.data.input_size)
+        return accuracy(global_model(cfg, arrays), test, cfg.data.input_size)
+
+
+def global_model(cfg: FleetConfig, arrays: Mapping[str, np.ndarray]) -> torch.nn.Module:
+    """The fleet's model holding ``arrays`` (copied: the server's arrays stay its own)."""
+    return model_with_weights(cfg.model, {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()})
 
 
 REFERENCE_SAMPLES = 256  # the server's clean batch for judging updates: a few ms of forward pass per reply
@@ -55,7 +59,7 @@ def reference_set(cfg: FleetConfig) -> ArrayDataset:
 
 def reference_loss(cfg: FleetConfig, arrays: Mapping[str, np.ndarray], data: ArrayDataset) -> float:
     """Mean cross-entropy of the model ``arrays`` on ``data`` (eval mode)."""
-    model = model_with_weights(cfg.model, {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()})
+    model = global_model(cfg, arrays)
     model.eval()
     total = 0.0
     with torch.no_grad():

@@ -129,18 +129,18 @@ def screen(j: Judging, candidates: list[Candidate]) -> tuple[list[Candidate], li
     judged (with the screen on): a device picks the tensors it claims, and one that claims only
     those the fewest others trained (mask abuse) meets no majority. Honest devices all train the
     cheap tensors near the output, which everyone shares."""
-    screens, rejected = worst_first(j, candidates)
+    screens, rejected = worst_first(j, candidates)  # the survivors' screens passed there
+    for c, sc in zip(candidates, screens):
+        if sc is not None:
+            j.report.screen[c.reply.device] = sc.as_dict()
     gone = {id(c) for c, _ in rejected}
     survivors = [(c, sc) for c, sc in zip(candidates, screens) if id(c) not in gone]
     judged = any(sc is not None for _, sc in survivors)
     kept = []
     for c, sc in survivors:
         name = c.reply.device
-        if sc is not None:
-            j.report.screen[name] = sc.as_dict()
-        reason = judge_problem(sc, judged, j.robust, j.suspects.get(name))
-        if reason is not None:
-            rejected.append((c, reason))
+        if sc is None and judged and j.robust.min_pull is not None:
+            rejected.append((c, "it trained no tensor that enough other devices trained too to be judged"))
             continue
         if sc is not None and oversized(sc, j.robust):
             # to a typical update's size, not to the bound: inflating an update past the bound buys nothing
@@ -160,16 +160,6 @@ def trend_problem(trend: tuple[float, int] | None, robust: RobustConfig) -> str 
         f"its update points against the global model's last step (cosine {trend[0]:.2f} over {trend[1]} "
         f"tensors; floor {robust.min_cos:g})"
     )
-
-
-def judge_problem(sc: Screen | None, others_judged: bool, robust: RobustConfig, suspect: int | None) -> str | None:
-    """Why the screen rejects a reply, or None; a reply it could not judge while it judged others is
-    rejected (with the screen on)."""
-    if sc is not None:
-        return screen_problem(sc, robust, suspect)
-    if others_judged and robust.min_pull is not None:
-        return "it trained no tensor that enough other devices trained too to be judged"
-    return None
 
 
 def worst_first(j: Judging, candidates: list[Candidate]) -> tuple[list[Screen | None], list[Rejected]]:

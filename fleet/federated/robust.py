@@ -149,9 +149,8 @@ def screen_devices(
         if len(senders) <= peers or current[name].dtype.kind != "f":
             continue
         norms = np.array([_norm(arrays[i][name], current[name]) for i in senders])
-        coords = _coordinates(current[name].size)
-        ref = current[name].ravel()[coords].astype(np.float64)
-        deltas = np.stack([arrays[i][name].ravel()[coords].astype(np.float64) - ref for i in senders])
+        ref = sampled(current[name])
+        deltas = np.stack([sampled(arrays[i][name]) - ref for i in senders])
         rising = rising_share(deltas)
         for j, i in enumerate(senders):
             others = np.delete(np.arange(len(senders)), j)
@@ -186,9 +185,8 @@ def trend_cosines(
     for i, sent in enumerate(arrays):
         cosines = []
         for name in (n for n in wanted if n in sent):
-            coords = _coordinates(current[name].size)
-            step = np.asarray(trend[name]).ravel()[coords].astype(np.float64)
-            delta = sent[name].ravel()[coords].astype(np.float64) - current[name].ravel()[coords]
+            step = sampled(np.asarray(trend[name]))
+            delta = sampled(sent[name]) - sampled(current[name])
             denom = float(np.linalg.norm(delta)) * float(np.linalg.norm(step))
             if denom > 0:
                 cosines.append(float(delta @ step) / denom)
@@ -216,6 +214,11 @@ def _coordinates(size: int) -> np.ndarray:
     if size <= SCREEN_COORDINATES:
         return np.arange(size)
     return np.sort(np.random.default_rng([size, 31]).choice(size, SCREEN_COORDINATES, replace=False))
+
+
+def sampled(values: np.ndarray) -> np.ndarray:
+    """A tensor's values on the coordinates its directions are compared on (:func:`_coordinates`), float64."""
+    return values.ravel()[_coordinates(values.size)].astype(np.float64)
 
 
 def scale_update(current: Mapping[str, np.ndarray], sent: dict[str, np.ndarray], factor: float, names) -> dict:

@@ -17,6 +17,7 @@ from fleet.engine.experiment import load_data, make_model, obtain_profile
 from fleet.engine.pretrain import ensure_pretrained
 from fleet.engine.train_run import experiment_dir, format_epoch, trainer_record
 from fleet.engine.trainer import EpochStats, Trainer
+from fleet.federated.paths import resolve_path
 
 
 def personalize(
@@ -25,6 +26,9 @@ def personalize(
     methods = list(methods or cfg.methods)
     checkpoint = cfg.model.weights or str(ensure_pretrained(cfg, log))
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, weights=checkpoint, reset_head=True))
+    if cfg.hardware.profile is not None:  # a reference profile in profiles/ is found from any working directory
+        profile_file = str(resolve_path(cfg.hardware.profile))
+        cfg = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, profile=profile_file))
     out = experiment_dir(cfg)
     train_ds, test_ds = load_data(cfg.data, cfg.train.seed)
     profile = obtain_profile(cfg, make_model(cfg.model, cfg.train.seed), out / "device-profile.yaml", log=log)

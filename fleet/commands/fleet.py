@@ -55,6 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
+    from fleet.bench.regimes import add_profile_flags
+
     p = sub.add_parser("fleet", help="FedAvg vs naive ElasticTrainer vs fleet on 8 devices in 4 speed tiers")
     p.add_argument("--config", default=BENCH_CONFIG, help=f"fleet YAML (default: {BENCH_CONFIG})")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
@@ -72,6 +74,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         "running them again, e.g. after changing only fleet: --reuse fedavg naive",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_profile_flags(p)
     p.set_defaults(func=run_bench)
 
 
@@ -120,10 +123,11 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     from fleet.bench.fleet import bench_fleet
+    from fleet.bench.regimes import profile_overrides
 
     result = bench_fleet(
         args.config,
-        _overrides(args),
+        {**_overrides(args), **profile_overrides(args.profile, args.regime)},
         target_fraction=args.target,
         quiet=args.json,
         seeds=args.seeds,

@@ -42,9 +42,15 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from fleet.bench.personalize import personalize, summary_table
+    from fleet.bench.regimes import profile_overrides
+    from fleet.engine.config import NULL
 
     if args.methods:
         args.set.append(f"methods=[{args.methods}]")
+    if args.profile is not None:  # the config's reference profile, unless measured here or another file
+        for key, value in profile_overrides(args.profile, None).items():
+            args.set.append(f"{key}={'null' if value is NULL else value}")
+        args.profile = None
     cfg = config_from_args(args)
     check_data(cfg)
     log = (

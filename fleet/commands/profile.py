@@ -34,6 +34,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--memory-budget-mb", type=float, help="record this device's activation memory budget in the profile"
     )
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="record a device this many times slower than the one measured (e.g. a Pi class emulated from a "
+        "faster host: the testbed's pi4 class runs a full step 7.1x slower than one core here); default 1",
+    )
+    p.add_argument("--note", default="", help="a line kept in the profile's host record: what the profile stands for")
     p.add_argument("--out", required=True, help="profile YAML to write")
     p.set_defaults(func=run)
 
@@ -77,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
     if args.config is None and args.model is None:
         raise ConfigError("fleet profile: give --model NAME or --config FILE.yaml to say which model to profile")
     check_counts(args)
+    if not args.scale >= 1:  # also refuses NaN
+        raise ConfigError(f"--scale: {args.scale} is not allowed; use a slow-down factor >= 1 (1: as measured)")
     flags = {
         "model.name": args.model,
         "model.num_classes": args.num_classes,
@@ -105,6 +115,9 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats,
     )
     profile.memory_budget_mb = cfg.hardware.memory_budget_mb
+    profile = profile.scaled(args.scale)
+    if args.note:
+        profile.host["note"] = args.note
     path = profile.save(out)
     print(
         f"profiled {cfg.model.name} at batch {cfg.train.batch_size}, input {size}: {len(profile.tensors)} "

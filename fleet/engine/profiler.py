@@ -27,12 +27,14 @@ Runs are interleaved and repeated; every figure is a median.
 from __future__ import annotations
 
 import copy
+import os
 import platform
 import socket
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -434,9 +436,23 @@ def _optimizer_times(
     return per_tensor, fixed
 
 
+def cpu_model() -> str:
+    """The CPU's model name where the OS tells it (Linux), else the platform's processor string: a profile
+    says which machine it was measured on, so a reader can tell a reference profile from their own."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def host_info() -> dict[str, str | int]:
     return {
         "hostname": socket.gethostname(),
+        "cpu": cpu_model(),
+        "cores": os.cpu_count() or 1,
         "machine": platform.machine(),
         "processor": platform.processor() or platform.machine(),
         "python": platform.python_version(),

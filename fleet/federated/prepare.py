@@ -20,6 +20,7 @@ from fleet.engine.experiment import check_model_fits_data, load_data, make_model
 from fleet.federated.config import FleetConfig, run_dir
 from fleet.federated.device import check_device_name
 from fleet.federated.owned import device_roots
+from fleet.federated.paths import resolve_path
 from fleet.federated.state import keep_previous_run
 
 EFFECTIVE_CONFIG = "fleet-config.yaml"
@@ -52,6 +53,9 @@ def simulated_fleet(cfg: FleetConfig, log: Callable[[str], None]) -> FleetConfig
 def prepare(cfg: FleetConfig, *, resume: bool, log: Callable[[str], None] = print) -> tuple[FleetConfig, Path]:
     """Profile, pretrain and write the effective config; returns it and its path."""
     cfg = simulated_fleet(cfg, log)
+    if cfg.hardware.profile is not None:  # a reference profile in profiles/ is found from any working directory
+        profile = str(resolve_path(cfg.hardware.profile))
+        cfg = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, profile=profile))
     if not cfg.data.device_roots:  # the shared dataset; devices' own trees are checked as they are read
         check_model_fits_data(cfg, *load_data(cfg.data, cfg.train.seed))
     if cfg.hardware.profile is not None:

@@ -271,6 +271,9 @@ class DeviceState:
     importance: list[float] = field(default_factory=list)  # its last local importance, one per tensor
     importance_round: int = NEVER  # the round that importance was probed in
     trained: list[str] | None = None  # the tensors it trained last round; None: no record (keep all momentum)
+    # what its personal-model method keeps between rounds (personalization.method): FedALA's merge weights
+    # ("ala": {tensor: weights}), APFL's personal model and mixing weight ("v": {tensor: value}, "alpha": float)
+    method_state: dict | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a plain dict, for :func:`save_state`."""
@@ -288,7 +291,13 @@ class DeviceState:
 
     def well_formed(self) -> bool:
         """Every field of the type it is declared with."""
-        optional = (self.run_tag, str), (self.optimizer, dict), (self.personal, dict), (self.trained, list)
+        optional = (
+            (self.run_tag, str),
+            (self.optimizer, dict),
+            (self.personal, dict),
+            (self.trained, list),
+            (self.method_state, dict),
+        )
         return (
             all(v is None or isinstance(v, t) for v, t in optional)
             and all(isinstance(v, int) for v in (self.round, self.rounds_trained, self.importance_round))

@@ -22,6 +22,7 @@ from torch import nn
 from fleet.engine.models import head_parameter_names
 
 POLICIES = ("none", "head", "norms", "head+norms")
+METHODS = ("none", "ditto", "fedrep", "fedala", "apfl")  # how a round makes the personal model (local_methods.py)
 NORM_LAYERS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
 
 

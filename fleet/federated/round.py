@@ -22,13 +22,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
 
-from fleet.data.datasets import ArrayDataset
+from fleet.data.datasets import ArrayDataset, batches
 from fleet.engine.device_profile import DeviceProfile
 from fleet.engine.experiment import model_with_weights
 from fleet.engine.models import head_parameter_names
@@ -37,10 +38,22 @@ from fleet.engine.trainer import RESTORE_PROBE_STEPS, Trainer
 from fleet.federated import keys
 from fleet.federated.config import FleetConfig
 from fleet.federated.device import DeviceState
+from fleet.federated.local_methods import (
+    ALA_FIRST_PASSES,
+    TWO_MODELS,
+    Apfl,
+    ala_names,
+    body_only,
+    head_mask,
+    learn_ala,
+    method_of,
+    models_of,
+)
 from fleet.federated.records import TrainOrder, speedup
 from fleet.memory.budgeted import MemoryBudget
 
 PERSONAL_SEED_OFFSET = 7919  # Ditto's personal model draws its batches apart from the shared update's
+HEAD_SEED_OFFSET = 104729  # ... and FedRep's head steps and FedALA's merge theirs
 
 
 @dataclass
@@ -54,7 +67,7 @@ def compute_steps(cfg: FleetConfig) -> int:
     """Training steps a round costs a device: Ditto trains two models, the shared update and the device's
     personal model, ``local_steps`` each, and its elastic budget covers both."""
     fed = cfg.federation
-    return fed.local_steps * (2 if fed.strategy == "ditto" else 1)
+    return fed.local_steps * models_of(method_of(fed.strategy, cfg.personalization.method))
 
 
 def full_round_time(cfg: FleetConfig, profile: DeviceProfile) -> float:
@@ -85,11 +98,10 @@ class LocalWork:
 def round_work(cfg: FleetConfig, plan: TrainOrder) -> LocalWork:
     """A training round: ``federation.local_steps`` on the shared model, as many again on the personal one
     under Ditto, within the whole deadline (the server sends none under FedAvg: the device trains fully)."""
-    ditto = plan.strategy == "ditto"
     return LocalWork(
         strategy=plan.strategy,
         steps=cfg.federation.local_steps,
-        models=2 if ditto else 1,
+        models=models_of(method_of(plan.strategy, cfg.personalization.method)),
         deadline_s=plan.deadline_s,
         with_upload=cfg.federation.deadline_includes_upload,
     )
@@ -156,6 +168,13 @@ class RoundBudget:
     full_time_s: float  # training every tensor for the round's local steps
     upload_s: list[float]  # per tensor (0 when the deadline is compute only)
     buffers_s: float  # uploading the norm statistics, which every trained round sends
+
+    def less(self, seconds: float) -> RoundBudget:
+        """The budget after ``seconds`` of the round went elsewhere (a method's steps before selection);
+        no deadline stays none."""
+        if self.deadline_s <= 0 or seconds <= 0:
+            return self
+        return dataclasses.replace(self, deadline_s=max(self.deadline_s - seconds, 1e-9))
 
     @property
     def trains_fully(self) -> bool:
@@ -280,10 +299,18 @@ def select_for_round(
     return probe_cost, importance
 
 
-def train_steps(trainer: Trainer, train: ArrayDataset, steps: int) -> list[float]:
-    """``steps`` local steps, re-shuffling on every pass over the device's data."""
+def train_steps(
+    trainer: Trainer, train: ArrayDataset, steps: int, each: Callable[[torch.Tensor, torch.Tensor], float] | None = None
+) -> list[float]:
+    """``steps`` local steps, re-shuffling on every pass over the device's data; ``each`` (APFL's personal
+    step) runs on every batch after the shared model's step."""
     endless = (xy for _ in itertools.count() for xy in trainer.shuffled_batches(train))
-    return [trainer.train_step(x, y) for x, y in itertools.islice(endless, steps)]
+    losses = []
+    for x, y in itertools.islice(endless, steps):
+        losses.append(trainer.train_step(x, y))
+        if each is not None:
+            each(x, y)
+    return losses
 
 
 def upload(trainer: Trainer, steps: int, personal: frozenset[str]) -> dict[str, torch.Tensor]:
@@ -321,6 +348,16 @@ class Trained:
     importance: Importance
     times: RoundTimes
     personal_model: dict[str, torch.Tensor] | None
+    method_state: dict | None = None  # what the personal-model method keeps for the next round
+
+
+@dataclass
+class BeforeSteps:
+    """What a method did before the round's selection (FedALA's merge, FedRep's head steps)."""
+
+    device_s: float  # its simulated seconds on this device, paid out of the round's budget
+    measured_s: float  # its wall clock
+    method_state: dict | None = None
 
 
 @dataclass
@@ -364,27 +401,90 @@ class DeviceRound:
         return RoundResult(arrays, metrics, state)
 
     def _train_models(self, plan: TrainOrder) -> Trained:
-        """Select within the round's budget and take the round's steps on the shared model (and, under
-        Ditto, on the personal model: its compute is the shared update's again, which the budget covers)."""
+        """Select within the round's budget and take the round's steps on the shared model, with the round's
+        personal-model method (:mod:`fleet.federated.local_methods`): FedALA's merge or FedRep's head before
+        the selection, paid out of the budget; Ditto's and APFL's second model on the same tensors, its compute
+        the shared update's again, which the budget covers."""
         cfg, work = self.cfg, round_work(self.cfg, plan)
-        ditto = plan.strategy == "ditto"
-        start = weights_of(self.model) if ditto else {}  # the global model
-        trainer = round_trainer(
-            cfg, self.model, self.profile, self.memory, round_seed(cfg, plan.server_round, self.device_seed)
-        )
+        method = method_of(plan.strategy, cfg.personalization.method)
+        start = weights_of(self.model) if method in TWO_MODELS else {}  # the global model
+        seed = round_seed(cfg, plan.server_round, self.device_seed)
+        before = self._before_selection(method, seed)
+        trainer = round_trainer(cfg, self.model, self.profile, self.memory, seed)
         restore_momentum(trainer, self.state)
         started = time.perf_counter()
-        budget = round_budget(trainer, work, self.uplink, self.personal)
+        budget = round_budget(trainer, work, self.uplink, self.personal).less(before.device_s)
         last = Importance(list(self.state.importance), self.state.importance_round)
         probe_cost, importance = select_for_round(cfg, trainer, self.data, plan, work, budget, last)
+        if method == "fedrep":
+            trainer.set_mask(body_only(trainer.names, trainer.mask, self._head()))
         mask = trainer.mask
         added_s = trainer.memory_added_s()  # raises BudgetError (one line) if no plan fits
         steps = work.steps if any(mask) else 0
-        losses = train_steps(trainer, self.data, steps)
-        own = self._train_personal(plan, start, mask, steps) if ditto else None
-        measured = time.perf_counter() - started
-        predicted = work.models * steps * (self.profile.step_time(mask) + added_s) + probe_cost
-        return Trained(trainer, steps, losses, importance, RoundTimes(predicted, measured, added_s), own)
+        apfl = self._apfl(start, mask, seed) if method == "apfl" else None
+        losses = train_steps(trainer, self.data, steps, None if apfl is None else apfl.step)
+        own = self._train_personal(plan, start, mask, steps) if method == "ditto" else None
+        if apfl is not None:
+            own = apfl.mixed()
+            before.method_state = {"v": weights_of(apfl.v), "alpha": float(apfl.alpha)}
+        measured = time.perf_counter() - started + before.measured_s
+        predicted = work.models * steps * (self.profile.step_time(mask) + added_s) + probe_cost + before.device_s
+        times = RoundTimes(predicted, measured, added_s)
+        return Trained(trainer, steps, losses, importance, times, own, before.method_state)
+
+    def _head(self) -> frozenset[str]:
+        return frozenset(head_parameter_names(self.model))
+
+    def _before_selection(self, method: str, seed: int) -> BeforeSteps:
+        """FedRep's head steps or FedALA's merge, before the round selects; nothing for the other methods."""
+        if method == "fedrep":
+            return self._fedrep_head(seed)
+        if method == "fedala":
+            return self._fedala_merge(seed)
+        return BeforeSteps(0.0, 0.0)
+
+    def _fedrep_head(self, seed: int) -> BeforeSteps:
+        """FedRep's first phase: the personal head trained alone (the body frozen) for
+        ``personalization.head_steps``; each step a forward and the head's backward."""
+        started = time.perf_counter()
+        steps = self.cfg.personalization.head_steps or self.cfg.federation.local_steps
+        trainer = round_trainer(self.cfg, self.model, self.profile, self.memory, seed + HEAD_SEED_OFFSET)
+        trainer.set_mask(head_mask(trainer.names, self._head()))
+        train_steps(trainer, self.data, steps)
+        cost = steps * (self.profile.step_time(trainer.mask) + trainer.memory_added_s())
+        return BeforeSteps(cost, time.perf_counter() - started)
+
+    def _fedala_merge(self, seed: int) -> BeforeSteps:
+        """FedALA: the global model (in ``self.model``) merged into the device's own model of its last round on
+        the last ``personalization.ala_tensors`` tensors, by weights learned on ``ala_fraction`` of its data; each
+        batch a forward and those tensors' backward. A device that never trained takes the global model."""
+        kept = dict(self.state.method_state or {})
+        if self.state.personal is None:
+            return BeforeSteps(0.0, 0.0, kept)
+        started = time.perf_counter()
+        order = round_trainer(self.cfg, self.model, self.profile, None, seed).names  # forward order: last = top
+        top = ala_names(order, self.cfg.personalization.ala_tensors)
+        params = dict(self.model.named_parameters())
+        weights = kept.get("ala") or {n: torch.ones_like(params[n]) for n in top}
+        generator = torch.Generator().manual_seed(seed + HEAD_SEED_OFFSET)
+        count = max(1, int(self.cfg.personalization.ala_fraction * len(self.data)))
+        subset = self.data.subset(torch.randperm(len(self.data), generator=generator)[:count])
+        size, batch = self.cfg.data.input_size, self.cfg.train.batch_size
+        passes = (
+            batches(subset, batch, shuffle=True, generator=generator, input_size=size) for _ in range(ALA_FIRST_PASSES)
+        )
+        result = learn_ala(self.model, self.state.personal, weights, passes, first="ala" not in kept)
+        cost = result.batches * self.profile.step_time([n in top for n in order])
+        return BeforeSteps(cost, time.perf_counter() - started, {"ala": result.weights})
+
+    def _apfl(self, start: dict[str, torch.Tensor], mask: list[bool], seed: int) -> Apfl:
+        """APFL's personal model (its own from earlier rounds, else the global one) on the round's tensors."""
+        kept = self.state.method_state or {}
+        model = model_with_weights(self.cfg.model, {k: t.clone() for k, t in (kept.get("v") or start).items()})
+        trainer = round_trainer(self.cfg, model, self.profile, None, seed + PERSONAL_SEED_OFFSET)
+        trainer.set_mask(mask)
+        alpha = float(kept.get("alpha", self.cfg.personalization.apfl_alpha))
+        return Apfl(model, self.model, alpha, trainer.optimizer, self.cfg.train.lr)
 
     def _train_personal(
         self, plan: TrainOrder, start: dict[str, torch.Tensor], mask: list[bool], steps: int
@@ -419,6 +519,7 @@ class DeviceRound:
             importance=[float(v) for v in done.importance.values],
             importance_round=done.importance.probed_round,
             trained=[n for n, m in zip(trainer.names, trainer.mask) if m] if done.steps else [],
+            method_state=done.method_state,
         )
 
     def finetune(self, plan: TrainOrder) -> float:

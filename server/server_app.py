@@ -74,7 +74,7 @@ def run_round(grid: Grid, coord: Coordinator, mailbox: Mailbox, server_round: in
 def evaluate(grid: Grid, coord: Coordinator, mailbox: Mailbox, plan: PlannedRound, end: float) -> None:
     """The evaluation phase, its wait cut to what is left of the round's bound."""
     t, server_round = time.perf_counter(), plan.server_round
-    nodes, order = coord.evaluation_nodes(server_round), plan.order.for_evaluation()
+    nodes, order = coord.evaluation_nodes(server_round, connected_nodes(grid)), plan.order.for_evaluation()
     ids = mailbox.push(messages(nodes, EVALUATE, coord.arrays, order), EVALUATE, server_round)
     t = coord.lap("push_eval_s", t)
     pulled = mailbox.collect(ids, coord.evaluation_wait(plan, end))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
-from fleet.bench.pfl import combine, personalized_curve, pfl_table, seed_figures
+from fleet.bench.pfl import build_report, combine_reports, personalized_curve, pfl_table, seed_figures, seed_tag
 
 
 def run(tmp_path, name: str, points: list[tuple[float, float, list[float]]], key: str) -> dict:
@@ -39,27 +39,110 @@ def test_each_method_is_judged_on_its_own_personalized_accuracy_at_the_baselines
             tmp_path, "fh", [(10, 0.7, [0.6, 0.8]), (30, 0.85, [0.8, 0.9]), (50, 0.99, [1.0, 1.0])], "personal_accuracy"
         ),
     }
-    rep = seed_figures(summaries, target_fraction=0.95)
-    assert rep["horizon_s"] == 40 and rep["target_accuracy"] == pytest.approx(0.95 * 0.8)
+    rep = seed_figures(summaries, 0.1, 0)
+    assert rep["horizon_s"] == 40 and rep["alpha"] == 0.1
     base, fleet = rep["methods"]["fedavg_ft"], rep["methods"]["fleet_head"]
-    assert base["personalized_accuracy_mean"] == pytest.approx(0.8) and base["time_to_target_s"] == 40
+    assert base["personalized_accuracy_mean"] == pytest.approx(0.8)
     assert fleet["personalized_accuracy_mean"] == pytest.approx(0.85)  # round 3 lies past the horizon
-    assert fleet["time_to_target_s"] == 30 and fleet["speedup_vs_baseline"] == pytest.approx(40 / 30)
     assert fleet["device_accuracies"] == [0.8, 0.9] and fleet["personalized_accuracy_p10"] == pytest.approx(0.81)
     assert personalized_curve(summaries["fedavg_ft"]["history"], "fedavg_ft")[0]["global_accuracy"] == 0.6
 
-    both = combine({0: rep, 1: rep})
-    assert both["fleet_head"]["personalized_accuracy_mean"] == pytest.approx(0.85)
-    assert both["fleet_head"]["personalized_accuracy_mean_ci95"] == pytest.approx(0.0)
-    report = {"comparison": "x", "seeds": [0, 1], "target_fraction_of_baseline": 0.95, "methods": both}
-    report["new_devices"] = {"elastic": {"final_accuracy": 0.9, "device_time_s": 5.0, "time_vs_full": 0.5}}
+
+def seed_report(seed: int, alpha: float, figures: dict[str, tuple[float, float, list[tuple[float, float]]]]) -> dict:
+    """A seed's figures as seed_figures leaves them: per method (mean, p10, curve of (time, accuracy))."""
+    methods = {
+        m: {
+            "personalized_accuracy_mean": mean,
+            "personalized_accuracy_p10": low,
+            "bytes_uploaded": 10,
+            "global_accuracy_swing": 0.01,
+            "curve": [{"sim_time_s": t, "global_accuracy": a} for t, a in curve],
+            "device_accuracies": [mean],
+        }
+        for m, (mean, low, curve) in figures.items()
+    }
+    return {"alpha": alpha, "seed": seed, "horizon_s": 40, "methods": methods}
+
+
+def test_fleets_best_method_is_paired_with_the_best_baseline_at_a_target_that_discriminates(tmp_path):
+    per_seed = {
+        "a0.1-s0": seed_report(
+            0,
+            0.1,
+            {
+                "fedavg_ft": (0.70, 0.50, [(20, 0.70)]),
+                "ditto": (0.90, 0.80, [(20, 0.85), (40, 0.90)]),
+                "fleet_ditto": (0.92, 0.82, [(10, 0.86), (20, 0.92)]),
+                "fleet_head": (0.80, 0.70, [(10, 0.80)]),
+            },
+        ),
+        "a0.1-s1": seed_report(
+            1,
+            0.1,
+            {
+                "fedavg_ft": (0.60, 0.40, [(20, 0.60)]),
+                "ditto": (0.80, 0.70, [(20, 0.80)]),
+                "fleet_ditto": (0.80, 0.72, [(10, 0.70), (30, 0.80)]),
+                "fleet_head": (0.70, 0.60, [(10, 0.70)]),
+            },
+        ),
+    }
+    report = build_report("pfl.yaml", per_seed, {})
+    assert report["best_baseline"] == "ditto" and report["by_alpha"]["0.1"]["best_fleet_method"] == "fleet_ditto"
+    assert per_seed["a0.1-s0"]["target_accuracy"] == pytest.approx(0.89)  # ditto's final less 1 point
+    ditto, ours = report["methods"]["ditto"], report["methods"]["fleet_ditto"]
+    assert ditto["time_to_target_s"] == pytest.approx(30)  # 40 s and 20 s
+    assert ours["time_to_target_s"] == pytest.approx(25) and ours["reached_target"] == 2  # 20 s and 30 s
+    assert ours["speedup_vs_best_baseline"] == pytest.approx((40 / 20 + 20 / 30) / 2)
+    assert report["methods"]["fleet_head"]["time_to_target_s"] is None  # not reached: no time, no mean
+    assert report["methods"]["fleet_head"]["reached_target"] == 0
+    pair = report["paired_vs_best_baseline"]
+    assert pair["method"] == "fleet_ditto" and pair["mean_diff"] == pytest.approx(0.01)
+    assert pair["mean_diff_ci95_low"] == pytest.approx(0.01 - 12.706 * 0.01414214 / 2**0.5, abs=1e-4)
+    assert pair["p10_diff"] == pytest.approx(0.02)
+    assert {"protocol", "best_baseline", "paired_vs_best_baseline"} <= set(report)
     table = pfl_table(report)
-    assert "fleet_head" in table and "1.33x" in table and "90.00% in 5.0s of device time (0.50x full's)" in table
+    assert "best baseline ditto" in table and "fleet_ditto - ditto: mean +1.00 points" in table
+
+    # The same seeds in two batch files, with a third beta: pooled and computed again
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps(build_report("pfl.yaml", {"a0.1-s0": per_seed["a0.1-s0"]}, {})))
+    other = {
+        "a5-s0": seed_report(
+            0,
+            5,
+            {
+                "fedavg_ft": (0.85, 0.8, [(20, 0.85)]),
+                "ditto": (0.84, 0.8, [(20, 0.84)]),
+                "fleet_ditto": (0.80, 0.7, [(20, 0.8)]),
+                "fleet_head": (0.845, 0.7, [(20, 0.845)]),
+            },
+        ),
+        "a0.1-s1": per_seed["a0.1-s1"],
+    }
+    second.write_text(json.dumps(build_report("pfl.yaml", other, {})))
+    pooled = combine_reports([str(first), str(second)], str(tmp_path / "all.json"))
+    assert pooled["paired_vs_best_baseline"]["mean_diff"] == pytest.approx(0.01)
+    assert pooled["by_alpha"]["5"]["best_baseline"] == "fedavg_ft"
+    choice = pooled["default_policy"]  # fleet_head: 10 points short at 0.1, 0.5 at 5; fleet_ditto: 5 points at 5
+    assert choice["chosen"] == "fleet_ditto" and choice["worst_gap"] == pytest.approx(-0.05)
+    assert (tmp_path / "all.json").is_file()
+
+
+def test_a_file_that_is_no_report_is_one_line_and_exit_2(tmp_path, capsys):
+    from fleet.cli import main
+
+    bad = tmp_path / "x.json"
+    bad.write_text("{}")
+    assert main(["bench", "pfl", "--combine", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--combine: {bad} is not a report of this bench" in err and "\n" not in err
 
 
 @pytest.mark.slow
 def test_the_pfl_bench_runs_end_to_end_on_a_tiny_fleet(tmp_path, capsys):
-    """Two methods, one round each, one new device: every figure, plot and the new device's curves."""
+    """The baseline and the new methods, one round each with every device scored, one new device: every figure,
+    plot and the new device's curves."""
     from fleet.bench.pfl import bench_pfl
 
     overrides = {
@@ -68,16 +151,20 @@ def test_the_pfl_bench_runs_end_to_end_on_a_tiny_fleet(tmp_path, capsys):
         "devices.newcomers": 1,
         "devices.shift.rotation_deg": 45,
         "devices.shift.domains": 2,
+        "federation.devices_per_round": 2,
+        "evaluation.all_devices": True,
     }
     report = bench_pfl(
         "simulations/fleet-tiny.yaml",
         overrides,
-        methods=["fleet_head"],
+        methods=["fleet_head", "fedrep", "fedala", "apfl", "fleet_ditto"],
         finetune_steps=2,
         newcomer_epochs=1,
         quiet=True,
     )
-    assert set(report["methods"]) == {"fedavg_ft", "fleet_head"}
+    assert set(report["methods"]) == {"fedavg_ft", "fleet_head", "fedrep", "fedala", "apfl", "fleet_ditto"}
+    assert report["best_baseline"] in {"fedavg_ft", "fedrep", "fedala", "apfl"}
+    assert report["paired_vs_best_baseline"]["method"] in {"fleet_head", "fleet_ditto"}
     for entry in report["methods"].values():
         assert 0 <= entry["personalized_accuracy_mean"] <= 1 and entry["bytes_uploaded"] > 0
     assert set(report["new_devices"]) == {"full", "tl", "bn_bias", "elastic"}
@@ -89,7 +176,7 @@ def test_the_pfl_bench_runs_end_to_end_on_a_tiny_fleet(tmp_path, capsys):
     # from, the baseline's (no "fleet" method ran), so the same final global model
     from fleet.cli import main
 
-    fleet_run = tmp_path / "fleet-tiny-s0-fedavg_ft"
+    fleet_run = tmp_path / f"fleet-tiny-{seed_tag(1.0, 0)}-fedavg_ft"
     argv = ["bench", "pfl", "--newcomers-from", str(fleet_run), "--newcomer-epochs", "1", "--json"]
     assert main([*argv, "--set", "train.interval=1"]) == 0  # fleet-tiny's own interval: nothing changes
     again = json.loads(capsys.readouterr().out)

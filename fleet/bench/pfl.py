@@ -1,19 +1,24 @@
 """``fleet bench pfl``: personalized federated learning, every method at the same simulated time.
 
-The methods people compare personalization with (pFL-Bench's baselines) against fleet, on devices
-whose label mix *and* inputs differ (``devices.shift``):
+The published personalization methods against fleet's, on devices whose label mix *and* inputs
+differ (``devices.shift``), in one harness (docs/algorithms.md, "Personal models"):
 
-* ``fedavg_ft``: FedAvg, then each device fine-tunes the global model before it is scored;
-* ``fedbn`` / ``fedper``: FedAvg with the normalization layers / the head kept on the device;
-* ``ditto``: every device trains fully, and a personal model pulled toward the global one;
-* ``naive``: per-device ElasticTrainer;
-* ``fleet``, ``fleet_head``, ``fleet_norms``, ``fleet_head_norms``: fleet with each personal policy.
+* baselines (:data:`BASELINES`), each training every tensor: ``fedavg_ft`` (FedAvg, then each device
+  fine-tunes the global model before it is scored), ``fedbn`` / ``fedper`` (the norms / the head
+  kept on the device), ``fedrep`` (a personal head trained first, then the shared body), ``fedala``
+  (the global model merged into the device's own by learned weights), ``apfl`` (a personal model
+  mixed with the shared one) and ``ditto`` (a personal model pulled toward the global one);
+* fleet's: ``naive`` (per-device ElasticTrainer), ``fleet`` with each personal policy, and fleet's
+  selection with a personal-model method (``fleet_ditto``, ``fleet_rep``, ``fleet_ala``).
 
-Each method runs as its own ``fleet simulate`` from the same profile, start model and split.
-FedAvg+FT runs ``federation.rounds`` rounds, which sets the simulated-time horizon every other
-method gets (as ``fleet bench fleet`` does). A method's **personalized accuracy** is what its
-devices end with on their own held-out splits: the fine-tuned global model for FedAvg+FT, the
-device's own model for the others. The target is 95% of FedAvg+FT's final personalized mean.
+The protocol (:data:`PROTOCOL`, in the JSON): every method runs as its own ``fleet simulate`` from
+the same profile (a reference one from ``profiles/`` unless ``--profile measured``), start model and
+split. FedAvg+FT runs ``federation.rounds`` rounds, which sets the simulated-time horizon every other
+method gets. A method's personalized accuracy is its devices' accuracy in the last evaluated round
+within the horizon, every device evaluated. The best baseline is the one with the highest mean over
+the seeds; the target is its final personalized mean minus 1 point, per seed; fleet's best method
+is compared with it paired by seed. Seeds run in batches (one ``--set devices.alpha=A`` each) and
+combine with ``--combine``; ``--reuse`` takes any method run already finished with the same config.
 
 ``devices.newcomers`` devices never take part. After the runs, each personalizes from fleet's
 final global model with ``full``, ``tl``, ``bn_bias`` and ``elastic`` (rho 0.5), its accuracy
@@ -29,7 +34,16 @@ from pathlib import Path
 from typing import Any
 
 from fleet.base.errors import ConfigError
-from fleet.bench.fleet import _mean, _simulate, accuracy_swing, elastic_round_cap, mean_ci95, time_to_target, within
+from fleet.bench.fleet import (
+    _mean,
+    _simulate,
+    accuracy_swing,
+    elastic_round_cap,
+    mean_ci95,
+    reused_summary,
+    time_to_target,
+    within,
+)
 from fleet.bench.launch import progress_log
 from fleet.engine.device_profile import DeviceProfile
 from fleet.federated.config import load_fleet_config, run_dir
@@ -39,19 +53,40 @@ from fleet.federated.state import CHECKPOINT_FILE, load_checkpoint
 from fleet.federated.tracking import METRICS_FILE, SUMMARY_FILE, p10
 
 DEFAULT_CONFIG = "simulations/pfl.yaml"
-BASELINE = "fedavg_ft"  # its rounds set the horizon, its final personalized mean the target
+BASELINE = "fedavg_ft"  # its rounds set the horizon
+FULL = {"federation.strategy": "fedavg"}  # a baseline trains every tensor
 METHODS: dict[str, dict[str, Any]] = {
-    "fedavg_ft": {"federation.strategy": "fedavg"},  # + finetune_steps (the bench's --finetune-steps)
-    "fedbn": {"federation.strategy": "fedavg", "personalization.policy": "norms"},
-    "fedper": {"federation.strategy": "fedavg", "personalization.policy": "head"},
-    "ditto": {"federation.strategy": "ditto", "federation.deadline_factor": 1e6},  # the baseline trains fully
+    "fedavg_ft": FULL,  # + finetune_steps (the bench's --finetune-steps)
+    "fedbn": {**FULL, "personalization.policy": "norms"},
+    "fedper": {**FULL, "personalization.policy": "head"},
+    "fedrep": {**FULL, "personalization.method": "fedrep", "personalization.policy": "head"},
+    "fedala": {**FULL, "personalization.method": "fedala"},
+    "apfl": {**FULL, "personalization.method": "apfl"},
+    "ditto": {**FULL, "personalization.method": "ditto"},
     "naive": {"federation.strategy": "naive"},
     "fleet": {"federation.strategy": "fleet", "personalization.policy": "none"},
     "fleet_head": {"federation.strategy": "fleet", "personalization.policy": "head"},
     "fleet_norms": {"federation.strategy": "fleet", "personalization.policy": "norms"},
     "fleet_head_norms": {"federation.strategy": "fleet", "personalization.policy": "head+norms"},
+    "fleet_ditto": {"federation.strategy": "fleet", "personalization.method": "ditto"},
+    "fleet_rep": {"federation.strategy": "fleet", "personalization.method": "fedrep", "personalization.policy": "head"},
+    "fleet_ala": {"federation.strategy": "fleet", "personalization.method": "fedala"},
 }
+BASELINES = ("fedavg_ft", "fedbn", "fedper", "fedrep", "fedala", "apfl", "ditto")  # every other method is fleet's
 NEWCOMER_SOURCE = "fleet"  # whose final global model the new devices personalize from
+TARGET_MARGIN = 0.01  # the target: the best baseline's final personalized mean less this (1 point)
+PROTOCOL = {
+    "horizon": f"equal simulated time: {BASELINE}'s federation.rounds rounds set it for every method",
+    "accuracy": "the last evaluated round within the horizon (not the best round)",
+    "devices_scored": "every device taking part, sampled in that round or not (evaluation.all_devices)",
+    "scored_after": "the method's own local step: each device's model after its last local training (its personal "
+    "model under Ditto and APFL, FedALA's trained merge, the shared tensors with its own personal ones under "
+    f"FedBN, FedPer and FedRep); for {BASELINE}, the global model after the device's fine-tuning steps. A device not "
+    "sampled in the last round is scored with the model of its last local step",
+    "target": "per seed, the best baseline's final personalized mean less 1 point; a method that never reaches it "
+    "within the horizon has no time (not reached)",
+    "paired": "fleet's best method minus the best baseline, seed by seed, with a 95% t interval over the seeds",
+}
 
 
 def personalized_key(method: str) -> str:
@@ -74,69 +109,74 @@ def device_values(run: Path, method: str, horizon: float | None) -> list[float]:
     return [d[key] for d in evaluated[-1]["devices"] if key in d] if evaluated else []
 
 
-def method_figures(summary: dict, method: str, horizon: float | None, target: float) -> dict[str, Any]:
-    """One method's figures in one seed, over its rounds within the horizon."""
+def method_figures(summary: dict, method: str, horizon: float | None) -> dict[str, Any]:
+    """One method's figures in one seed, over its rounds within the horizon (the target comes later: it
+    follows the best baseline, known only over every seed)."""
     history = within(summary["history"], horizon)
-    curve = personalized_curve(history, method)
     devices = device_values(Path(summary["run_dir"]), method, horizon)
     return {
         "personalized_accuracy_mean": statistics.fmean(devices) if devices else None,
         "personalized_accuracy_p10": p10(devices),
-        "time_to_target_s": time_to_target(curve, target),
         "bytes_uploaded": int(sum(r.get("bytes_uploaded", 0) for r in history)),
         "global_accuracy_swing": accuracy_swing(history),
         "rounds": len(history),
         "sim_time_s": history[-1]["sim_time_s"] if history else 0.0,
         "device_accuracies": devices,
-        "curve": curve,
+        "curve": personalized_curve(history, method),
         "run_dir": summary["run_dir"],
     }
 
 
-def run_method(path: str, overrides: dict[str, Any], log, quiet: bool) -> dict:
-    """One method's simulation; its summary."""
-    cfg, config_path = prepare(load_fleet_config(path, overrides), resume=False, log=log)
+def run_method(path: str, overrides: dict[str, Any], log, quiet: bool, reuse: bool) -> dict:
+    """One method's simulation; its summary. With ``reuse``, a finished run of the same config is read instead."""
+    want = load_fleet_config(path, overrides)
+    if reuse:
+        try:
+            summary = reused_summary(want.name, want)
+            log(f"    reusing {summary['run_dir']}")
+            return summary
+        except ConfigError as why:
+            log(f"    running it: {why}")
+    cfg, config_path = prepare(want, resume=False, log=log)
     _simulate(config_path, quiet)
     return json.loads((run_dir(cfg) / SUMMARY_FILE).read_text())
 
 
+def seed_tag(alpha: float, seed: int) -> str:
+    """A seed's key and run-name tag: the Dirichlet beta and the seed (``a0.1-s3``)."""
+    return f"a{alpha:g}-s{seed}"
+
+
 def run_seed(
-    path: str, overrides: dict[str, Any], methods: Sequence[str], finetune_steps: int, tag: str, log, quiet: bool
+    path: str, overrides: dict[str, Any], methods: Sequence[str], finetune_steps: int, log, quiet: bool, reuse: bool
 ) -> dict[str, dict]:
     """Every method for one seed from one shared profile and start; the baseline first (its clock is the horizon)."""
     base = load_fleet_config(path, overrides)
-    shared, _ = prepare(
-        load_fleet_config(path, {**overrides, "name": f"{base.name}{tag}-shared"}), resume=False, log=log
-    )
+    tag = seed_tag(base.devices.alpha, base.train.seed)
+    shared_cfg = load_fleet_config(path, {**overrides, "name": f"{base.name}-{tag}-shared"})
+    shared, _ = prepare(shared_cfg, resume=reuse, log=log)  # resumed: the same start model as the reused runs
     common = {**overrides, "hardware.profile": shared.hardware.profile, "model.weights": shared.model.weights}
     summaries: dict[str, dict] = {}
     horizon = None
     for method in [BASELINE] + [m for m in methods if m != BASELINE]:
-        extra = {"name": f"{base.name}{tag}-{method}", **METHODS[method]}
+        extra = {"name": f"{base.name}-{tag}-{method}", **METHODS[method]}
         extra["personalization.finetune_steps"] = finetune_steps if method == BASELINE else 0
         if horizon is not None:
             extra["federation.time_budget_s"] = horizon
             extra["federation.rounds"] = elastic_round_cap(base)
         span = f"{horizon:.1f}s simulated" if horizon is not None else f"{base.federation.rounds} rounds (the horizon)"
-        log(f"--- seed {overrides.get('train.seed', base.train.seed)}, {method}: {span} ---")
-        summaries[method] = run_method(path, {**common, **extra}, log, quiet)
+        log(f"--- {tag}, {method}: {span} ---")
+        summaries[method] = run_method(path, {**common, **extra}, log, quiet, reuse)
         if horizon is None:
             horizon = summaries[method]["sim_time_s"]
     return summaries
 
 
-def seed_figures(summaries: dict[str, dict], target_fraction: float) -> dict[str, Any]:
-    """One seed's comparison at the baseline's horizon and target."""
+def seed_figures(summaries: dict[str, dict], alpha: float, seed: int) -> dict[str, Any]:
+    """One seed's figures at the baseline's horizon."""
     horizon = summaries[BASELINE]["sim_time_s"]
-    base = method_figures(summaries[BASELINE], BASELINE, horizon, float("inf"))
-    final = base["personalized_accuracy_mean"]
-    target = target_fraction * final if final is not None else float("inf")
-    methods = {m: method_figures(s, m, horizon, target) for m, s in summaries.items()}
-    t_base = methods[BASELINE]["time_to_target_s"]
-    for entry in methods.values():
-        t = entry["time_to_target_s"]
-        entry["speedup_vs_baseline"] = t_base / t if t_base and t else None
-    return {"horizon_s": horizon, "target_accuracy": target, "methods": methods}
+    methods = {m: method_figures(s, m, horizon) for m, s in summaries.items()}
+    return {"alpha": alpha, "seed": seed, "horizon_s": horizon, "methods": methods}
 
 
 NEWCOMER_LR = 1e-3  # a tenth of the fleet's: fine-tuning a trained model on a few hundred images, not training it
@@ -182,23 +222,138 @@ def newcomer_figures(
 
 
 FIGURES = ("personalized_accuracy_mean", "personalized_accuracy_p10", "time_to_target_s", "bytes_uploaded")
+SPEEDUPS = ("speedup_vs_best_baseline", "speedup_vs_baseline")
 
 
-def combine(seeds: dict[int, dict]) -> dict[str, dict]:
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def with_target(seeds: dict[str, dict], best: str) -> None:
+    """Set each seed's target (``best``'s final personalized mean less :data:`TARGET_MARGIN`), every method's
+    time to it (None: not reached within the horizon) and its speedup over ``best`` and over FedAvg+FT."""
+    for rep in seeds.values():
+        final = rep["methods"][best]["personalized_accuracy_mean"]
+        rep["target_accuracy"] = target = final - TARGET_MARGIN if final is not None else float("inf")
+        for entry in rep["methods"].values():
+            entry["time_to_target_s"] = time_to_target(entry["curve"], target)
+        t_best = rep["methods"][best]["time_to_target_s"]
+        t_base = rep["methods"].get(BASELINE, {}).get("time_to_target_s")
+        for entry in rep["methods"].values():
+            entry["speedup_vs_best_baseline"] = ratio(t_best, entry["time_to_target_s"])
+            entry["speedup_vs_baseline"] = ratio(t_base, entry["time_to_target_s"])
+
+
+def combine(seeds: dict[str, dict]) -> dict[str, dict]:
     """Each method's figures as the mean over seeds, with a 95% interval where there are several
     (None when a seed has no figure: e.g. a method that never reached the target)."""
     out: dict[str, dict] = {}
-    for method in next(iter(seeds.values()))["methods"]:
+    for method in common_methods(seeds):
         entry: dict[str, Any] = {}
-        for fig in (*FIGURES, "global_accuracy_swing", "speedup_vs_baseline"):
+        for fig in (*FIGURES, "global_accuracy_swing", *SPEEDUPS):
             values = [rep["methods"][method].get(fig) for rep in seeds.values()]
             if any(v is None for v in values):
                 entry[fig], entry[f"{fig}_ci95"] = None, None
                 continue
             entry[fig], entry[f"{fig}_ci95"] = mean_ci95([float(v) for v in values])
-        entry["per_seed"] = {str(s): rep["methods"][method]["personalized_accuracy_mean"] for s, rep in seeds.items()}
+        entry["reached_target"] = sum(rep["methods"][method]["time_to_target_s"] is not None for rep in seeds.values())
+        entry["per_seed"] = {s: rep["methods"][method]["personalized_accuracy_mean"] for s, rep in seeds.items()}
         out[method] = entry
     return out
+
+
+def common_methods(seeds: dict[str, dict]) -> list[str]:
+    """The methods every seed ran, in :data:`METHODS`' order."""
+    return [m for m in METHODS if all(m in rep["methods"] for rep in seeds.values())]
+
+
+def best_of(seeds: dict[str, dict], names: Sequence[str]) -> str | None:
+    """Of ``names``, the method with the highest personalized mean over the seeds (None: none ran)."""
+    ran = [m for m in common_methods(seeds) if m in names]
+    means = {
+        m: statistics.fmean(rep["methods"][m]["personalized_accuracy_mean"] or 0.0 for rep in seeds.values())
+        for m in ran
+    }
+    return max(ran, key=means.__getitem__) if ran else None
+
+
+def paired(seeds: dict[str, dict], method: str, baseline: str) -> dict[str, Any]:
+    """``method`` minus ``baseline``, seed by seed: the mean difference of personalized mean and p10, with 95%
+    intervals over the seeds (none from one seed)."""
+    out: dict[str, Any] = {"method": method, "baseline": baseline}
+    for fig, key in (("personalized_accuracy_mean", "mean_diff"), ("personalized_accuracy_p10", "p10_diff")):
+        diffs = [rep["methods"][method][fig] - rep["methods"][baseline][fig] for rep in seeds.values()]
+        mean, half = mean_ci95(diffs)
+        out[key] = mean
+        out[f"{key}_ci95_low"] = None if half is None else mean - half
+        out[f"{key}_ci95_high"] = None if half is None else mean + half
+        out[f"{key}_per_seed"] = dict(zip(seeds, diffs))
+    return out
+
+
+def alpha_report(seeds: dict[str, dict]) -> dict[str, Any]:
+    """One Dirichlet beta's comparison: the best baseline, every method's figures against its target, and
+    fleet's best method paired with it."""
+    best = best_of(seeds, BASELINES) or BASELINE
+    with_target(seeds, best)
+    fleet_best = best_of(seeds, [m for m in METHODS if m not in BASELINES])
+    return {
+        "seeds": [rep["seed"] for rep in seeds.values()],
+        "best_baseline": best,
+        "best_fleet_method": fleet_best,
+        "methods": combine(seeds),
+        "paired_vs_best_baseline": paired(seeds, fleet_best, best) if fleet_best else None,
+    }
+
+
+def policy_choice(by_alpha: dict[str, dict]) -> dict[str, Any] | None:
+    """fleet's method whose worst gap to the best method of any beta is smallest: the default a fleet whose data
+    skew is unknown should run. None unless every beta ran the same fleet methods."""
+    groups = list(by_alpha.values())
+    names = [m for m in METHODS if m not in BASELINES and all(m in g["methods"] for g in groups)]
+    if len(groups) < 2 or not names:
+        return None
+    gaps = {}
+    for m in names:
+        gaps[m] = {}
+        for alpha, g in by_alpha.items():
+            top = max(e["personalized_accuracy_mean"] or 0.0 for e in g["methods"].values())
+            gaps[m][alpha] = (g["methods"][m]["personalized_accuracy_mean"] or 0.0) - top
+    chosen = max(names, key=lambda m: min(gaps[m].values()))
+    return {"gap_to_best_method": gaps, "chosen": chosen, "worst_gap": min(gaps[chosen].values())}
+
+
+PRIMARY_ALPHA = "0.1"  # the beta the top-level figures are of (the most skewed: where personalization matters)
+
+
+def build_report(config: str, per_seed: dict[str, dict], newcomers: dict[str, dict]) -> dict[str, Any]:
+    """The bench's report from its seeds (of one batch or several combined): per beta, and the primary beta's
+    figures at the top level as before."""
+    alphas = sorted({f"{rep['alpha']:g}" for rep in per_seed.values()}, key=float)
+    by_alpha = {a: alpha_report({k: rep for k, rep in per_seed.items() if f"{rep['alpha']:g}" == a}) for a in alphas}
+    top = by_alpha.get(PRIMARY_ALPHA) or by_alpha[alphas[0]]
+    return {
+        "config": str(config),
+        "protocol": PROTOCOL,
+        "seeds": list(per_seed),
+        "comparison": PROTOCOL["horizon"],
+        "personalized_accuracy_is": PROTOCOL["scored_after"],
+        "target": PROTOCOL["target"],
+        "best_baseline": top["best_baseline"],
+        "paired_vs_best_baseline": top["paired_vs_best_baseline"],
+        "methods": top["methods"],
+        "by_alpha": by_alpha,
+        "default_policy": policy_choice(by_alpha),
+        "new_devices": combine_newcomers(newcomers),
+        "new_devices_per_seed": newcomers,
+        "per_seed": per_seed,
+    }
+
+
+def check_methods(methods: Sequence[str]) -> None:
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ConfigError(f"--methods: {unknown[0]!r} is not a method; use some of {', '.join(METHODS)}")
 
 
 def bench_pfl(
@@ -210,43 +365,56 @@ def bench_pfl(
     finetune_steps: int = 10,
     newcomer_epochs: int = 5,
     newcomer_lr: float = NEWCOMER_LR,
-    target_fraction: float = 0.95,
     quiet: bool = False,
+    reuse: bool = False,
 ) -> dict[str, Any]:
     methods = list(methods or METHODS)
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ConfigError(f"--methods: {unknown[0]!r} is not a method; use some of {', '.join(METHODS)}")
+    check_methods(methods)
     if finetune_steps < 1:
         raise ConfigError(f"--finetune-steps: {finetune_steps} is not allowed; use an integer >= 1")
     log = progress_log(quiet)
     overrides = dict(overrides or {})
     base = load_fleet_config(path, overrides)
-    seeds = list(seeds or [base.train.seed])
     per_seed, newcomers = {}, {}
-    for seed in seeds:
-        tag = f"-s{seed}"
-        summaries = run_seed(path, {**overrides, "train.seed": seed}, methods, finetune_steps, tag, log, quiet)
-        per_seed[seed] = seed_figures(summaries, target_fraction)
+    for seed in list(seeds or [base.train.seed]):
+        summaries = run_seed(path, {**overrides, "train.seed": seed}, methods, finetune_steps, log, quiet, reuse)
+        key = seed_tag(base.devices.alpha, seed)
+        per_seed[key] = seed_figures(summaries, base.devices.alpha, seed)
         source = summaries.get(NEWCOMER_SOURCE) or summaries[BASELINE]
-        newcomers[seed] = newcomer_figures(Path(source["run_dir"]), newcomer_epochs, log, newcomer_lr)
-    report: dict[str, Any] = {
-        "config": str(path),
-        "seeds": seeds,
-        "comparison": f"equal simulated time: {BASELINE}'s rounds set the horizon",
-        "personalized_accuracy_is": "each device's accuracy on its held-out split with the model it ends with "
-        f"(the fine-tuned global model for {BASELINE}), in the last evaluated round within the horizon",
-        "target_fraction_of_baseline": target_fraction,
-        "methods": combine(per_seed),
-        "new_devices": combine_newcomers(newcomers),
-        "per_seed": {str(s): r for s, r in per_seed.items()},
-    }
-    out = Path(base.output_dir) / f"{base.name}-pfl.json"
+        newcomers[key] = newcomer_figures(Path(source["run_dir"]), newcomer_epochs, log, newcomer_lr)
+    out = Path(base.output_dir) / f"{base.name}-a{base.devices.alpha:g}-pfl.json"
+    return write_report(build_report(path, per_seed, newcomers), out)
+
+
+def write_report(report: dict[str, Any], out: Path) -> dict[str, Any]:
+    """The report as JSON at ``out``, with its plots beside it."""
     out.parent.mkdir(parents=True, exist_ok=True)
     report["plots"] = [str(p) for p in plot_pfl(report, out.with_suffix(""))]
     out.write_text(json.dumps(report, indent=2))
     report["report"] = str(out)
     return report
+
+
+def combine_reports(files: Sequence[str], out: str) -> dict[str, Any]:
+    """Several batches' reports (``fleet bench pfl --json`` files) as one: their seeds pooled, every figure
+    computed again. A seed run in two batches keeps the later file's."""
+    per_seed: dict[str, dict] = {}
+    newcomers: dict[str, dict] = {}
+    config = None
+    for f in files:
+        try:
+            report = json.loads(Path(f).read_text())
+            per_seed.update(report["per_seed"])
+            newcomers.update(report.get("new_devices_per_seed") or {})
+            config = config or report["config"]
+            if not all("alpha" in rep and "methods" in rep for rep in report["per_seed"].values()):
+                raise KeyError("alpha")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(
+                f"--combine: {f} is not a report of this bench ({type(exc).__name__}: {exc}); give the JSON files "
+                "`fleet bench pfl` wrote"
+            ) from None
+    return write_report(build_report(config, per_seed, newcomers), Path(out))
 
 
 def newcomers_from(
@@ -321,7 +489,7 @@ def plot_pfl(report: dict, stem: Path) -> list[Path]:
     ax.set(
         xlabel="simulated time (s)",
         ylabel="personalized accuracy (%)",
-        title="personalized accuracy, seed " + str(report["seeds"][0]),
+        title="personalized accuracy, " + next(iter(report["per_seed"])),
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -363,31 +531,47 @@ def plot_new_devices(new_devices: dict, path: Path) -> Path:
         )
     ax.set(xlabel="device time (s)", ylabel="accuracy (%)", title="new devices personalizing from the final model")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if new_devices:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
-def pfl_table(report: dict) -> str:
-    def pct(v, ci=None):
-        return "n/a" if v is None else f"{100 * v:.2f}%" + (f" ±{100 * ci:.2f}" if ci else "")
+def pct(v: float | None, ci: float | None = None) -> str:
+    return "n/a" if v is None else f"{100 * v:.2f}%" + (f" ±{100 * ci:.2f}" if ci else "")
 
-    lines = [
-        f"{report['comparison']}; seeds {report['seeds']}; target {report['target_fraction_of_baseline']:.0%} of "
-        f"{BASELINE}'s final personalized mean",
-        f"{'method':>17} {'pers mean':>16} {'pers p10':>16} {'to target s':>11} {'vs base':>8} {'MB up':>9} "
-        f"{'swing':>6}",
-    ]
-    for m, r in report["methods"].items():
-        t, sp, swing = r["time_to_target_s"], r["speedup_vs_baseline"], r["global_accuracy_swing"]
+
+def pfl_table(report: dict) -> str:
+    """Per beta: every method's figures, the best baseline, and fleet's best method paired with it."""
+    lines = [f"{report['comparison']}; target: {report['target']}"]
+    for alpha, group in report["by_alpha"].items():
+        lines.append(f"Dirichlet {alpha}, seeds {group['seeds']}; best baseline {group['best_baseline']}")
         lines.append(
-            f"{m:>17} {pct(r['personalized_accuracy_mean'], r['personalized_accuracy_mean_ci95']):>16} "
-            f"{pct(r['personalized_accuracy_p10'], r['personalized_accuracy_p10_ci95']):>16} "
-            f"{'n/a' if t is None else f'{t:.1f}':>11} {'n/a' if sp is None else f'{sp:.2f}x':>8} "
-            f"{(r['bytes_uploaded'] or 0) / 1e6:>9.1f} {'n/a' if swing is None else f'{100 * swing:.2f}':>6}"
+            f"{'method':>17} {'pers mean':>16} {'pers p10':>16} {'reached':>7} {'to target s':>11} "
+            f"{'vs best':>8} {'MB up':>9} {'swing':>6}"
         )
+        for m, r in group["methods"].items():
+            t, sp, swing = r["time_to_target_s"], r["speedup_vs_best_baseline"], r["global_accuracy_swing"]
+            lines.append(
+                f"{m:>17} {pct(r['personalized_accuracy_mean'], r['personalized_accuracy_mean_ci95']):>16} "
+                f"{pct(r['personalized_accuracy_p10'], r['personalized_accuracy_p10_ci95']):>16} "
+                f"{r['reached_target']:>3}/{len(group['seeds']):<3} {'n/a' if t is None else f'{t:.1f}':>11} "
+                f"{'n/a' if sp is None else f'{sp:.2f}x':>8} {(r['bytes_uploaded'] or 0) / 1e6:>9.1f} "
+                f"{'n/a' if swing is None else f'{100 * swing:.2f}':>6}"
+            )
+        pair = group["paired_vs_best_baseline"]
+        if pair:
+            low = pair["mean_diff_ci95_low"]
+            lines.append(
+                f"  {pair['method']} - {pair['baseline']}: mean {100 * pair['mean_diff']:+.2f} points"
+                + ("" if low is None else f" (95% interval from {100 * low:+.2f})")
+                + f", p10 {100 * pair['p10_diff']:+.2f}"
+            )
+    choice = report.get("default_policy")
+    if choice:
+        lines.append(f"default policy over the betas: {choice['chosen']} (worst gap {100 * choice['worst_gap']:+.2f})")
     if report["new_devices"]:
         lines.append(newcomers_table(report["new_devices"]))
     return "\n".join(lines)

@@ -12,7 +12,11 @@ DEFAULT_CONFIG = "simulations/pfl.yaml"
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("pfl", help="FedAvg+FT, FedBN, FedPer, Ditto, naive and fleet's personal policies; new devices")
+    from fleet.bench.regimes import add_profile_flags
+
+    p = sub.add_parser(
+        "pfl", help="FedAvg+FT, FedBN, FedPer, FedRep, FedALA, APFL, Ditto against fleet's methods; new devices"
+    )
     p.add_argument("--config", default=DEFAULT_CONFIG, help=f"fleet YAML (default: {DEFAULT_CONFIG})")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a config field")
     p.add_argument("--seeds", type=int, nargs="+", help="run every method once per seed (default: train.seed)")
@@ -28,14 +32,28 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         metavar="RUN_DIR",
         help="only the new devices, from these finished runs' final models (e.g. runs/pfl-s0-fleet); plot beside them",
     )
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="read any method run already finished with the same config (a batch cut short)",
+    )
+    p.add_argument(
+        "--combine",
+        nargs="+",
+        metavar="REPORT",
+        help="pool the seeds of these reports (batches this bench wrote, e.g. one per Dirichlet beta) into one",
+    )
+    p.add_argument("--out", help="with --combine: the combined report's path (default: runs/pfl-combined.json)")
     p.add_argument("--output-dir")
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
+    add_profile_flags(p)
     p.set_defaults(func=run_pfl)
 
 
 def run_pfl(args: argparse.Namespace) -> int:
     from fleet.base.errors import ConfigError
-    from fleet.bench.pfl import NEWCOMER_LR, bench_pfl, newcomers_from, newcomers_table, pfl_table
+    from fleet.bench.pfl import NEWCOMER_LR, bench_pfl, combine_reports, newcomers_from, newcomers_table, pfl_table
+    from fleet.bench.regimes import profile_overrides
     from fleet.commands.common import require_counts, set_overrides
     from fleet.engine.config import parse_override
 
@@ -48,15 +66,20 @@ def run_pfl(args: argparse.Namespace) -> int:
         report = newcomers_from(args.newcomers_from, args.newcomer_epochs, lr, overrides, args.json)
         print(json.dumps(report, indent=2) if args.json else newcomers_table(report["new_devices"]))
         return 0
+    if args.combine:
+        report = combine_reports(args.combine, args.out or "runs/pfl-combined.json")
+        print(json.dumps(report, indent=2) if args.json else pfl_table(report))
+        return 0
     report = bench_pfl(
         args.config,
-        set_overrides(args),
+        {**set_overrides(args), **profile_overrides(args.profile, args.regime)},
         seeds=args.seeds,
         methods=args.methods,
         finetune_steps=args.finetune_steps,
         newcomer_epochs=args.newcomer_epochs,
         newcomer_lr=lr,
         quiet=args.json,
+        reuse=args.reuse,
     )
     print(json.dumps(report, indent=2) if args.json else pfl_table(report))
     return 0

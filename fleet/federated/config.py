@@ -34,6 +34,7 @@ from fleet.engine.config import (
 from fleet.engine.config import MOVED as ENGINE_MOVED
 from fleet.federated.class_config import DeviceClassConfig, check_classes
 from fleet.federated.paths import resolve_path
+from fleet.federated.personal import METHODS as PERSONAL_METHODS
 from fleet.federated.personal import POLICIES as PERSONAL_POLICIES
 from fleet.federated.testbed_config import TestbedConfig, check_testbed
 
@@ -52,8 +53,8 @@ Rules = ClassVar[dict[str, Rule]]  # a section's own checks, by field name (flee
 class FederationConfig:
     """The rounds: which strategy, how many, how long each may take, and how the server steps."""
 
-    # fleet (elastic + window + blending), naive (per-device elastic), fedavg (full training), ditto (per-device
-    # elastic, plus a personal model trained toward the global one with the proximal weight ditto_lambda)
+    # fleet (elastic + window + blending), naive (per-device elastic), fedavg (full training), ditto (naive's
+    # selection with personalization.method ditto: a personal model trained toward the global one)
     strategy: str = "fleet"
     rounds: int = 10  # rounds to run (time_budget_s may stop the run sooner)
     time_budget_s: float | None = None  # also stop once the simulated clock reaches this (equal-time comparisons)
@@ -257,13 +258,27 @@ class PersonalizationConfig:
 
     # tensors each device keeps for itself, never sent nor averaged: none | head (FedPer) | norms (FedBN) | head+norms
     policy: str = "none"
+    # how a device makes its personal model in a round, under any strategy (docs/algorithms.md, "Personal models"):
+    # none (the model it trained), ditto (a second model pulled toward the global one), fedrep (its head first, then
+    # the shared body; needs a personal head), fedala (the global model merged into its own by learned weights
+    # before training), apfl (a second model mixed with the shared one by a learned alpha)
+    method: str = "none"
     ditto_lambda: float = 0.1  # Ditto's pull of the personal model toward the global model (0: plain local training)
+    head_steps: int | None = None  # fedrep: steps on the head before the body's; null: federation.local_steps (FedRep)
+    ala_tensors: int = 2  # fedala: the last this many tensors are merged by learned weights (FedALA's p; 2: the head)
+    ala_fraction: float = 0.8  # fedala: share of the device's data the merge weights learn on (FedALA's s: 80%)
+    apfl_alpha: float = 0.5  # apfl: the starting share of the personal model in the mix (then learned each step)
     # before a device is evaluated it fine-tunes a copy of the global model for this many local steps (elastic, within
     # the same share of the deadline a round's steps get; its simulated time goes on the clock); 0: no fine-tuning
     finetune_steps: int = 0
 
     RULES: Rules = {
         "policy": (lambda v: v in PERSONAL_POLICIES, "one of " + ", ".join(PERSONAL_POLICIES)),
+        "method": (lambda v: v in PERSONAL_METHODS, "one of " + ", ".join(PERSONAL_METHODS)),
+        "head_steps": (lambda v: v is None or v >= 1, "an integer >= 1, or null (federation.local_steps)"),
+        "ala_tensors": (lambda v: v >= 1, "an integer >= 1 (the last tensors of the model)"),
+        "ala_fraction": (lambda v: 0 < v <= 1, "a share in (0, 1]"),
+        "apfl_alpha": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
         "ditto_lambda": (lambda v: v >= 0, "a number >= 0 (0: the personal model trains freely)"),
         "finetune_steps": (lambda v: v >= 0, "an integer >= 0 (local steps; 0: no fine-tuning)"),
     }
@@ -275,6 +290,9 @@ class EvaluationConfig:
 
     every: int = 1  # evaluate every this many rounds (and always the run's last round)
     devices: int | None = None  # evaluate a seeded sample of this many of the round's trained devices; null: all
+    # evaluate every connected member, not only the round's trained devices: with devices_per_round a sample, the
+    # fleet's personalized figures then cover every device, as pFL benchmarks score (fleet bench pfl)
+    all_devices: bool = False
     # also score the global model each round on the data's test split held by the server (data.test_per_class per
     # class; no device's data): balanced and low-noise, where the devices' small skewed splits are not. A deployed
     # server usually holds no data, hence off by default
@@ -394,6 +412,11 @@ def _check_rules(cfg: FleetConfig) -> None:
         raise ConfigError(
             f"devices.newcomers: {dev.newcomers} leaves none of the {dev.num_devices} devices to take part; "
             "use fewer than devices.num_devices"
+        )
+    if cfg.personalization.method == "fedrep" and cfg.personalization.policy not in ("head", "head+norms"):
+        raise ConfigError(
+            f"personalization.method: fedrep trains a personal head, but personalization.policy is "
+            f"{cfg.personalization.policy!r}; use policy head or head+norms"
         )
     if el.window_blocks > el.num_blocks:
         raise ConfigError(

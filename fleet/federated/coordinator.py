@@ -476,10 +476,12 @@ class Coordinator:
     def evaluates(self, server_round: int) -> bool:
         return evaluates(self.cfg, server_round, self.state.sim_time_s + self.state.replies.round_time_s)
 
-    def evaluation_nodes(self, server_round: int) -> list[str]:
-        """A seeded sample (``evaluation.devices``, else all) of the devices that trained without failing."""
+    def evaluation_nodes(self, server_round: int, connected: Iterable[str] = ()) -> list[str]:
+        """A seeded sample (``evaluation.devices``, else all) of the devices that trained without failing, or
+        with ``evaluation.all_devices`` of every connected member that is not benched, trained this round or not."""
         ev = self.cfg.evaluation
-        return sample(self.state.replies.answered, ev.devices, self.cfg.train.seed, server_round, EVAL_STREAM)
+        pool = sorted(self.eligible(connected)) if ev.all_devices else self.state.replies.answered
+        return sample(pool, ev.devices, self.cfg.train.seed, server_round, EVAL_STREAM)
 
     def close_evaluate(self, server_round: int, replies: list[Reply]) -> None:
         """Keep the evaluate replies that fit schema.EVALUATE (a line for each that does not) and weigh

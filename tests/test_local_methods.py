@@ -51,7 +51,7 @@ def test_learn_ala_moves_the_weights_toward_the_model_that_fits_the_data():
     result = learn_ala(model, local, weights, [[(x[:32], y[:32]), (x[32:], y[32:])]], first=False)
     assert result.batches == 2
     assert float(result.weights["1.bias"].mean()) > 0.5
-    assert float(nn.functional.cross_entropy(model(x), y)) < float(loss_local) - 0.5
+    assert float(nn.functional.cross_entropy(model(x), y).detach()) < float(loss_local) - 0.5
     assert all(float(w.min()) >= 0 and float(w.max()) <= 1 for w in result.weights.values())
 
 
@@ -126,3 +126,8 @@ def test_an_apfl_device_keeps_its_personal_model_and_alpha_and_is_scored_on_the_
 def test_an_unknown_personal_method_is_one_line():
     with pytest.raises(ConfigError, match=r"^personalization.method: 'perfedavg' is not allowed; use one of none"):
         load_fleet_config(TINY, {"personalization.method": "perfedavg"})
+
+
+def test_another_method_beside_the_ditto_strategy_is_one_line():
+    with pytest.raises(ConfigError, match=r"^personalization.method: apfl cannot run beside the ditto strategy"):
+        load_fleet_config(TINY, {"personalization.method": "apfl", "federation.strategy": "ditto"})

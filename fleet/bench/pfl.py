@@ -73,7 +73,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "fleet_ala": {"federation.strategy": "fleet", "personalization.method": "fedala"},
 }
 BASELINES = ("fedavg_ft", "fedbn", "fedper", "fedrep", "fedala", "apfl", "ditto")  # every other method is fleet's
-NEWCOMER_SOURCE = "fleet"  # whose final global model the new devices personalize from
+NEWCOMER_SOURCE = "fleet"  # whose final global model the new devices personalize from (else fleet's first method run)
 TARGET_MARGIN = 0.01  # the target: the best baseline's final personalized mean less this (1 point)
 PROTOCOL = {
     "horizon": f"equal simulated time: {BASELINE}'s federation.rounds rounds set it for every method",
@@ -140,6 +140,13 @@ def run_method(path: str, overrides: dict[str, Any], log, quiet: bool, reuse: bo
     cfg, config_path = prepare(want, resume=False, log=log)
     _simulate(config_path, quiet)
     return json.loads((run_dir(cfg) / SUMMARY_FILE).read_text())
+
+
+def newcomer_source(summaries: dict[str, dict]) -> str:
+    """The run whose final global model the new devices personalize from: ``fleet``'s, else the first of
+    fleet's methods that ran, else the baseline's."""
+    ours = [m for m in summaries if m not in BASELINES]
+    return NEWCOMER_SOURCE if NEWCOMER_SOURCE in summaries else (ours[0] if ours else BASELINE)
 
 
 def seed_tag(alpha: float, seed: int) -> str:
@@ -380,7 +387,7 @@ def bench_pfl(
         summaries = run_seed(path, {**overrides, "train.seed": seed}, methods, finetune_steps, log, quiet, reuse)
         key = seed_tag(base.devices.alpha, seed)
         per_seed[key] = seed_figures(summaries, base.devices.alpha, seed)
-        source = summaries.get(NEWCOMER_SOURCE) or summaries[BASELINE]
+        source = summaries[newcomer_source(summaries)]
         newcomers[key] = newcomer_figures(Path(source["run_dir"]), newcomer_epochs, log, newcomer_lr)
     out = Path(base.output_dir) / f"{base.name}-a{base.devices.alpha:g}-pfl.json"
     return write_report(build_report(path, per_seed, newcomers), out)

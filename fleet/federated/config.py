@@ -418,6 +418,11 @@ def _check_rules(cfg: FleetConfig) -> None:
             f"personalization.method: fedrep trains a personal head, but personalization.policy is "
             f"{cfg.personalization.policy!r}; use policy head or head+norms"
         )
+    if cfg.federation.strategy == "ditto" and cfg.personalization.method not in ("none", "ditto"):
+        raise ConfigError(
+            f"personalization.method: {cfg.personalization.method} cannot run beside the ditto strategy (naive "
+            "selection with Ditto's personal model); use federation.strategy naive or fleet with this method"
+        )
     if el.window_blocks > el.num_blocks:
         raise ConfigError(
             f"elastic.window_blocks: {el.window_blocks} exceeds elastic.num_blocks={el.num_blocks}; "

@@ -426,7 +426,7 @@ class DeviceRound:
         own = self._train_personal(plan, start, mask, steps) if method == "ditto" else None
         if apfl is not None:
             own = apfl.mixed()
-            before.method_state = {"v": weights_of(apfl.v), "alpha": float(apfl.alpha)}
+            before.method_state = {"v": weights_of(apfl.v), "alpha": float(apfl.alpha.detach())}
         measured = time.perf_counter() - started + before.measured_s
         predicted = work.models * steps * (self.profile.step_time(mask) + added_s) + probe_cost + before.device_s
         times = RoundTimes(predicted, measured, added_s)

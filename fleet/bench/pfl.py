@@ -28,6 +28,7 @@ recorded against device time (:mod:`fleet.federated.newcomer`): ElasticTrainer's
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,6 +48,7 @@ from fleet.bench.fleet import (
 from fleet.bench.launch import progress_log
 from fleet.engine.device_profile import DeviceProfile
 from fleet.federated.config import load_fleet_config, run_dir
+from fleet.federated.device import DEVICES_DIR
 from fleet.federated.newcomer import personalize_newcomer
 from fleet.federated.prepare import prepare
 from fleet.federated.state import CHECKPOINT_FILE, load_checkpoint
@@ -139,6 +141,9 @@ def run_method(path: str, overrides: dict[str, Any], log, quiet: bool, reuse: bo
             log(f"    running it: {why}")
     cfg, config_path = prepare(want, resume=False, log=log)
     _simulate(config_path, quiet)
+    # The devices' saved state (weights and momentum, ~90 MB each) is read by nothing after the run; a seed's
+    # runs would otherwise fill a disk (20 GB a seed). Metrics, summary and the final checkpoint stay.
+    shutil.rmtree(run_dir(cfg) / DEVICES_DIR, ignore_errors=True)
     return json.loads((run_dir(cfg) / SUMMARY_FILE).read_text())
 
 

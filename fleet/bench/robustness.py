@@ -33,6 +33,7 @@ from fleet.engine.config import NULL
 from fleet.engine.experiment import model_with_weights
 from fleet.engine.trainer import accuracy
 from fleet.federated.config import FleetConfig, load_fleet_config, run_dir
+from fleet.federated.device import DEVICES_DIR
 from fleet.federated.prepare import prepare
 from fleet.federated.server_eval import server_test_set
 from fleet.federated.state import load_checkpoint
@@ -131,7 +132,7 @@ def run_one(
     entry.update(run_figures(out, error, honest_from))
     if attack in (None, "backdoor"):  # the clean model's rate is the baseline a backdoor is measured against
         entry["backdoor_success"] = backdoor_success(cfg, out)
-    shutil.rmtree(out / "devices", ignore_errors=True)  # 8 devices' weights and momentum: ~0.7 GB a run, unused
+    shutil.rmtree(out / DEVICES_DIR, ignore_errors=True)  # 8 devices' weights and momentum: ~0.7 GB a run, unused
     entry["run_dir"] = str(out)
     acc = entry["final_accuracy"]
     log(

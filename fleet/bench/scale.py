@@ -31,6 +31,7 @@ from typing import Any
 from fleet.base.errors import ConfigError
 from fleet.bench.launch import HONEST_APP, Log, MemoryWatch, launch, progress_log, shared_start
 from fleet.federated.config import load_fleet_config, run_dir
+from fleet.federated.device import DEVICES_DIR
 from fleet.federated.prepare import prepare
 
 DEFAULT_CONFIG = "simulations/scale.yaml"
@@ -107,7 +108,7 @@ def run_size(path: str, common: dict, devices: int, per_round: int, timeout_s: f
     }
     if error is not None:
         entry["error"] = error
-    shutil.rmtree(run_dir(cfg) / "devices", ignore_errors=True)  # every device's state: 7 GB at 256 devices
+    shutil.rmtree(run_dir(cfg) / DEVICES_DIR, ignore_errors=True)  # every device's state: 7 GB at 256 devices
     return entry
 
 

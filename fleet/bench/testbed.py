@@ -34,6 +34,7 @@ from fleet.engine.config import config_to_dict
 from fleet.engine.device_profile import DeviceProfile
 from fleet.federated.class_config import DeviceClassConfig
 from fleet.federated.config import FleetConfig, run_dir
+from fleet.federated.device import DEVICES_DIR
 from fleet.federated.testbed_config import TestbedConfig
 from fleet.federated.tracking import METRICS_FILE
 from fleet.testbed.run import TestbedRun, read_records, run_testbed
@@ -126,7 +127,7 @@ def class_start_s(run: TestbedRun, cls: str) -> float:
 
 def class_profile(run: TestbedRun, cls: str) -> Path:
     """The profile the class's first device measured under its limits, in its state folder."""
-    return run.run_dir / "devices" / f"{cls}-0" / "device-profile.yaml"
+    return run.run_dir / DEVICES_DIR / f"{cls}-0" / "device-profile.yaml"
 
 
 def simulation_config(cfg: FleetConfig, fleet: TestbedRun, fedavg: TestbedRun, rounds: int) -> FleetConfig:
@@ -221,7 +222,7 @@ def memory_entries(runs: dict[str, TestbedRun]) -> dict[str, dict]:
         for name, cls in run.classes.items():
             if cls.memory_mb is None:
                 continue
-            path = run.run_dir / "devices" / name / "memory-profile.json"
+            path = run.run_dir / DEVICES_DIR / name / "memory-profile.json"
             unplanned = json.loads(path.read_text())["measured_peak_bytes"] if path.is_file() else None
             rows = [d for r in run.records for d in r.get("devices", []) if d.get("device") == name and "steps" in d]
             peak, kills = run.memory.get(name, (None, 0))

@@ -29,6 +29,8 @@ from fleet.memory.budgeted import MemoryBudget
 
 DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # safe as a file name and a plot label
 
+DEVICES_DIR = "devices"  # a simulated run's folder of device state, one sub-folder per device
+
 
 def tier_of(cfg: FleetConfig, partition_id: int | None, node_config: dict[str, Any]) -> float:
     """The device's speed tier: ``tier`` in the node config, else the config's tiers in turn for a
@@ -247,7 +249,7 @@ def state_dir_of(cfg: FleetConfig, name: str, node_config: dict[str, Any]) -> Pa
     else runs/<run name>/devices/<device name>."""
     if node_config.get(keys.NODE_STATE_DIR):
         return Path(str(node_config[keys.NODE_STATE_DIR])).expanduser() / cfg.name
-    return run_dir(cfg) / "devices" / name
+    return run_dir(cfg) / DEVICES_DIR / name
 
 
 # --- device state that must outlive a round --------------------------------

@@ -28,6 +28,7 @@ def run(tmp_path, name: str, points: list[tuple[float, float, list[float]]], key
         for i, (t, a, devs) in enumerate(points)
     ]
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (out / "fleet-config.yaml").write_text("hardware:\n  profile: profiles/resnet18-16px-pi4.yaml\n")
     history = [{k: r[k] for k in ("round", "sim_time_s", "global_accuracy", key, "bytes_uploaded")} for r in records]
     return {"run_dir": str(out), "sim_time_s": points[-1][0], "history": history}
 
@@ -41,6 +42,7 @@ def test_each_method_is_judged_on_its_own_personalized_accuracy_at_the_baselines
     }
     rep = seed_figures(summaries, 0.1, 0)
     assert rep["horizon_s"] == 40 and rep["alpha"] == 0.1
+    assert rep["profile"]["speed_factor"] == pytest.approx(7.1) and rep["profile"]["host"]["cpu"]  # whose seconds
     base, fleet = rep["methods"]["fedavg_ft"], rep["methods"]["fleet_head"]
     assert base["personalized_accuracy_mean"] == pytest.approx(0.8)
     assert fleet["personalized_accuracy_mean"] == pytest.approx(0.85)  # round 3 lies past the horizon

@@ -34,6 +34,7 @@ from typing import Any
 
 from fleet.base.errors import ConfigError, FleetError
 from fleet.bench.launch import progress_log
+from fleet.bench.regimes import run_profile
 from fleet.engine.config import config_to_dict
 from fleet.federated.config import FleetConfig, load_fleet_config, run_dir
 from fleet.federated.prepare import EFFECTIVE_CONFIG, prepare
@@ -431,6 +432,7 @@ def bench_fleet(
         "a model to the horizon",
         "target_fraction_of_fedavg_final": target_fraction,
         "seeds": list(per_seed),
+        "profile": run_profile(next(iter(per_seed.values()))["methods"]["fedavg"]["run_dir"]),  # whose seconds
         "reused_runs": list(reuse),
         "methods": combine(per_seed),
         "differences": differences(per_seed),

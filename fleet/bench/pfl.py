@@ -46,6 +46,7 @@ from fleet.bench.fleet import (
     within,
 )
 from fleet.bench.launch import progress_log
+from fleet.bench.regimes import run_profile
 from fleet.engine.device_profile import DeviceProfile
 from fleet.federated.config import load_fleet_config, run_dir
 from fleet.federated.device import DEVICES_DIR
@@ -188,7 +189,8 @@ def seed_figures(summaries: dict[str, dict], alpha: float, seed: int) -> dict[st
     """One seed's figures at the baseline's horizon."""
     horizon = summaries[BASELINE]["sim_time_s"]
     methods = {m: method_figures(s, m, horizon) for m, s in summaries.items()}
-    return {"alpha": alpha, "seed": seed, "horizon_s": horizon, "methods": methods}
+    profile = run_profile(summaries[BASELINE]["run_dir"])
+    return {"alpha": alpha, "seed": seed, "horizon_s": horizon, "profile": profile, "methods": methods}
 
 
 NEWCOMER_LR = 1e-3  # a tenth of the fleet's: fine-tuning a trained model on a few hundred images, not training it
@@ -346,6 +348,7 @@ def build_report(config: str, per_seed: dict[str, dict], newcomers: dict[str, di
     top = by_alpha.get(PRIMARY_ALPHA) or by_alpha[alphas[0]]
     return {
         "config": str(config),
+        "profile": next(iter(per_seed.values())).get("profile"),  # whose seconds these are (every seed's in per_seed)
         "protocol": PROTOCOL,
         "seeds": list(per_seed),
         "comparison": PROTOCOL["horizon"],

@@ -5,6 +5,7 @@ Light on imports: the CLI adds these flags to its parsers before any bench runs.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 # The reference profiles the benches use by default (profiles/README.md): simulated time then follows a stored
@@ -54,3 +55,21 @@ def add_profile_flags(p: Any, regimes: bool = True) -> None:
             help="upload: one core of the CI host, uploads dominate a round (the default profile); compute: a "
             "Raspberry Pi 4 class, training dominates",
         )
+
+
+def run_profile(run: str | Path) -> dict[str, Any]:
+    """Which profile a finished run's simulated clock followed (its effective config's), with the machine and
+    date it was measured on: a bench's JSON says which device its seconds are of."""
+    from fleet.engine.device_profile import DeviceProfile
+    from fleet.federated.config import load_fleet_config
+    from fleet.federated.prepare import EFFECTIVE_CONFIG
+
+    path = load_fleet_config(Path(run) / EFFECTIVE_CONFIG).hardware.profile
+    profile = DeviceProfile.load(path)
+    return {
+        "file": str(path),
+        "created": profile.created,
+        "host": profile.host,
+        "speed_factor": profile.speed_factor,
+        "full_step_s": profile.full_step_time,
+    }

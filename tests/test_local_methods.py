@@ -131,3 +131,27 @@ def test_an_unknown_personal_method_is_one_line():
 def test_another_method_beside_the_ditto_strategy_is_one_line():
     with pytest.raises(ConfigError, match=r"^personalization.method: apfl cannot run beside the ditto strategy"):
         load_fleet_config(TINY, {"personalization.method": "apfl", "federation.strategy": "ditto"})
+
+
+def test_dittos_own_personal_selection_trains_more_within_the_same_deadline(tmp_path):
+    """The personal model is never sent: choosing its own tensors by compute alone, it trains more of them than
+    the shared update (which pays each tensor's upload), and the round still fits its deadline."""
+    _, weights = device(tmp_path, "none")
+    trained = {}
+    for choice in ("same", "own"):
+        dev = method_device(
+            tmp_path / choice,
+            "ditto",
+            **{"personalization.personal_selection": choice, "devices.bandwidth_bytes_per_s": 2e7},
+        )
+        profile, steps = dev.profile(), dev.cfg.federation.local_steps
+        upload = sum(v.numel() * 4 for v in weights.values() if v.is_floating_point()) / 2e7
+        deadline = 0.5 * (2 * steps * profile.full_step_time + upload)
+        result = tasks.train(dev, fresh(weights), {**round_config(1), keys.DEADLINE_S: deadline})
+        assert result.metrics[keys.PREDICTED_TIME_S] + upload * result.metrics[keys.TRAINED_FRACTION] <= deadline * 1.05
+        moved = [
+            n for n, t in result.state.personal.items() if t.is_floating_point() and not torch.equal(t, weights[n])
+        ]
+        trained[choice] = (len(moved), result.metrics[keys.SELECTED])
+    assert trained["own"][1] == trained["same"][1]  # the shared update is chosen as before
+    assert trained["own"][0] > trained["same"][0]  # the personal model trains more tensors

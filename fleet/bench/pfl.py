@@ -9,7 +9,7 @@ differ (``devices.shift``), in one harness (docs/algorithms.md, "Personal models
   (the global model merged into the device's own by learned weights), ``apfl`` (a personal model
   mixed with the shared one) and ``ditto`` (a personal model pulled toward the global one);
 * fleet's: ``naive`` (per-device ElasticTrainer), ``fleet`` with each personal policy, and fleet's
-  selection with a personal-model method (``fleet_ditto``, ``fleet_rep``, ``fleet_ala``).
+  selection with a personal-model method (``fleet_ditto``, ``fleet_ditto_own``, ``fleet_rep``, ``fleet_ala``).
 
 The protocol (:data:`PROTOCOL`, in the JSON): every method runs as its own ``fleet simulate`` from
 the same profile (a reference one from ``profiles/`` unless ``--profile measured``), start model and
@@ -72,6 +72,11 @@ METHODS: dict[str, dict[str, Any]] = {
     "fleet_norms": {"federation.strategy": "fleet", "personalization.policy": "norms"},
     "fleet_head_norms": {"federation.strategy": "fleet", "personalization.policy": "head+norms"},
     "fleet_ditto": {"federation.strategy": "fleet", "personalization.method": "ditto"},
+    "fleet_ditto_own": {
+        "federation.strategy": "fleet",
+        "personalization.method": "ditto",
+        "personalization.personal_selection": "own",  # the personal model's tensors by compute alone
+    },
     "fleet_rep": {"federation.strategy": "fleet", "personalization.method": "fedrep", "personalization.policy": "head"},
     "fleet_ala": {"federation.strategy": "fleet", "personalization.method": "fedala"},
 }

@@ -264,6 +264,10 @@ class PersonalizationConfig:
     # before training), apfl (a second model mixed with the shared one by a learned alpha)
     method: str = "none"
     ditto_lambda: float = 0.1  # Ditto's pull of the personal model toward the global model (0: plain local training)
+    # which tensors Ditto's personal model trains in an elastic round: same (the shared update's selection) or own
+    # (its own selection by the same importance, within what the shared update leaves of the budget; it is never
+    # sent, so it pays no upload and may take the upload-heavy output-side tensors the shared update cannot)
+    personal_selection: str = "same"
     head_steps: int | None = None  # fedrep: steps on the head before the body's; null: federation.local_steps (FedRep)
     ala_tensors: int = 2  # fedala: the last this many tensors are merged by learned weights (FedALA's p; 2: the head)
     ala_fraction: float = 0.8  # fedala: share of the device's data the merge weights learn on (FedALA's s: 80%)
@@ -276,6 +280,7 @@ class PersonalizationConfig:
         "policy": (lambda v: v in PERSONAL_POLICIES, "one of " + ", ".join(PERSONAL_POLICIES)),
         "method": (lambda v: v in PERSONAL_METHODS, "one of " + ", ".join(PERSONAL_METHODS)),
         "head_steps": (lambda v: v is None or v >= 1, "an integer >= 1, or null (federation.local_steps)"),
+        "personal_selection": (lambda v: v in ("same", "own"), "same or own"),
         "ala_tensors": (lambda v: v >= 1, "an integer >= 1 (the last tensors of the model)"),
         "ala_fraction": (lambda v: 0 < v <= 1, "a share in (0, 1]"),
         "apfl_alpha": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),

@@ -34,6 +34,7 @@ from fleet.engine.device_profile import DeviceProfile
 from fleet.engine.experiment import model_with_weights
 from fleet.engine.models import head_parameter_names
 from fleet.engine.policies import Blend, SelectionPolicy, Window
+from fleet.engine.selection import select_tensors
 from fleet.engine.trainer import RESTORE_PROBE_STEPS, Trainer
 from fleet.federated import keys
 from fleet.federated.config import FleetConfig
@@ -263,6 +264,20 @@ def probe_pays(budget: RoundBudget, probe_s: float) -> bool:
     return shortfall > probe_s
 
 
+def uploaded_s(budget: RoundBudget, mask: list[bool]) -> float:
+    """Seconds the reply of a round that trained ``mask`` takes to upload: its tensors and the norm statistics."""
+    return sum(u for u, m in zip(budget.upload_s, mask) if m) + budget.buffers_s
+
+
+def own_selection(trainer: Trainer, importance: list[float], left_s: float, steps: int) -> list[bool]:
+    """Ditto's personal model's own tensors (``personalization.personal_selection: own``): the most important
+    that fit ``left_s`` over ``steps`` steps, by compute alone (it is never sent).
+    The shared trainer's selection is left as it was."""
+    profile = trainer.profile
+    per_step = max(left_s / steps - profile.forward_time, 0.0)
+    return select_tensors(importance, profile.t_dw, profile.t_dy, per_step)
+
+
 @dataclass
 class Importance:
     """A device's local importance, one per tensor, and the round it was probed in."""
@@ -423,12 +438,17 @@ class DeviceRound:
         steps = work.steps if any(mask) else 0
         apfl = self._apfl(start, mask, seed) if method == "apfl" else None
         losses = train_steps(trainer, self.data, steps, None if apfl is None else apfl.step)
-        own = self._train_personal(plan, start, mask, steps) if method == "ditto" else None
+        personal_mask = mask
+        if method == "ditto" and cfg.personalization.personal_selection == "own" and not budget.trains_fully:
+            used = steps * (self.profile.step_time(mask) + added_s) + probe_cost + uploaded_s(budget, mask)
+            personal_mask = own_selection(trainer, importance.values, budget.deadline_s - used, steps)
+        own = self._train_personal(plan, start, personal_mask, steps) if method == "ditto" else None
         if apfl is not None:
             own = apfl.mixed()
             before.method_state = {"v": weights_of(apfl.v), "alpha": float(apfl.alpha.detach())}
         measured = time.perf_counter() - started + before.measured_s
-        predicted = work.models * steps * (self.profile.step_time(mask) + added_s) + probe_cost + before.device_s
+        second = self.profile.step_time(personal_mask) + added_s if work.models == 2 else 0.0
+        predicted = steps * (self.profile.step_time(mask) + added_s + second) + probe_cost + before.device_s
         times = RoundTimes(predicted, measured, added_s)
         return Trained(trainer, steps, losses, importance, times, own, before.method_state)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from fleet.base.errors import ConfigError
 from fleet.engine.config import read_yaml_mapping
+from fleet.federated.fedscale import FedScaleTrace
 from fleet.federated.paths import resolve_path
 
 
@@ -33,6 +34,16 @@ class DeviceClassConfig:
     start_s: float = 0.0
     availability: float = 1.0  # per-round probability that a device of the class is online
     trace: str | None = None  # online intervals instead (period_s, devices: [[[start, end], ...], ...])
+    # FedScale's device files (pickle, or the same as .json; fleet/federated/fedscale.py): each device draws a client
+    # and takes its uplink, online intervals and speed (its ms/sample over the trace's median, on the class's profile)
+    fedscale_capacity: str | None = None  # client_device_capacity: {client: {computation, communication}}
+    fedscale_behaviour: str | None = None  # client_behave_trace: {client: {active, inactive, finish_time}}
+
+    @property
+    def fedscale(self) -> FedScaleTrace | None:
+        if self.fedscale_capacity is None or self.fedscale_behaviour is None:
+            return None
+        return FedScaleTrace(self.fedscale_capacity, self.fedscale_behaviour)
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,22 @@ def load_trace(path: str) -> Trace:
     return Trace(float(period), tuple(parsed))
 
 
+def check_fedscale(c: DeviceClassConfig) -> None:
+    """A FedScale class names both files, and they say everything its tier, uplink and availability would."""
+    given = [f for f in ("fedscale_capacity", "fedscale_behaviour") if getattr(c, f) is not None]
+    if not given:
+        return
+    if len(given) == 1:
+        missing = "fedscale_behaviour" if given == ["fedscale_capacity"] else "fedscale_capacity"
+        raise ConfigError(f"devices.device_classes ({c.name}): {given[0]} needs {missing} too; give both files")
+    clash = [f for f, v in (("trace", c.trace is not None), ("availability", c.availability != 1.0)) if v]
+    if clash:
+        raise ConfigError(
+            f"devices.device_classes ({c.name}): its FedScale trace says when its devices are online; drop {clash[0]}"
+        )
+    c.fedscale.clients()  # read and checked now: a bad file is one line before anything runs
+
+
 def check_classes(classes: list[DeviceClassConfig]) -> None:
     """One-line errors for classes that cannot describe a fleet."""
     if not classes:
@@ -126,6 +153,7 @@ def check_classes(classes: list[DeviceClassConfig]) -> None:
             )
         if c.trace is not None:
             load_trace(c.trace)
+        check_fedscale(c)
     if all(c.trace is None and c.availability == 0 for c in classes):
         raise ConfigError(
             "devices.device_classes: every class has availability 0, so no device is ever online; "

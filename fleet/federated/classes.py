@@ -57,6 +57,8 @@ def bandwidth_of(cfg: FleetConfig, partition_id: int | None) -> float:
     cls = None if partition_id is None else class_of(cfg, partition_id)
     if cls is None:
         return cfg.devices.bandwidth_bytes_per_s
+    if cls.fedscale is not None:
+        return cls.fedscale.bandwidth_bytes_per_s(cfg.train.seed, partition_id)
     z = np.random.default_rng([cfg.train.seed, BANDWIDTH_STREAM, partition_id]).standard_normal()
     return cls.bandwidth_mbps * 1e6 / 8 * math.exp(cls.bandwidth_sigma * z)
 
@@ -69,6 +71,8 @@ def online(cfg: FleetConfig, partition_id: int, server_round: int, sim_time_s: f
         return True
     if cls.trace is not None:
         return load_trace(cls.trace).online(partition_id, sim_time_s)
+    if cls.fedscale is not None:
+        return cls.fedscale.client(cfg.train.seed, partition_id).online(sim_time_s)
     if cls.availability >= 1:
         return True
     draw = np.random.default_rng([cfg.train.seed, ONLINE_STREAM, server_round, partition_id]).random()
@@ -114,7 +118,11 @@ class FleetClasses:
         now or is online by chance each round, which the next round draws again)."""
         waits = []
         for name in names:
-            cls = self.device_class(name)
-            traced = cls is not None and cls.trace is not None
-            waits.append(load_trace(cls.trace).wait_s(self.partitions[name], sim_time_s) if traced else 0.0)
+            cls, pid = self.device_class(name), self.partitions.get(name)
+            if cls is not None and cls.trace is not None:
+                waits.append(load_trace(cls.trace).wait_s(pid, sim_time_s))
+            elif cls is not None and cls.fedscale is not None:
+                waits.append(cls.fedscale.client(self.cfg.train.seed, pid).wait_s(sim_time_s))
+            else:
+                waits.append(0.0)
         return min(waits, default=0.0)

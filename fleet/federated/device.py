@@ -46,6 +46,8 @@ def tier_of(cfg: FleetConfig, partition_id: int | None, node_config: dict[str, A
     if partition_id is None:
         return 1.0
     cls = class_of(cfg, partition_id)
+    if cls is not None and cls.fedscale is not None:
+        return cls.fedscale.tier(cfg.train.seed, partition_id)  # its client's speed against the trace's median
     if cls is not None:
         return 1.0 if cls.profile is not None else cls.tier  # a class's own profile is its real speed
     tiers = cfg.devices.tiers

@@ -29,14 +29,14 @@ def profile_overrides(profile: str | None, regime: str | None) -> dict[str, Any]
     if regime is not None and profile not in (None, "reference"):
         raise ConfigError(f"--regime: {regime} names its own reference profile; drop --profile {profile}")
     if regime is not None:
-        return {"hardware.profile": str(resolve_path(REGIMES[regime]))}
+        return {"hardware.profile": str(resolve_path(REGIMES[regime]).resolve())}
     if profile in (None, "reference"):
         return {}
     if profile == MEASURED:
         return {"hardware.profile": NULL}
     if not resolve_path(profile).is_file():
         raise ConfigError(f"--profile: {profile} is not a file; give a profile YAML, reference or measured")
-    return {"hardware.profile": str(resolve_path(profile))}
+    return {"hardware.profile": str(resolve_path(profile).resolve())}
 
 
 def add_profile_flags(p: Any, regimes: bool = True) -> None:

@@ -54,7 +54,7 @@ def prepare(cfg: FleetConfig, *, resume: bool, log: Callable[[str], None] = prin
     """Profile, pretrain and write the effective config; returns it and its path."""
     cfg = simulated_fleet(cfg, log)
     if cfg.hardware.profile is not None:  # a reference profile in profiles/ is found from any working directory
-        profile = str(resolve_path(cfg.hardware.profile))
+        profile = str(resolve_path(cfg.hardware.profile).resolve())
         cfg = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, profile=profile))
     if not cfg.data.device_roots:  # the shared dataset; devices' own trees are checked as they are read
         check_model_fits_data(cfg, *load_data(cfg.data, cfg.train.seed))

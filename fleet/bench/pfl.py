@@ -498,11 +498,14 @@ def plot_pfl(report: dict, stem: Path) -> list[Path]:
     first = next(iter(report["per_seed"].values()))
     paths = [Path(f"{stem}.png"), Path(f"{stem}-devices.png"), Path(f"{stem}-new-devices.png")]
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for method, entry in first["methods"].items():
+    colors = plt.get_cmap("tab20").colors
+    for i, (method, entry) in enumerate(first["methods"].items()):
         ax.plot(
             [p["sim_time_s"] for p in entry["curve"]],
             [100 * p["global_accuracy"] for p in entry["curve"]],
             marker=".",
+            ls="--" if method in BASELINES else "-",  # baselines dashed, fleet's methods solid
+            color=colors[i % len(colors)],
             label=method,
         )
     ax.axhline(100 * first["target_accuracy"], color="grey", ls=":", lw=1, label="target")

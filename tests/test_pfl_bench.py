@@ -190,6 +190,19 @@ def test_the_pfl_bench_runs_end_to_end_on_a_tiny_fleet(tmp_path, capsys):
     for m in ("full", "tl", "bn_bias"):
         assert again["new_devices"][m]["final_accuracy"] == pytest.approx(report["new_devices"][m]["final_accuracy"])
     assert again["new_devices"]["elastic"]["device_time_s"] > 0
+    # --reuse: every finished run is read, not run again, and the figures are the same
+    reused = bench_pfl(
+        "simulations/fleet-tiny.yaml",
+        overrides,
+        methods=["fleet_head", "fedrep", "fedala", "apfl", "fleet_ditto"],
+        finetune_steps=2,
+        newcomer_epochs=1,
+        quiet=True,
+        reuse=True,
+    )
+    for m, entry in report["methods"].items():
+        assert reused["methods"][m]["personalized_accuracy_mean"] == entry["personalized_accuracy_mean"]
+    assert "reusing" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

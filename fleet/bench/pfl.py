@@ -143,8 +143,8 @@ def run_method(path: str, overrides: dict[str, Any], log, quiet: bool, reuse: bo
             summary = reused_summary(want.name, want)
             log(f"    reusing {summary['run_dir']}")
             return summary
-        except ConfigError as why:
-            log(f"    running it: {why}")
+        except ConfigError as why:  # its first clause says why (no finished run, another config); the advice is moot
+            log(f"    not reused ({str(why).split(': ', 1)[-1].split(';')[0]}): running it")
     cfg, config_path = prepare(want, resume=False, log=log)
     _simulate(config_path, quiet)
     # The devices' saved state (weights and momentum, ~90 MB each) is read by nothing after the run; a seed's

@@ -175,10 +175,10 @@ def test_the_pfl_bench_runs_end_to_end_on_a_tiny_fleet(tmp_path, capsys):
     for path in report["plots"]:
         assert (tmp_path / path.split("/")[-1]).stat().st_size > 3000
     # The new devices again, from the finished run alone, as `--newcomers-from` does: the run the bench took them
-    # from, the baseline's (no "fleet" method ran), so the same final global model
+    # from, fleet's first method's (plain "fleet" did not run), so the same final global model
     from fleet.cli import main
 
-    fleet_run = tmp_path / f"fleet-tiny-{seed_tag(1.0, 0)}-fedavg_ft"
+    fleet_run = tmp_path / f"fleet-tiny-{seed_tag(1.0, 0)}-fleet_head"
     argv = ["bench", "pfl", "--newcomers-from", str(fleet_run), "--newcomer-epochs", "1", "--json"]
     assert main([*argv, "--set", "train.interval=1"]) == 0  # fleet-tiny's own interval: nothing changes
     again = json.loads(capsys.readouterr().out)

@@ -221,7 +221,15 @@ def test_profile_out_in_a_missing_folder_is_created(tmp_path, capsys, monkeypatc
     assert main([*argv, "--out", str(out)]) == 0
     from fleet.engine.device_profile import DeviceProfile
 
-    assert DeviceProfile.load(out).batch_size == 4
+    plain = DeviceProfile.load(out)
+    assert plain.batch_size == 4
+    # --scale records a slower device of the same shape, --note what it stands for
+    scaled_out = tmp_path / "pi.yaml"
+    assert main([*argv, "--scale", "7.1", "--note", "a Pi 4 class", "--out", str(scaled_out)]) == 0
+    scaled = DeviceProfile.load(scaled_out)
+    assert scaled.speed_factor == pytest.approx(7.1) and scaled.host["note"] == "a Pi 4 class"
+    assert scaled.full_step_time == pytest.approx(7.1 * plain.full_step_time)
+    one_error_line(capsys, [*argv, "--scale", "0.5", "--out", str(scaled_out)], "--scale: 0.5 is not allowed", ">= 1")
 
 
 # ---------------------------------------------------------------- 5. --set with an empty value or null

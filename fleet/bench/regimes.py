@@ -50,7 +50,6 @@ def add_profile_flags(p: Any, regimes: bool = True) -> None:
     if regimes:
         p.add_argument(
             "--regime",
-            choices=None,
             metavar="|".join(REGIMES),
             help="upload: one core of the CI host, uploads dominate a round (the default profile); compute: a "
             "Raspberry Pi 4 class, training dominates",

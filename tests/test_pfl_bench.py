@@ -156,14 +156,9 @@ def test_the_pfl_bench_runs_end_to_end_on_a_tiny_fleet(tmp_path, capsys):
         "federation.devices_per_round": 2,
         "evaluation.all_devices": True,
     }
-    report = bench_pfl(
-        "simulations/fleet-tiny.yaml",
-        overrides,
-        methods=["fleet_head", "fedrep", "fedala", "apfl", "fleet_ditto"],
-        finetune_steps=2,
-        newcomer_epochs=1,
-        quiet=True,
-    )
+    methods = ["fleet_head", "fedrep", "fedala", "apfl", "fleet_ditto"]
+    settings = {"methods": methods, "finetune_steps": 2, "newcomer_epochs": 1, "quiet": True}
+    report = bench_pfl("simulations/fleet-tiny.yaml", overrides, **settings)
     assert set(report["methods"]) == {"fedavg_ft", "fleet_head", "fedrep", "fedala", "apfl", "fleet_ditto"}
     assert report["best_baseline"] in {"fedavg_ft", "fedrep", "fedala", "apfl"}
     assert report["paired_vs_best_baseline"]["method"] in {"fleet_head", "fleet_ditto"}
@@ -191,15 +186,7 @@ def test_the_pfl_bench_runs_end_to_end_on_a_tiny_fleet(tmp_path, capsys):
         assert again["new_devices"][m]["final_accuracy"] == pytest.approx(report["new_devices"][m]["final_accuracy"])
     assert again["new_devices"]["elastic"]["device_time_s"] > 0
     # --reuse: every finished run is read, not run again, and the figures are the same
-    reused = bench_pfl(
-        "simulations/fleet-tiny.yaml",
-        overrides,
-        methods=["fleet_head", "fedrep", "fedala", "apfl", "fleet_ditto"],
-        finetune_steps=2,
-        newcomer_epochs=1,
-        quiet=True,
-        reuse=True,
-    )
+    reused = bench_pfl("simulations/fleet-tiny.yaml", overrides, **settings, reuse=True)
     for m, entry in report["methods"].items():
         assert reused["methods"][m]["personalized_accuracy_mean"] == entry["personalized_accuracy_mean"]
     assert "reusing" in capsys.readouterr().err

@@ -39,21 +39,20 @@ def profile_overrides(profile: str | None, regime: str | None) -> dict[str, Any]
     return {"hardware.profile": str(resolve_path(profile).resolve())}
 
 
-def add_profile_flags(p: Any, regimes: bool = True) -> None:
-    """``--profile`` (and ``--regime``) on a bench's parser."""
+def add_profile_flags(p: Any) -> None:
+    """``--profile`` and ``--regime`` on a fleet bench's parser."""
     p.add_argument(
         "--profile",
         metavar="reference|measured|FILE",
         help="the devices' timing profile: the config's reference profile from profiles/ (default), one measured "
         "on this host now, or a profile YAML",
     )
-    if regimes:
-        p.add_argument(
-            "--regime",
-            metavar="|".join(REGIMES),
-            help="upload: one core of the CI host, uploads dominate a round (the default profile); compute: a "
-            "Raspberry Pi 4 class, training dominates",
-        )
+    p.add_argument(
+        "--regime",
+        metavar="|".join(REGIMES),
+        help="upload: one core of the CI host, uploads dominate a round (the default profile); compute: a "
+        "Raspberry Pi 4 class, training dominates",
+    )
 
 
 def run_profile(run: str | Path) -> dict[str, Any]:

@@ -103,6 +103,7 @@ def test_fleets_best_method_is_paired_with_the_best_baseline_at_a_target_that_di
     assert pair["mean_diff_ci95_low"] == pytest.approx(0.01 - 12.706 * 0.01414214 / 2**0.5, abs=1e-4)
     assert pair["p10_diff"] == pytest.approx(0.02)
     assert {"protocol", "best_baseline", "paired_vs_best_baseline"} <= set(report)
+    assert {"config", "seeds", "comparison", "personalized_accuracy_is", "target_fraction_of_baseline"} <= set(report)
     table = pfl_table(report)
     assert "best baseline ditto" in table and "fleet_ditto - ditto: mean +1.00 points" in table
 

@@ -359,6 +359,7 @@ def build_report(config: str, per_seed: dict[str, dict], newcomers: dict[str, di
         "comparison": PROTOCOL["horizon"],
         "personalized_accuracy_is": PROTOCOL["scored_after"],
         "target": PROTOCOL["target"],
+        "target_fraction_of_baseline": None,  # the old key, kept: the target is no longer a fraction of FedAvg+FT's
         "best_baseline": top["best_baseline"],
         "paired_vs_best_baseline": top["paired_vs_best_baseline"],
         "methods": top["methods"],

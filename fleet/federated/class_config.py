@@ -14,6 +14,7 @@ from pathlib import Path
 from fleet.base.errors import ConfigError
 from fleet.engine.config import read_yaml_mapping
 from fleet.federated.fedscale import FedScaleTrace
+from fleet.federated.online import Trace
 from fleet.federated.paths import resolve_path
 
 
@@ -44,28 +45,6 @@ class DeviceClassConfig:
         if self.fedscale_capacity is None or self.fedscale_behaviour is None:
             return None
         return FedScaleTrace(self.fedscale_capacity, self.fedscale_behaviour)
-
-
-@dataclass(frozen=True)
-class Trace:
-    """Online intervals [start, end) in seconds, per device, repeating every ``period_s``; the device
-    with partition k follows ``devices[k % len]``."""
-
-    period_s: float
-    devices: tuple[tuple[tuple[float, float], ...], ...]
-
-    def online(self, index: int, t: float) -> bool:
-        intervals = self.devices[index % len(self.devices)]
-        phase = t % self.period_s
-        return any(start <= phase < end for start, end in intervals)
-
-    def wait_s(self, index: int, t: float) -> float:
-        """Seconds from ``t`` until the device is next online (0 when it is now; inf if never)."""
-        phase = t % self.period_s
-        waits = [
-            0.0 if a <= phase < b else (a - phase) % self.period_s for a, b in self.devices[index % len(self.devices)]
-        ]
-        return min(waits, default=math.inf)
 
 
 @lru_cache(maxsize=16)

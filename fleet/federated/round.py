@@ -443,14 +443,14 @@ class DeviceRound:
             used = steps * (self.profile.step_time(mask) + added_s) + probe_cost + uploaded_s(budget, mask)
             personal_mask = own_selection(trainer, importance.values, budget.deadline_s - used, steps)
         own = self._train_personal(plan, start, personal_mask, steps) if method == "ditto" else None
+        kept = before.method_state
         if apfl is not None:
-            own = apfl.mixed()
-            before.method_state = {"v": weights_of(apfl.v), "alpha": float(apfl.alpha.detach())}
+            own, kept = apfl.mixed(), {"v": weights_of(apfl.v), "alpha": float(apfl.alpha.detach())}
         measured = time.perf_counter() - started + before.measured_s
         second = self.profile.step_time(personal_mask) + added_s if work.models == 2 else 0.0
         predicted = steps * (self.profile.step_time(mask) + added_s + second) + probe_cost + before.device_s
         times = RoundTimes(predicted, measured, added_s)
-        return Trained(trainer, steps, losses, importance, times, own, before.method_state)
+        return Trained(trainer, steps, losses, importance, times, own, kept)
 
     def _head(self) -> frozenset[str]:
         return frozenset(head_parameter_names(self.model))
@@ -482,7 +482,7 @@ class DeviceRound:
         if self.state.personal is None:
             return BeforeSteps(0.0, 0.0, kept)
         started = time.perf_counter()
-        order = round_trainer(self.cfg, self.model, self.profile, None, seed).names  # forward order: last = top
+        order = [t.name for t in self.profile.tensors]  # forward order (checked against the model): last = top
         top = ala_names(order, self.cfg.personalization.ala_tensors)
         params = dict(self.model.named_parameters())
         weights = kept.get("ala") or {n: torch.ones_like(params[n]) for n in top}

@@ -44,8 +44,8 @@ def fleet(cap: str, beh: str, num_devices: int = 12):
 
 
 def test_a_pickle_and_its_json_give_the_same_clients(tmp_path):
-    from_pickle = load_clients(*write(tmp_path, ".pkl"))
-    from_json = load_clients(*write(tmp_path, ".json"))
+    from_pickle = load_clients(*write(tmp_path, ".pkl")).clients
+    from_json = load_clients(*write(tmp_path, ".json")).clients
     assert from_pickle == from_json
     assert [c.client_id for c in from_pickle] == ["1", "2", "3"]  # client 9 has no behaviour
     two = from_pickle[1]

@@ -92,7 +92,7 @@ def check_fedscale(c: DeviceClassConfig) -> None:
         raise ConfigError(
             f"devices.device_classes ({c.name}): its FedScale trace says when its devices are online; drop {clash[0]}"
         )
-    c.fedscale.clients()  # read and checked now: a bad file is one line before anything runs
+    c.fedscale.table()  # read and checked now: a bad file is one line before anything runs
 
 
 def check_classes(classes: list[DeviceClassConfig]) -> None:

@@ -23,6 +23,7 @@ import numpy as np
 
 from fleet.federated.class_config import DeviceClassConfig, load_trace
 from fleet.federated.config import FleetConfig
+from fleet.federated.online import Trace
 
 CLASS_STREAM, BANDWIDTH_STREAM, ONLINE_STREAM = 19, 23, 29  # independent seeded draws
 
@@ -63,16 +64,26 @@ def bandwidth_of(cfg: FleetConfig, partition_id: int | None) -> float:
     return cls.bandwidth_mbps * 1e6 / 8 * math.exp(cls.bandwidth_sigma * z)
 
 
+def trace_of(cfg: FleetConfig, cls: DeviceClassConfig, partition_id: int) -> tuple[Trace, int] | None:
+    """The online intervals a traced device follows, and its index in them: its class's trace file (entry
+    ``partition_id``), or its FedScale client's; None for a device online by chance."""
+    if cls.trace is not None:
+        return load_trace(cls.trace), partition_id
+    if cls.fedscale is not None:
+        return cls.fedscale.client(cfg.train.seed, partition_id).trace, 0
+    return None
+
+
 def online(cfg: FleetConfig, partition_id: int, server_round: int, sim_time_s: float) -> bool:
     """Whether simulated device ``partition_id`` is online for this round (its class's trace at the
     simulated clock, else its per-round probability, seeded); always, without classes."""
     cls = class_of(cfg, partition_id)
     if cls is None:
         return True
-    if cls.trace is not None:
-        return load_trace(cls.trace).online(partition_id, sim_time_s)
-    if cls.fedscale is not None:
-        return cls.fedscale.client(cfg.train.seed, partition_id).online(sim_time_s)
+    traced = trace_of(cfg, cls, partition_id)
+    if traced is not None:
+        trace, index = traced
+        return trace.online(index, sim_time_s)
     if cls.availability >= 1:
         return True
     draw = np.random.default_rng([cfg.train.seed, ONLINE_STREAM, server_round, partition_id]).random()
@@ -118,11 +129,7 @@ class FleetClasses:
         now or is online by chance each round, which the next round draws again)."""
         waits = []
         for name in names:
-            cls, pid = self.device_class(name), self.partitions.get(name)
-            if cls is not None and cls.trace is not None:
-                waits.append(load_trace(cls.trace).wait_s(pid, sim_time_s))
-            elif cls is not None and cls.fedscale is not None:
-                waits.append(cls.fedscale.client(self.cfg.train.seed, pid).wait_s(sim_time_s))
-            else:
-                waits.append(0.0)
+            cls = self.device_class(name)
+            traced = None if cls is None else trace_of(self.cfg, cls, self.partitions[name])
+            waits.append(0.0 if traced is None else traced[0].wait_s(traced[1], sim_time_s))
         return min(waits, default=0.0)

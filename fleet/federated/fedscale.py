@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from fleet.base.errors import ConfigError
+from fleet.federated.online import Trace
 from fleet.federated.paths import resolve_path
 
 FEDSCALE_STREAM = 31  # the seeded draw of a device's client
@@ -74,16 +75,17 @@ class Client:
     period_s: float
     intervals: tuple[tuple[float, float], ...]
 
+    @property
+    def trace(self) -> Trace:
+        """Its online intervals as the one device of a :class:`~fleet.federated.online.Trace`."""
+        return Trace(self.period_s, (self.intervals,))
+
     def online(self, t: float) -> bool:
-        phase = t % self.period_s
-        return any(a <= phase < b for a, b in self.intervals)
+        return self.trace.online(0, t)
 
     def wait_s(self, t: float) -> float:
         """Seconds from ``t`` until the client is next online (0 now; inf never)."""
-        phase = t % self.period_s
-        return min(
-            (0.0 if a <= phase < b else (a - phase) % self.period_s for a, b in self.intervals), default=math.inf
-        )
+        return self.trace.wait_s(0, t)
 
 
 def _positive(value: Any) -> bool:
@@ -103,9 +105,17 @@ def behaviour_of(entry: Any) -> tuple[float, tuple[tuple[float, float], ...]] | 
     return float(finish), tuple((a, b) for a, b in pairs if a < b)
 
 
-def load_clients(capacity: str, behaviour: str) -> tuple[Client, ...]:
-    """The clients both files describe with usable figures, in id order; a one-line error when none. Read once
-    per process while the files are unchanged (every device and round asks)."""
+@dataclass(frozen=True)
+class ClientTable:
+    """The clients both files describe with usable figures, in id order, and their median speed."""
+
+    clients: tuple[Client, ...]
+    median_ms: float  # what a device of the class's profile stands for (FedScaleTrace.tier)
+
+
+def load_clients(capacity: str, behaviour: str) -> ClientTable:
+    """The files' :class:`ClientTable`; a one-line error when no client is usable. Read once per process while
+    the files are unchanged: every device asks each round, and the median of 100,000 clients is not free."""
     return _clients(capacity, behaviour, _stamp(capacity), _stamp(behaviour))
 
 
@@ -118,7 +128,7 @@ def _stamp(path: str) -> tuple[int, int] | None:
 
 
 @lru_cache(maxsize=4)
-def _clients(capacity: str, behaviour: str, *stamps: tuple[int, int] | None) -> tuple[Client, ...]:
+def _clients(capacity: str, behaviour: str, *stamps: tuple[int, int] | None) -> ClientTable:
     where = "devices.device_classes fedscale"  # + _capacity / _behaviour: the class's fields
     caps = {str(k): v for k, v in read_data_file(capacity, f"{where}_capacity").items()}  # ids: ints in a pickle
     behave = {str(k): v for k, v in read_data_file(behaviour, f"{where}_behaviour").items()}
@@ -135,7 +145,7 @@ def _clients(capacity: str, behaviour: str, *stamps: tuple[int, int] | None) -> 
             f"{where}: {capacity} and {behaviour} share no client with a positive computation and communication "
             "and an online interval; give FedScale's client_device_capacity and client_behave_trace"
         )
-    return tuple(clients)
+    return ClientTable(tuple(clients), statistics.median(c.ms_per_sample for c in clients))
 
 
 @dataclass(frozen=True)
@@ -145,20 +155,17 @@ class FedScaleTrace:
     capacity: str
     behaviour: str
 
-    def clients(self) -> tuple[Client, ...]:
+    def table(self) -> ClientTable:
         return load_clients(self.capacity, self.behaviour)
 
     def client(self, seed: int, partition_id: int) -> Client:
-        clients = self.clients()
+        clients = self.table().clients
         draw = np.random.default_rng([seed, FEDSCALE_STREAM, partition_id]).integers(len(clients))
         return clients[int(draw)]
 
-    def median_ms(self) -> float:
-        return statistics.median(c.ms_per_sample for c in self.clients())
-
     def tier(self, seed: int, partition_id: int) -> float:
         """The device's slow-down on the class's profile, which stands for the trace's median client."""
-        return self.client(seed, partition_id).ms_per_sample / self.median_ms()
+        return self.client(seed, partition_id).ms_per_sample / self.table().median_ms
 
     def bandwidth_bytes_per_s(self, seed: int, partition_id: int) -> float:
         return self.client(seed, partition_id).kbps * 1000 / 8

@@ -269,11 +269,9 @@ def uploaded_s(budget: RoundBudget, mask: list[bool]) -> float:
     return sum(u for u, m in zip(budget.upload_s, mask) if m) + budget.buffers_s
 
 
-def own_selection(trainer: Trainer, importance: list[float], left_s: float, steps: int) -> list[bool]:
+def own_selection(profile: DeviceProfile, importance: list[float], left_s: float, steps: int) -> list[bool]:
     """Ditto's personal model's own tensors (``personalization.personal_selection: own``): the most important
-    that fit ``left_s`` over ``steps`` steps, by compute alone (it is never sent).
-    The shared trainer's selection is left as it was."""
-    profile = trainer.profile
+    that fit ``left_s`` over ``steps`` steps, by compute alone (it is never sent)."""
     per_step = max(left_s / steps - profile.forward_time, 0.0)
     return select_tensors(importance, profile.t_dw, profile.t_dy, per_step)
 
@@ -441,7 +439,7 @@ class DeviceRound:
         personal_mask = mask
         if method == "ditto" and cfg.personalization.personal_selection == "own" and not budget.trains_fully:
             used = steps * (self.profile.step_time(mask) + added_s) + probe_cost + uploaded_s(budget, mask)
-            personal_mask = own_selection(trainer, importance.values, budget.deadline_s - used, steps)
+            personal_mask = own_selection(self.profile, importance.values, budget.deadline_s - used, steps)
         own = self._train_personal(plan, start, personal_mask, steps) if method == "ditto" else None
         kept = before.method_state
         if apfl is not None:

@@ -77,6 +77,12 @@ METHODS: dict[str, dict[str, Any]] = {
         "personalization.method": "ditto",
         "personalization.personal_selection": "own",  # the personal model's tensors by compute alone
     },
+    "fleet_ditto_own_half": {  # the same at half the automatic deadline: twice the rounds, each half as long
+        "federation.strategy": "fleet",
+        "personalization.method": "ditto",
+        "personalization.personal_selection": "own",
+        "federation.deadline_factor": 0.5,
+    },
     "fleet_rep": {"federation.strategy": "fleet", "personalization.method": "fedrep", "personalization.policy": "head"},
     "fleet_ala": {"federation.strategy": "fleet", "personalization.method": "fedala"},
 }
@@ -181,7 +187,7 @@ def run_seed(
         extra["personalization.finetune_steps"] = finetune_steps if method == BASELINE else 0
         if horizon is not None:
             extra["federation.time_budget_s"] = horizon
-            extra["federation.rounds"] = elastic_round_cap(base)
+            extra["federation.rounds"] = elastic_round_cap(load_fleet_config(path, {**overrides, **extra}))
         span = f"{horizon:.1f}s simulated" if horizon is not None else f"{base.federation.rounds} rounds (the horizon)"
         log(f"--- {tag}, {method}: {span} ---")
         summaries[method] = run_method(path, {**common, **extra}, log, quiet, reuse)

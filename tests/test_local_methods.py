@@ -102,6 +102,7 @@ def test_a_fedala_device_merges_the_global_model_into_its_own_from_its_second_ro
     ala = method_device(tmp_path, "fedala")
     first = tasks.train(ala, fresh(weights), round_config(1))
     assert first.state.method_state == {}  # nothing of its own to merge yet
+    assert sorted(first.state.personal) == ["fc.bias", "fc.weight"]  # kept: only what its next merge starts from
     second = tasks.train(ala, fresh(weights), round_config(2))
     learned = second.state.method_state["ala"]
     assert sorted(learned) == ["fc.bias", "fc.weight"]  # the last two tensors (FedALA's p = 2)
@@ -118,7 +119,9 @@ def test_an_apfl_device_keeps_its_personal_model_and_alpha_and_is_scored_on_the_
     assert 0 <= alpha <= 1 and alpha != 0.5  # learned
     name = "conv1.weight"
     mix = alpha * kept["v"][name] + (1 - alpha) * result.arrays[name]
-    assert torch.allclose(result.state.personal[name], mix, atol=1e-5)
+    assert torch.allclose(result.personalized[name], mix, atol=1e-5)
+    assert result.state.personal == {}  # the mix is scored as the round ends, not kept: v and alpha rebuild it
+    assert 0 <= result.state.personal_accuracy <= 1
     steps, full = apfl.cfg.federation.local_steps, apfl.profile().full_step_time
     assert result.metrics[keys.FULL_TIME_S] == pytest.approx(2 * steps * full)  # two models on its clock
 

@@ -10,6 +10,7 @@ import torch
 from fleet.base.errors import ConfigError
 from fleet.engine.experiment import make_model
 from fleet.engine.models import model_meta
+from fleet.engine.trainer import accuracy
 from fleet.federated import keys, tasks
 from fleet.federated.config import load_fleet_config
 from fleet.federated.personal import personal_names
@@ -66,7 +67,7 @@ def test_a_fedbn_device_keeps_its_own_norm_statistics_across_rounds(tmp_path):
         foreign["bn1.running_mean"].fill_(7.0)
         foreign["bn1.weight"].fill_(3.0)
         result = tasks.train(dev, foreign, round_config(2))
-        kept[policy] = (round1, result.state.personal, result.arrays)
+        kept[policy] = (round1, result.personalized, result.arrays)
     round1, round2, sent = kept["norms"]
     assert round2["bn1.running_mean"].abs().max() < 3.5  # decayed from its own, not from 7.0
     assert torch.allclose(round2["bn1.weight"], round1["bn1.weight"], atol=0.05)  # its own, trained on
@@ -209,3 +210,35 @@ def test_a_devices_reported_fine_tuning_time_is_held_to_a_band_on_the_clock():
     assert finetune_time(cfg, state) == pytest.approx(4.0 * 2.0 * 1 / 2)  # band 4 x the device's full time x 1/2
     state.replies.evaluation = [scored(7, 0.5)]
     assert finetune_time(cfg, state) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("policy", ["none", "head"])
+def test_a_device_keeps_only_what_the_global_model_will_not_bring_back_and_is_scored_as_it_trained(tmp_path, policy):
+    """Compact state: the file holds the personal tensors and the trained tensors' momentum, never a shared
+    tensor; the evaluation reports the personalized model's accuracy as the round ended it."""
+    dev, weights = device(tmp_path, policy)
+    result = tasks.train(dev, {k: v.clone() for k, v in weights.items()}, round_config(1))
+    path = dev.state_dir / tasks.STATE_FILE
+    saved = tasks.load_state(path, "t")
+    assert set(saved.personal) == set(personal_names(dev.model(dict(weights)), policy))
+    model_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    momentum_bytes = sum(s["momentum_buffer"].numel() * 4 for s in saved.optimizer["state"].values())
+    personal_bytes = sum(t.numel() * t.element_size() for t in saved.personal.values())
+    assert path.stat().st_size < momentum_bytes + personal_bytes + model_bytes * 0.05  # no copy of the weights
+    model = dev.model(dict(weights))
+    model.load_state_dict(result.personalized)
+    scored = accuracy(model, dev.data().test, dev.cfg.data.input_size)
+    other = {k: v.clone() for k, v in weights.items()}  # a later global model: the score stays its own
+    assert tasks.evaluate(dev, other, {keys.RUN_TAG: "t"})[keys.PERSONAL_ACCURACY] == scored == saved.personal_accuracy
+
+
+def test_a_state_saved_whole_by_an_earlier_version_is_still_scored(tmp_path):
+    dev, weights = device(tmp_path, "none")
+    result = tasks.train(dev, {k: v.clone() for k, v in weights.items()}, round_config(1))
+    path = dev.state_dir / tasks.STATE_FILE
+    old = dataclasses.replace(tasks.load_state(path, "t"), personal=result.personalized, personal_accuracy=None)
+    raw = old.to_dict()
+    del raw["personal_accuracy"]  # the earlier layout had no such key
+    torch.save(raw, path)
+    got = tasks.evaluate(dev, {k: v.clone() for k, v in weights.items()}, {keys.RUN_TAG: "t"})
+    assert got[keys.PERSONAL_ACCURACY] == result.state.personal_accuracy

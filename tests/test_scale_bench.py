@@ -12,7 +12,7 @@ import pytest
 
 from fleet.base.errors import ConfigError
 from fleet.bench.launch import MemoryWatch
-from fleet.bench.scale import parse_fleets, round_figures
+from fleet.bench.scale import parse_fleets, round_figures, state_figures
 from tests.test_fleet_simulation import TINY, run_fleet
 
 
@@ -35,6 +35,15 @@ def test_round_figures_leave_out_the_first_round_and_divide_work_by_the_workers(
     assert fig["wall_s_per_round"] == 7.5 and fig["sim_s_per_round"] == 4.5
     assert fig["overhead_ratio"] == pytest.approx((6.0 / 3.0 + 9.0 / 3.0) / 2)  # 6 s of work on 2 workers: 3 s
     assert round_figures([], 2)["wall_s_per_round"] is None
+
+
+def test_state_figures_count_bytes_per_device_that_keeps_state(tmp_path):
+    for name, size in (("dev-1", 300), ("dev-2", 100)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "state.pt").write_bytes(b"x" * size)
+    (tmp_path / "dev-2" / "plan.json").write_bytes(b"x" * 100)
+    assert state_figures(tmp_path) == {"state_bytes": 500, "devices_with_state": 2, "state_bytes_per_device": 250.0}
+    assert state_figures(tmp_path / "none")["state_bytes"] == 0
 
 
 def test_the_memory_watch_sees_a_process_session():
@@ -65,5 +74,6 @@ def test_the_scale_bench_prints_its_figures_for_each_fleet(tmp_path):
         by_process = f["peak_rss_bytes_by_process"]
         assert by_process["server"] > 100 * 2**20 and by_process["worker"] > 100 * 2**20
         assert f["peak_rss_bytes"] >= by_process["server"] / 2  # the whole simulation's PSS: shared pages split
+        assert 1 <= f["devices_with_state"] <= f["devices"] and f["state_bytes_per_device"] > 0
     assert (tmp_path / "scale.png").stat().st_size > 1000 and (tmp_path / "scale.json").is_file()
     assert not any((Path(f["run_dir"]) / "devices").exists() for f in report["fleets"])  # state deleted: GBs

@@ -14,7 +14,9 @@ actors and loads the data):
 * ``peak_rss_bytes``: the whole simulation's peak (the largest sum of its processes' proportional
   set sizes), and ``peak_rss_bytes_by_process``: the driver's (ServerApp) and the largest ClientApp
   worker's own peaks;
-* ``sim_s_per_round``: the simulated clock's advance per round (median).
+* ``sim_s_per_round``: the simulated clock's advance per round (median);
+* ``state_bytes``: the devices' saved state on disk as the run ends, and ``state_bytes_per_device`` its mean
+  over the devices that keep any (the ones that trained), so a fleet that samples few does not flatter it.
 """
 
 from __future__ import annotations
@@ -78,6 +80,21 @@ def round_figures(records: list[dict], parallel: int) -> dict[str, Any]:
     }
 
 
+def state_figures(devices_dir: Path) -> dict[str, Any]:
+    """The devices' state on disk: bytes in all, how many devices keep any, and the mean per such device."""
+    sizes: dict[str, int] = {}
+    for file in devices_dir.rglob("*") if devices_dir.is_dir() else ():
+        if file.is_file():
+            device = file.relative_to(devices_dir).parts[0]
+            sizes[device] = sizes.get(device, 0) + file.stat().st_size
+    total = sum(sizes.values())
+    return {
+        "state_bytes": total,
+        "devices_with_state": len(sizes),
+        "state_bytes_per_device": total / len(sizes) if sizes else 0.0,
+    }
+
+
 def run_size(path: str, common: dict, devices: int, per_round: int, timeout_s: float, log: Log) -> dict[str, Any]:
     """One fleet size: its simulation, launched and watched, and its figures."""
     name = load_fleet_config(path, common).name
@@ -106,6 +123,7 @@ def run_size(path: str, common: dict, devices: int, per_round: int, timeout_s: f
         "peak_rss_bytes_by_process": {"server": watch.server, "worker": watch.worker},
         "run_dir": str(run_dir(cfg)),
     }
+    entry.update(state_figures(run_dir(cfg) / DEVICES_DIR))
     if error is not None:
         entry["error"] = error
     shutil.rmtree(run_dir(cfg) / DEVICES_DIR, ignore_errors=True)  # every device's state: 7 GB at 256 devices
@@ -166,11 +184,13 @@ def plot_scale(path: Path, fleets: list[dict]) -> Path:
 
 
 def scale_table(report: dict[str, Any]) -> str:
-    lines = [f"{'devices':>7} {'per rnd':>7} {'wall s/rnd':>10} {'overhead':>8} {'sim s/rnd':>9} {'peak GiB':>8}"]
+    heads = (("devices", 7), ("per rnd", 7), ("wall s/rnd", 10), ("overhead", 8), ("sim s/rnd", 9), ("peak GiB", 8))
+    lines = [" ".join(f"{h:>{w}}" for h, w in (*heads, ("MB/device", 9)))]
     for f in report["fleets"]:
         wall, ratio, sim = f.get("wall_s_per_round"), f.get("overhead_ratio"), f.get("sim_s_per_round")
         lines.append(
             f"{f['devices']:>7} {f['per_round']:>7} {wall or 0:>10.1f} {ratio or 0:>8.2f} {sim or 0:>9.1f} "
-            f"{f['peak_rss_bytes'] / 2**30:>8.2f}" + (f"  {f['error']}" if f.get("error") else "")
+            f"{f['peak_rss_bytes'] / 2**30:>8.2f} {f.get('state_bytes_per_device', 0) / 1e6:>9.1f}"
+            + (f"  {f['error']}" if f.get("error") else "")
         )
     return "\n".join(lines)

@@ -271,7 +271,11 @@ class DeviceState:
     round: int = 0  # the last round the device trained in
     rounds_trained: int = 0
     optimizer: dict | None = None  # the shared model's optimizer state (momentum); None: fresh
-    personal: dict[str, torch.Tensor] | None = None  # its personalized model, every tensor; None: never trained
+    # what of its personalized model the next global model will not give back (DeviceRound.kept): its personal
+    # tensors, FedALA's top ones, Ditto's whole personal model; None: never trained. Shared tensors are not kept:
+    # a thousand devices' full copies would fill a disk
+    personal: dict[str, torch.Tensor] | None = None
+    personal_accuracy: float | None = None  # its personalized model's accuracy on its test split as `round` ended
     importance: list[float] = field(default_factory=list)  # its last local importance, one per tensor
     importance_round: int = NEVER  # the round that importance was probed in
     trained: list[str] | None = None  # the tensors it trained last round; None: no record (keep all momentum)
@@ -305,6 +309,7 @@ class DeviceState:
         return (
             all(v is None or isinstance(v, t) for v, t in optional)
             and all(isinstance(v, int) for v in (self.round, self.rounds_trained, self.importance_round))
+            and (self.personal_accuracy is None or isinstance(self.personal_accuracy, float))
             and isinstance(self.importance, list)
             and all(isinstance(v, float) for v in self.importance)
         )

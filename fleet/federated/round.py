@@ -62,6 +62,9 @@ class RoundResult:
     arrays: dict[str, torch.Tensor]  # only what the device trained (plus its norm statistics)
     metrics: dict[str, float | int]
     state: DeviceState  # device state to keep for the next round
+    # the device's whole personalized model after the round, to be scored now: the state keeps only what the
+    # next global model will not give back (see DeviceRound.kept)
+    personalized: dict[str, torch.Tensor] | None = None
 
 
 def compute_steps(cfg: FleetConfig) -> int:
@@ -409,9 +412,10 @@ class DeviceRound:
             metrics[keys.MEMORY_BUDGET_BYTES] = self.memory.budget_bytes
             metrics[keys.MEMORY_PEAK_BYTES] = self.memory.peak_bytes
             metrics[keys.MEMORY_ADDED_S] = done.times.added_s
-        state = self._next_state(plan, done)
+        personalized = done.personal_model if done.personal_model is not None else weights_of(self.model)
+        state = self._next_state(plan, done, self.kept(plan, personalized))
         metrics[keys.ROUNDS_TRAINED] = state.rounds_trained
-        return RoundResult(arrays, metrics, state)
+        return RoundResult(arrays, metrics, state, personalized)
 
     def _train_models(self, plan: TrainOrder) -> Trained:
         """Select within the round's budget and take the round's steps on the shared model, with the round's
@@ -524,19 +528,35 @@ class DeviceRound:
         train_steps(trainer, self.data, steps)
         return weights_of(model)
 
-    def _next_state(self, plan: TrainOrder, done: Trained) -> DeviceState:
-        """What the device keeps after this round: momentum, importance, the tensors it trained, and its
-        personalized model (Ditto's personal model, else the model it just trained)."""
+    def kept(self, plan: TrainOrder, personalized: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What of its personalized model a device keeps: what the next round's global model will not give it
+        back. Ditto's personal model whole (it trains on from it); else its personal tensors
+        (``personalization.policy``), and under FedALA the top tensors its next merge starts from. The shared
+        tensors it trained come back averaged, so they are not kept; the model is scored as the round ends
+        (``DeviceState.personal_accuracy``) instead of rebuilt from a full copy later."""
+        method = method_of(plan.strategy, self.cfg.personalization.method)
+        if method == "ditto":
+            return personalized
+        names = set(self.personal)
+        if method == "fedala":
+            names.update(ala_names([t.name for t in self.profile.tensors], self.cfg.personalization.ala_tensors))
+        return {n: personalized[n] for n in sorted(names) if n in personalized}
+
+    def _next_state(self, plan: TrainOrder, done: Trained, kept: dict[str, torch.Tensor]) -> DeviceState:
+        """What the device keeps after this round: the momentum of the tensors it trained (another tensor's is
+        dropped at its next round anyway), importance, the tensors it trained, and ``kept``."""
         trainer = done.trainer
+        trained = [n for n, m in zip(trainer.names, trainer.mask) if m] if done.steps else []
+        drop_stale_momentum(trainer.optimizer, trainer.names, trainer.params, trained)
         return DeviceState(
             run_tag=self.state.run_tag,
             round=plan.server_round,
             rounds_trained=self.state.rounds_trained + 1,
             optimizer=trainer.optimizer.state_dict(),
-            personal=done.personal_model if done.personal_model is not None else weights_of(self.model),
+            personal=kept,
             importance=[float(v) for v in done.importance.values],
             importance_round=done.importance.probed_round,
-            trained=[n for n, m in zip(trainer.names, trainer.mask) if m] if done.steps else [],
+            trained=trained,
             method_state=done.method_state,
         )
 

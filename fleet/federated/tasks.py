@@ -158,6 +158,9 @@ def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[s
     ready = readiness()
     result = device_round.train(order)
     result.metrics.update({**device.identity(), **ready})
+    if result.personalized is not None:  # scored now: the state keeps too little to rebuild it later
+        model.load_state_dict(result.personalized, strict=True)
+        result.state.personal_accuracy = accuracy(model, device.data().test, cfg.data.input_size)
     save_state(state_path, result.state)
     return result
 
@@ -193,9 +196,14 @@ def evaluate(
         device_round = DeviceRound(cfg, model, profile, data.train, device.seed, state, memory, personal)
         out[keys.FINETUNE_TIME_S] = device_round.finetune(order)
         out[keys.FINETUNED_ACCURACY] = accuracy(model, data.test, cfg.data.input_size)
-    out[keys.PERSONAL_ACCURACY] = global_acc  # a device that never trained is personalized to nothing yet
-    if state.personal is not None:
-        model.load_state_dict(state.personal, strict=True)
+    # scored as its last training round ended; a device that never trained is personalized to nothing yet
+    out[keys.PERSONAL_ACCURACY] = global_acc if state.personal_accuracy is None else state.personal_accuracy
+    if (
+        state.personal_accuracy is None
+        and state.personal is not None
+        and state.personal.keys() == model.state_dict().keys()
+    ):
+        model.load_state_dict(state.personal, strict=True)  # an earlier version's state: a whole model, unscored
         out[keys.PERSONAL_ACCURACY] = accuracy(model, data.test, cfg.data.input_size)
     out[keys.EVAL_TIME_S] = time.perf_counter() - started
     return out

@@ -12,7 +12,7 @@ import pytest
 
 from fleet.base.errors import ConfigError
 from fleet.bench.launch import MemoryWatch
-from fleet.bench.scale import parse_fleets, round_figures, state_figures
+from fleet.bench.scale import floor_work, parse_fleets, round_figures, state_figures
 from tests.test_fleet_simulation import TINY, run_fleet
 
 
@@ -35,6 +35,14 @@ def test_round_figures_leave_out_the_first_round_and_divide_work_by_the_workers(
     assert fig["wall_s_per_round"] == 7.5 and fig["sim_s_per_round"] == 4.5
     assert fig["overhead_ratio"] == pytest.approx((6.0 / 3.0 + 9.0 / 3.0) / 2)  # 6 s of work on 2 workers: 3 s
     assert round_figures([], 2)["wall_s_per_round"] is None
+
+
+def test_a_floor_device_sleeps_for_the_median_work_a_fleet_device_measured_after_the_first_round():
+    def rec(work: list[tuple[float, float]]) -> dict:
+        return {"devices": [{"measured_time_s": t, "eval_time_s": e} for t, e in work]}
+
+    records = [rec([(9.0, 9.0)]), rec([(1.0, 0.2), (3.0, 0.0)]), rec([(2.0, 0.4), (0.0, 0.3)])]
+    assert floor_work(records) == {"train_s": 2.0, "eval_s": 0.3}  # zeros are devices that did not do that part
 
 
 def test_state_figures_count_bytes_per_device_that_keeps_state(tmp_path):
@@ -75,5 +83,8 @@ def test_the_scale_bench_prints_its_figures_for_each_fleet(tmp_path):
         assert by_process["server"] > 100 * 2**20 and by_process["worker"] > 100 * 2**20
         assert f["peak_rss_bytes"] >= by_process["server"] / 2  # the whole simulation's PSS: shared pages split
         assert 1 <= f["devices_with_state"] <= f["devices"] and f["state_bytes_per_device"] > 0
+        # Flower's floor on the same fleet: its devices slept for what fleet's measured, and it cost some overhead
+        assert f["flower_floor_work_s"]["train_s"] > 0 and f["flower_floor_overhead_ratio"] >= 1.0
+        assert "flower_floor_error" not in f
     assert (tmp_path / "scale.png").stat().st_size > 1000 and (tmp_path / "scale.json").is_file()
     assert not any((Path(f["run_dir"]) / "devices").exists() for f in report["fleets"])  # state deleted: GBs

@@ -114,13 +114,18 @@ def _kib(status: str, key: str) -> int:
 
 
 def launch(
-    config_path: Path, client_app: str, timeout_s: float, echo: Log, watch: MemoryWatch | None = None
+    config_path: Path,
+    client_app: str,
+    timeout_s: float,
+    echo: Log,
+    watch: MemoryWatch | None = None,
+    server_app: str | None = None,
 ) -> str | None:
-    """Run one simulation in a new session; None when it exited 0, else why not.
+    """Run one simulation in a new session (with ``server_app``, else fleet's); None when it exited 0, else why not.
 
     Its output is echoed line by line. On a timeout the whole group (Ray's workers included) is
     killed; it is also cleared after a normal exit, so no simulation outlives its turn."""
-    cmd = [sys.executable, "-m", SIMULATE, str(config_path), client_app]
+    cmd = [sys.executable, "-m", SIMULATE, str(config_path), client_app, *([server_app] if server_app else [])]
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, **pipes)

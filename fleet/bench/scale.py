@@ -31,15 +31,18 @@ from pathlib import Path
 from typing import Any
 
 from fleet.base.errors import ConfigError
+from fleet.bench.floor_app import FLOOR_FILE
 from fleet.bench.launch import HONEST_APP, Log, MemoryWatch, launch, progress_log, shared_start
 from fleet.federated.config import load_fleet_config, run_dir
 from fleet.federated.device import DEVICES_DIR
 from fleet.federated.prepare import prepare
+from fleet.federated.tracking import METRICS_FILE
 
 DEFAULT_CONFIG = "simulations/scale.yaml"
 REPORT_FILE = "scale.json"
 PLOT_FILE = "scale.png"
-FLEETS = ((8, 8), (64, 16), (256, 16))  # (devices, sampled per round)
+FLEETS = ((8, 8), (64, 16), (256, 16), (1000, 16), (1000, 32))  # (devices, sampled per round)
+FLOOR_SERVER, FLOOR_CLIENT = "fleet.bench.floor_app:server", "fleet.bench.floor_app:app"
 
 
 def parse_fleets(specs: Sequence[str]) -> list[tuple[int, int]]:
@@ -95,8 +98,44 @@ def state_figures(devices_dir: Path) -> dict[str, Any]:
     }
 
 
-def run_size(path: str, common: dict, devices: int, per_round: int, timeout_s: float, log: Log) -> dict[str, Any]:
-    """One fleet size: its simulation, launched and watched, and its figures."""
+def read_records(folder: Path) -> list[dict]:
+    """A run's per-round records (none when it wrote none)."""
+    metrics = folder / METRICS_FILE
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+
+
+def floor_work(records: list[dict]) -> dict[str, float]:
+    """What a floor device sleeps for: the median seconds a fleet device measured over the steady rounds,
+    training and evaluation apart."""
+    steady = records[1:] or records
+    train = [d["measured_time_s"] for r in steady for d in r["devices"] if d.get("measured_time_s")]
+    evaluate = [d["eval_time_s"] for r in steady for d in r["devices"] if d.get("eval_time_s")]
+    return {
+        "train_s": statistics.median(train) if train else 0.0,
+        "eval_s": statistics.median(evaluate) if evaluate else 0.0,
+    }
+
+
+def run_floor(path: str, overrides: dict, work: dict[str, float], timeout_s: float, log: Log) -> dict[str, Any]:
+    """Flower's own floor on the same fleet (:mod:`fleet.bench.floor_app`): its overhead ratio and wall time."""
+    floor_cfg = load_fleet_config(path, {**overrides, "name": f"{overrides['name']}-floor"})
+    cfg, config_path = prepare(floor_cfg, resume=False, log=log)
+    (run_dir(cfg) / FLOOR_FILE).write_text(json.dumps(work))
+    log(f"--- {cfg.name}: Flower's floor, devices sleep {work['train_s']:.2f}s + {work['eval_s']:.2f}s ---")
+    error = launch(config_path, FLOOR_CLIENT, timeout_s, log, server_app=FLOOR_SERVER)
+    figures = round_figures(read_records(run_dir(cfg)), workers(cfg.simulation.client_cpus))
+    out = {
+        "flower_floor_overhead_ratio": figures["overhead_ratio"],
+        "flower_floor_wall_s_per_round": figures["wall_s_per_round"],
+        "flower_floor_work_s": work,
+    }
+    return {**out, "flower_floor_error": error} if error is not None else out
+
+
+def run_size(
+    path: str, common: dict, devices: int, per_round: int, timeout_s: float, log: Log, floor: bool = True
+) -> dict[str, Any]:
+    """One fleet size: its simulation, launched and watched, and its figures; then Flower's floor on it."""
     name = load_fleet_config(path, common).name
     overrides = {
         **common,
@@ -109,8 +148,7 @@ def run_size(path: str, common: dict, devices: int, per_round: int, timeout_s: f
     watch = MemoryWatch()
     started = time.monotonic()
     error = launch(config_path, HONEST_APP, timeout_s, log, watch)
-    metrics = run_dir(cfg) / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    records = read_records(run_dir(cfg))
     parallel = workers(cfg.simulation.client_cpus)
     entry = {
         "devices": devices,
@@ -126,7 +164,9 @@ def run_size(path: str, common: dict, devices: int, per_round: int, timeout_s: f
     entry.update(state_figures(run_dir(cfg) / DEVICES_DIR))
     if error is not None:
         entry["error"] = error
-    shutil.rmtree(run_dir(cfg) / DEVICES_DIR, ignore_errors=True)  # every device's state: 7 GB at 256 devices
+    shutil.rmtree(run_dir(cfg) / DEVICES_DIR, ignore_errors=True)
+    if floor and records:
+        entry.update(run_floor(path, overrides, floor_work(records), timeout_s, log))
     return entry
 
 
@@ -137,6 +177,7 @@ def bench_scale(
     fleets: Sequence[tuple[int, int]] = FLEETS,
     timeout_s: float = 1800.0,
     quiet: bool = False,
+    floor: bool = True,
 ) -> dict[str, Any]:
     """Every fleet size in turn; the report is rewritten after each, so a killed bench keeps what it measured."""
     log = progress_log(quiet)
@@ -148,7 +189,7 @@ def bench_scale(
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"config": str(path), "cpus": os.cpu_count(), "fleets": []}
     for devices, per_round in fleets:
-        report["fleets"].append(run_size(path, common, devices, per_round, timeout_s, log))
+        report["fleets"].append(run_size(path, common, devices, per_round, timeout_s, log, floor))
         (out / REPORT_FILE).write_text(json.dumps(report, indent=2))
     report["plot"] = str(plot_scale(out / PLOT_FILE, report["fleets"]))
     report["report"] = str(out / REPORT_FILE)
@@ -167,6 +208,8 @@ def plot_scale(path: Path, fleets: list[dict]) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     axes[0].plot(sizes, [f["wall_s_per_round"] or 0 for f in fleets], marker="o", label="wall s / round")
     axes[0].plot(sizes, [f["device_work_s_per_round"] or 0 for f in fleets], marker="s", label="device work s / round")
+    floor = [f.get("flower_floor_wall_s_per_round") or 0 for f in fleets]
+    axes[0].plot(sizes, floor, marker="^", label="Flower's floor: wall s / round")
     axes[0].set_ylabel("seconds")
     axes[1].plot(sizes, [f["peak_rss_bytes"] / 2**30 for f in fleets], marker="o", label="whole simulation (PSS)")
     for key, label in (("server", "server (driver)"), ("worker", "largest worker")):
@@ -185,12 +228,12 @@ def plot_scale(path: Path, fleets: list[dict]) -> Path:
 
 def scale_table(report: dict[str, Any]) -> str:
     heads = (("devices", 7), ("per rnd", 7), ("wall s/rnd", 10), ("overhead", 8), ("sim s/rnd", 9), ("peak GiB", 8))
-    lines = [" ".join(f"{h:>{w}}" for h, w in (*heads, ("MB/device", 9)))]
+    lines = [" ".join(f"{h:>{w}}" for h, w in (*heads, ("MB/device", 9), ("floor", 5)))]
     for f in report["fleets"]:
         wall, ratio, sim = f.get("wall_s_per_round"), f.get("overhead_ratio"), f.get("sim_s_per_round")
         lines.append(
             f"{f['devices']:>7} {f['per_round']:>7} {wall or 0:>10.1f} {ratio or 0:>8.2f} {sim or 0:>9.1f} "
-            f"{f['peak_rss_bytes'] / 2**30:>8.2f} {f.get('state_bytes_per_device', 0) / 1e6:>9.1f}"
-            + (f"  {f['error']}" if f.get("error") else "")
+            f"{f['peak_rss_bytes'] / 2**30:>8.2f} {f.get('state_bytes_per_device', 0) / 1e6:>9.1f} "
+            f"{f.get('flower_floor_overhead_ratio') or 0:>5.2f}" + (f"  {f['error']}" if f.get("error") else "")
         )
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""``fleet bench scale``: wall time, overhead and memory of the simulation at 8, 64 and 256 devices."""
+"""``fleet bench scale``: wall time, overhead and memory of the simulation from 8 to 1,000 devices, beside
+Flower's own floor on the same fleets."""
 
 from __future__ import annotations
 
@@ -16,8 +17,12 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default=DEFAULT_CONFIG, help=f"fleet YAML (default: {DEFAULT_CONFIG})")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a config field")
     p.add_argument(
-        "--fleets", nargs="+", default=["8:8", "64:16", "256:16"], metavar="DEVICES:PER_ROUND", help="fleet sizes"
+        "--fleets",
+        nargs="+",
+        metavar="DEVICES:PER_ROUND",
+        help="fleet sizes (default: 8:8 64:16 256:16 1000:16 1000:32)",
     )
+    p.add_argument("--no-floor", action="store_true", help="skip Flower's floor (a sleeping ClientApp) at each size")
     p.add_argument("--output-dir")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="a fleet still running after this is stopped")
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
@@ -25,11 +30,17 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def run_scale(args: argparse.Namespace) -> int:
-    from fleet.bench.scale import bench_scale, parse_fleets, scale_table
+    from fleet.bench.scale import FLEETS, bench_scale, parse_fleets, scale_table
     from fleet.commands.common import set_overrides
 
+    fleets = parse_fleets(args.fleets) if args.fleets else FLEETS
     report = bench_scale(
-        args.config, set_overrides(args), fleets=parse_fleets(args.fleets), timeout_s=args.timeout_s, quiet=args.json
+        args.config,
+        set_overrides(args),
+        fleets=fleets,
+        timeout_s=args.timeout_s,
+        quiet=args.json,
+        floor=not args.no_floor,
     )
     print(json.dumps(report, indent=2) if args.json else scale_table(report))
     return 0

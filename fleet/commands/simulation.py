@@ -124,11 +124,18 @@ def check_ray_reachable(address: str, timeout_s: float = 5.0) -> None:
 
 
 def run_simulation(
-    cfg: FleetConfig, config_path: Path, *, resume: bool, verbose: bool = False, client_app: str = CLIENT_APP
+    cfg: FleetConfig,
+    config_path: Path,
+    *,
+    resume: bool,
+    verbose: bool = False,
+    client_app: str = CLIENT_APP,
+    server_app: str = SERVER_APP,
 ) -> dict:
     """Run the ServerApp and N ClientApps in Flower's simulation engine; returns summary.json.
 
-    ``client_app`` names another ClientApp (``module:attribute``), e.g. a test's faulty device."""
+    ``client_app`` names another ClientApp (``module:attribute``), e.g. a test's faulty device;
+    ``server_app`` another ServerApp (the scale bench's Flower floor)."""
     _require_flwr_internals()
     from flwr.app import Context, RecordDict
     from flwr.simulation.run_simulation import _run_simulation
@@ -143,7 +150,7 @@ def run_simulation(
     context = Context(run_id=run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config=fused)
     with flower_output(log_path, verbose=verbose):
         _run_simulation(
-            server_app_attr=SERVER_APP,
+            server_app_attr=server_app,
             client_app_attr=client_app,
             num_supernodes=cfg.devices.taking_part,  # newcomers (the last partitions) never take part
             backend_name="ray",
@@ -169,6 +176,7 @@ def simulate(
     verbose: bool = False,
     log=print,
     client_app: str = CLIENT_APP,
+    server_app: str = SERVER_APP,
 ) -> dict:
     cfg = load_fleet_config(path, overrides)
     if cfg.simulation.ray_address is not None:
@@ -176,4 +184,6 @@ def simulate(
     if resume:
         check_resumable(run_dir(cfg))  # before anything is measured, moved or launched
     cfg, config_path = prepare(cfg, resume=resume, log=log)
-    return run_simulation(cfg, config_path, resume=resume, verbose=verbose, client_app=client_app)
+    return run_simulation(
+        cfg, config_path, resume=resume, verbose=verbose, client_app=client_app, server_app=server_app
+    )

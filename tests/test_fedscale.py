@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 import pickle
+import random
 import statistics
 
 import pytest
+import yaml
 
 from fleet.base.errors import ConfigError
 from fleet.federated.classes import FleetClasses, bandwidth_of, online
 from fleet.federated.config import load_fleet_config
 from fleet.federated.device import tier_of
 from fleet.federated.fedscale import load_clients
+from tests.test_fleet_simulation import ROOT, read_metrics, run_fleet
 
 CAPACITY = {  # FedScale's client_device_capacity: ms per sample, kbps; ids are ints in its pickles
     1: {"computation": 100.0, "communication": 8000.0},
@@ -110,3 +113,46 @@ def test_files_that_share_no_usable_client_are_one_line(tmp_path):
     beh.write_text("[1, 2]")
     with pytest.raises(ConfigError, match=r"holds no mapping of client ids"):
         fleet(str(cap), str(beh))
+
+
+def trace_online(behaviour: dict, t: float) -> bool:
+    """Online at simulated time ``t`` by FedScale's reading of a client's intervals (computed here, apart)."""
+    phase = t % behaviour["finish_time"]
+    return any(a <= phase < b for a, b in zip(behaviour["active"], behaviour["inactive"]))
+
+
+@pytest.mark.slow
+def test_a_fedscale_trace_drives_a_thousand_device_simulation(tmp_path):
+    """1,000 devices, 4 rounds, 16 a round, from a FedScale-format trace written here: nobody offline is
+    sampled, and each round's online count is the trace's at the simulated time the round sampled."""
+    rng = random.Random(0)
+    capacity, behaviour = {}, {}
+    for cid in range(1, 1201):
+        capacity[cid] = {"computation": rng.uniform(50, 400), "communication": rng.uniform(2000, 50000)}
+        start, end = rng.uniform(0, 20), rng.uniform(3, 10)  # online for 3-10 s of every 20, wrapping round
+        end += start
+        spans = [(start, end)] if end <= 20 else [(0.0, end - 20), (start, 20.0)]
+        behaviour[cid] = {"active": [a for a, _ in spans], "inactive": [b for _, b in spans], "finish_time": 20}
+    (tmp_path / "cap.pkl").write_bytes(pickle.dumps(capacity))
+    (tmp_path / "beh.pkl").write_bytes(pickle.dumps(behaviour))
+    cfg = yaml.safe_load((ROOT / "simulations/scale.yaml").read_text())
+    cfg["hardware"]["profile"] = str(ROOT / cfg["hardware"]["profile"])
+    cfg["start"]["epochs"] = 1
+    cfg["federation"].update({"rounds": 4, "devices_per_round": 16})
+    cfg["devices"]["num_devices"] = 1000
+    cls = {"name": "phone", "share": 1.0, "fedscale_capacity": str(tmp_path / "cap.pkl")}
+    cfg["devices"]["device_classes"] = [{**cls, "fedscale_behaviour": str(tmp_path / "beh.pkl")}]
+    cfg["output_dir"] = str(tmp_path / "runs")
+    (tmp_path / "trace.yaml").write_text(yaml.safe_dump(cfg))
+    res = run_fleet(["simulate", str(tmp_path / "trace.yaml")], timeout=1500)
+    assert res.returncode == 0, res.stdout[-3000:]
+    records = read_metrics(tmp_path / "runs" / "scale")
+    loaded = load_fleet_config(str(tmp_path / "trace.yaml"))
+    draw = loaded.devices.device_classes[0].fedscale
+    client = {f"device-{pid}": int(draw.client(loaded.train.seed, pid).client_id) for pid in range(1000)}
+    assert len(records) == 4
+    for rec in records:
+        up = {name for name, cid in client.items() if trace_online(behaviour[cid], rec["sampled_at_s"])}
+        assert rec["online"] == len(up) and set(rec["offline"]) == set(client) - up
+        assert len(rec["sampled"]) == 16 and set(rec["sampled"]) <= up  # nobody offline is sampled
+    assert len({r["online"] for r in records}) > 1  # the count moves with the trace, round by round

@@ -274,6 +274,7 @@ class Coordinator:
             raise FleetError(f"round {server_round}: no device could take part within {fed.timeout_s:.0f}s ({reasons})")
         online = self.online(server_round, eligible_nodes)
         att.offline = [roster[n].name for n in eligible_nodes if n not in online]
+        att.online, att.sampled_at_s = len(online), state.sim_time_s
         nodes = sample(online, fed.devices_per_round, self.cfg.train.seed, server_round)
         att.sampled = [roster[n].name for n in nodes]
         log.info("round %d: sampled %d of %d online devices: %s", server_round, len(nodes), len(online), att.sampled)

@@ -148,6 +148,8 @@ class Attendance:
     refused: list[Refusal] = field(default_factory=list)
     benched: list[str] = field(default_factory=list)
     offline: list[str] = field(default_factory=list)  # simulated device classes: eligible, but not online
+    online: int = 0  # eligible devices online when the round sampled (all of them without availability)
+    sampled_at_s: float = 0.0  # the simulated clock when the round sampled: where a trace is read
 
     def as_dict(self) -> dict:
         return {
@@ -159,4 +161,6 @@ class Attendance:
             "refused": [dataclasses.asdict(r) for r in self.refused],
             "benched": self.benched,
             "offline": self.offline,
+            "online": self.online,
+            "sampled_at_s": self.sampled_at_s,
         }

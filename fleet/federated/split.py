@@ -31,6 +31,7 @@ class DeviceData:
 MIN_PARTITION = 4  # a device holds out one test sample and trains on at least 2 (BatchNorm needs 2 per batch)
 _DATA: dict[str, tuple[ArrayDataset, ArrayDataset]] = {}  # a simulation actor serves many devices
 _OWNED: dict[str, DeviceData] = {}  # the last device-owned tree read in this process
+_INDICES: dict[str, tuple[np.ndarray, list[np.ndarray]]] = {}  # the fleet's split, made once per process
 
 
 def datasets(cfg: FleetConfig) -> tuple[ArrayDataset, ArrayDataset]:
@@ -43,7 +44,17 @@ def datasets(cfg: FleetConfig) -> tuple[ArrayDataset, ArrayDataset]:
 
 
 def fleet_indices(cfg: FleetConfig, labels: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-    """(pretraining indices, one index array per device): disjoint, the same everywhere."""
+    """(pretraining indices, one index array per device): disjoint, the same everywhere. A simulation worker
+    serves many devices: it splits the fleet once (50 ms at 1,000 devices, for every message otherwise)."""
+    d = cfg.devices
+    key = repr((cfg.data, d.num_devices, d.partition, d.alpha, d.samples_per_device, cfg.start, cfg.train.seed))
+    if key not in _INDICES:
+        _INDICES.clear()
+        _INDICES[key] = _split_fleet(cfg, labels)
+    return _INDICES[key]
+
+
+def _split_fleet(cfg: FleetConfig, labels: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     order = np.random.default_rng([cfg.train.seed, 7]).permutation(len(labels))
     pool = order if cfg.start.classes is None else order[np.isin(labels[order], cfg.start.classes)]
     pre = np.sort(pool[: cfg.start.samples])  # a start from other classes is held out from those alone

@@ -15,7 +15,14 @@ from fleet.federated.coordinator import Coordinator
 from fleet.federated.defense import sample_cap
 from fleet.federated.membership import member
 from fleet.federated.records import Reply
-from fleet.federated.robust import plausible_times, robust_average, screen_devices, update_limits, update_norms
+from fleet.federated.robust import (
+    leave_one_out_medians,
+    plausible_times,
+    robust_average,
+    screen_devices,
+    update_limits,
+    update_norms,
+)
 from fleet.federated.schema import TRAIN, metric_problem
 from tests.test_fleet_strategy import coordinator, device_metrics, reply, train
 
@@ -357,3 +364,12 @@ def test_with_every_defense_off_the_round_is_the_plain_masked_mean():
     expected = np.mean([r.arrays["u"] for r in replies], axis=0)
     np.testing.assert_allclose(out["u"], expected, rtol=1e-5)
     assert not s.state.replies.rejections and not s.state.replies.defense.scaled
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 7, 16])
+def test_leave_one_out_medians_are_the_medians_of_the_other_rows(n):
+    rng = np.random.default_rng(n)
+    rows = rng.integers(-2, 3, size=(n, 300)).astype(np.float64)  # many ties
+    rows[:, :3] = rng.standard_normal((n, 3))
+    expected = np.stack([np.median(np.delete(rows, j, axis=0), axis=0) for j in range(n)])
+    assert np.array_equal(leave_one_out_medians(rows), expected)

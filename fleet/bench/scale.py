@@ -139,7 +139,7 @@ def run_size(
     name = load_fleet_config(path, common).name
     overrides = {
         **common,
-        "name": f"{name}-{devices}",
+        "name": f"{name}-{devices}-{per_round}",  # 1,000 devices run at 16 and at 32 a round
         "devices.num_devices": devices,
         "federation.devices_per_round": per_round,
     }

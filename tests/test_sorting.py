@@ -1,0 +1,40 @@
+"""The comparator network sorts every coordinate exactly as np.sort does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fleet.federated.robust import trimmed_mean
+from fleet.federated.sorting import CHUNK, merge_network, sorted_rows
+
+
+@pytest.mark.parametrize("size, comparators", [(1, 0), (2, 1), (4, 5), (8, 19), (16, 63), (32, 191)])
+def test_batchers_network_has_its_published_size(size, comparators):
+    assert len(merge_network(size)) == comparators  # (m^2 - m + 4) 2^(m-2) - 1 for size 2^m
+
+
+def test_a_size_that_is_not_a_power_of_two_is_refused():
+    with pytest.raises(ValueError, match="not a power of two"):
+        merge_network(12)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 16, 17])
+def test_sorted_rows_match_np_sort_with_ties_and_across_chunks(n):
+    rng = np.random.default_rng(n)
+    shape = (3, CHUNK // 2 + 7)  # more columns than one chunk, and a last chunk that is short
+    values = [rng.integers(-3, 4, size=shape).astype(np.float32) for _ in range(n)]  # many ties
+    values[0][0, :5] = [np.inf, -np.inf, 1e30, -1e30, 0.0]
+    expected = np.sort(np.stack(values).reshape(n, -1), axis=0)
+    got = sorted_rows(values)
+    assert got.shape == expected.shape and np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_trimmed_mean_is_the_sorted_middles_mean(dtype):
+    rng = np.random.default_rng(0)
+    values = [rng.standard_normal((4, 5)).astype(dtype) for _ in range(10)]
+    middle = np.sort(np.stack(values), axis=0)[2:8].astype(np.float64)
+    got = trimmed_mean(values, 2)
+    assert got.dtype == np.float64 and got.shape == (4, 5)
+    assert np.allclose(got, middle.mean(axis=0), rtol=1e-12, atol=1e-12)

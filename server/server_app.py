@@ -61,7 +61,9 @@ def run_round(grid: Grid, coord: Coordinator, mailbox: Mailbox, server_round: in
     end = coord.fix_bound(plan, started)
     pulled = mailbox.collect(ids, plan.train_bound_s)
     t = coord.lap("wait_train_s", t)
-    coord.close_train(plan, take(coord, pulled, server_round, TRAIN, connected_nodes(grid)))
+    replies = take(coord, pulled, server_round, TRAIN, connected_nodes(grid))
+    del pulled  # the messages' bytes: each reply holds its own arrays now (a model a device, twice otherwise)
+    coord.close_train(plan, replies)
     ask(grid, coord, mailbox, server_round)  # who connected while it trained answers before the next round
     t = coord.lap("aggregate_s", t)
     if coord.evaluates(server_round):

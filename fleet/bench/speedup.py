@@ -5,15 +5,27 @@ from __future__ import annotations
 import torch
 
 from fleet.bench.steps import StepBench, model_from_profile
+from fleet.engine.accelerator import device_name
 from fleet.engine.device_profile import DeviceProfile
 from fleet.engine.importance import evaluate_importance
 from fleet.engine.selection import select_tensors
 
 
-def speedup_bench(profile: DeviceProfile, rho: float, *, repeats: int = 15, seed: int = 0) -> dict:
-    """Measured elastic/full step-time ratio at ``rho`` against the predicted one."""
+def speedup_bench(
+    profile: DeviceProfile, rho: float, *, repeats: int = 15, seed: int = 0, device: torch.device | None = None
+) -> dict:
+    """Measured elastic/full step-time ratio at ``rho`` against the predicted one, on ``device`` (the CPU
+    when None) and in the profile's precision."""
     model = model_from_profile(profile)
-    bench = StepBench(model, profile.batch_size, profile.input_size, int(profile.model["num_classes"]), seed)
+    bench = StepBench(
+        model,
+        profile.batch_size,
+        profile.input_size,
+        int(profile.model["num_classes"]),
+        seed,
+        device=device,
+        amp=profile.dtype != "float32",
+    )
     importance = evaluate_importance(model, bench.params, bench.optimizer, bench.x, bench.y)
     mask = select_tensors(importance, profile.t_dw, profile.t_dy, profile.backward_budget(rho))
     full = [True] * len(mask)
@@ -23,6 +35,8 @@ def speedup_bench(profile: DeviceProfile, rho: float, *, repeats: int = 15, seed
         "batch_size": profile.batch_size,
         "input_size": profile.input_size,
         "threads": torch.get_num_threads(),
+        "device": device_name(bench.device),  # what ran the steps: cpu, or cuda with the GPU's name
+        "dtype": profile.dtype,
         "rho": rho,
         "selected": sum(mask),
         "tensors": len(mask),

@@ -8,6 +8,7 @@ import statistics
 import torch
 
 from fleet.bench.steps import StepBench, model_from_profile
+from fleet.engine.accelerator import device_name
 from fleet.engine.device_profile import DeviceProfile
 
 
@@ -21,10 +22,26 @@ def random_masks(n: int, count: int, seed: int = 0) -> list[list[bool]]:
     return masks
 
 
-def timing_bench(profile: DeviceProfile, *, selections: int = 10, repeats: int = 7, seed: int = 0) -> dict:
-    """Predicted against measured step time for full training and random selections."""
+def timing_bench(
+    profile: DeviceProfile,
+    *,
+    selections: int = 10,
+    repeats: int = 7,
+    seed: int = 0,
+    device: torch.device | None = None,
+) -> dict:
+    """Predicted against measured step time for full training and random selections, on ``device`` (the
+    CPU when None) and in the profile's precision."""
     model = model_from_profile(profile)
-    bench = StepBench(model, profile.batch_size, profile.input_size, int(profile.model["num_classes"]), seed)
+    bench = StepBench(
+        model,
+        profile.batch_size,
+        profile.input_size,
+        int(profile.model["num_classes"]),
+        seed,
+        device=device,
+        amp=profile.dtype != "float32",
+    )
     profile.check_matches(bench.names, [list(p.shape) for p in bench.params], source="the profile")
     masks = [[True] * len(bench.names)] + random_masks(len(bench.names), selections, seed)
     measured = bench.interleaved(masks, repeats)
@@ -51,6 +68,8 @@ def timing_bench(profile: DeviceProfile, *, selections: int = 10, repeats: int =
         "batch_size": profile.batch_size,
         "input_size": profile.input_size,
         "threads": torch.get_num_threads(),
+        "device": device_name(bench.device),  # what ran the steps: cpu, or cuda with the GPU's name
+        "dtype": profile.dtype,
         "median_abs_relative_error": statistics.median(errors),
         "max_abs_relative_error": max(errors),
         "machine_drift": drift,

@@ -17,6 +17,8 @@ def _model_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--num-classes", type=int, default=10)
     p.add_argument("--small-input", action="store_true")
     p.add_argument("--threads", type=int)
+    p.add_argument("--device", default="auto", help="auto (a CUDA GPU where there is one), cpu or cuda")
+    p.add_argument("--amp", action="store_true", help="mixed precision on CUDA (a measured profile only)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -33,7 +35,16 @@ def register_bench(bench_sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_speedup)
 
 
-def _profile(args: argparse.Namespace):
+def _device(args: argparse.Namespace):
+    """The device ``--device`` names here (one line when it names CUDA on a machine without it)."""
+    from fleet.engine.accelerator import resolve_device
+
+    return resolve_device(args.device, "--device")
+
+
+def _profile(args: argparse.Namespace, device):
+    """The ``--profile`` file, refused when measured on another kind of device than ``device``; else one
+    measured now on ``device``."""
     import torch
 
     from fleet.base.errors import ConfigError
@@ -43,7 +54,9 @@ def _profile(args: argparse.Namespace):
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.profile:
-        return DeviceProfile.load(args.profile)
+        profile = DeviceProfile.load(args.profile)
+        profile.check_runs_on(device.type, None, f"--profile {args.profile}")
+        return profile
     if not args.model:
         raise ConfigError("--model: needed when no --profile is given (e.g. --model resnet18)")
     from fleet.engine.config import config_from_dict
@@ -52,10 +65,11 @@ def _profile(args: argparse.Namespace):
         {
             "model": {"name": args.model},
             "data": {"input_size": args.input_size},
-            "train": {"batch_size": args.batch_size},
+            "train": {"batch_size": args.batch_size, "device": args.device, "amp": args.amp},
         }
     )
-    return measure_profile(args.model, args.batch_size, args.input_size, **model_kwargs(args))
+    kwargs = model_kwargs(args)
+    return measure_profile(args.model, args.batch_size, args.input_size, **kwargs, device=device, amp=args.amp)
 
 
 def _emit(result: dict, as_json: bool, lines: list[str]) -> None:
@@ -66,7 +80,8 @@ def run_timing(args: argparse.Namespace) -> int:
     from fleet.bench.timing import timing_bench
 
     require_counts(args, "selections", "repeats", "threads")
-    r = timing_bench(_profile(args), selections=args.selections, repeats=args.repeats)
+    device = _device(args)
+    r = timing_bench(_profile(args, device), selections=args.selections, repeats=args.repeats, device=device)
     lines = [f"{'selected':>8} {'kmin':>5} {'predicted ms':>13} {'measured ms':>12} {'error':>7}"]
     for row in [r["full"], *r["selections"]]:
         lines.append(
@@ -89,7 +104,8 @@ def run_speedup(args: argparse.Namespace) -> int:
     if not 0 < args.rho <= 1:
         raise ConfigError(f"--rho: {args.rho} is not allowed; use a number in (0, 1]")
     require_counts(args, "repeats", "threads")
-    r = speedup_bench(_profile(args), args.rho, repeats=args.repeats)
+    device = _device(args)
+    r = speedup_bench(_profile(args, device), args.rho, repeats=args.repeats, device=device)
     lines = [
         f"{r['model']} rho={r['rho']}: trained {r['selected']}/{r['tensors']} tensors; "
         f"time fraction predicted {r['predicted_time_fraction']:.3f}, measured {r['measured_time_fraction']:.3f} "

@@ -24,6 +24,7 @@ CONFIG_FLAGS = {
     "profile": "hardware.profile",
     "threads": "hardware.threads",
     "seed": "train.seed",
+    "device": "train.device",
     "memory_budget_mb": "hardware.memory_budget_mb",
     "spill_dir": "hardware.spill_dir",
 }
@@ -55,6 +56,7 @@ def add_config_args(parser: argparse.ArgumentParser, *, default_config: str | No
     g.add_argument("--profile", help="device profile YAML from `fleet profile`")
     g.add_argument("--threads", type=int)
     g.add_argument("--seed", type=int)
+    g.add_argument("--device", help="auto (a CUDA GPU where there is one), cpu or cuda")
     g.add_argument(
         "--memory-budget-mb", type=float, help="activation memory budget; steps follow a keep/recompute/page plan"
     )

@@ -32,6 +32,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument(
+        "--device", help="auto (a CUDA GPU where there is one), cpu or cuda; default: the config's train.device"
+    )
+    p.add_argument(
+        "--amp", action="store_true", default=None, help="measure in mixed precision (CUDA), for train.amp runs"
+    )
+    p.add_argument(
         "--memory-budget-mb", type=float, help="record this device's activation memory budget in the profile"
     )
     p.add_argument(
@@ -76,6 +82,7 @@ def output_file(out: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from fleet.engine.accelerator import device_name, resolve_device
     from fleet.engine.config import load_config
     from fleet.engine.experiment import make_model
     from fleet.engine.models import model_meta
@@ -95,12 +102,15 @@ def run(args: argparse.Namespace) -> int:
         "data.input_size": args.input_size,
         "train.batch_size": args.batch_size,
         "train.lr": args.lr,
+        "train.device": args.device,
+        "train.amp": args.amp,
         "hardware.memory_budget_mb": args.memory_budget_mb,
     }
     from fleet.federated.config import SECTIONS  # a fleet YAML's own sections: a profile reads none of them
 
     cfg = load_config(args.config, {k: v for k, v in flags.items() if v is not None}, ignore_sections=SECTIONS)
     out = output_file(args.out)
+    device = resolve_device(cfg.train.device, "--device" if args.device is not None else "train.device")
     if args.threads:
         torch.set_num_threads(args.threads)
     model = make_model(cfg.model)
@@ -113,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
         input_size=size,
         make_optimizer=lambda ps: make_optimizer(ps, cfg.train),
         repeats=args.repeats,
+        device=device,
+        amp=cfg.train.amp,
     )
     profile.memory_budget_mb = cfg.hardware.memory_budget_mb
     profile = profile.scaled(args.scale)
@@ -124,5 +136,6 @@ def run(args: argparse.Namespace) -> int:
         f"tensors, forward {1000 * profile.forward_time:.1f} ms, "
         f"full step {1000 * profile.full_step_time:.1f} ms (fastest possible rho {profile.min_rho:.2f}); "
         f"took {time.perf_counter() - start:.1f}s; wrote {path}"
+        + ("" if device.type == "cpu" else f" (on {device_name(device)}, {profile.dtype})")
     )
     return 0

@@ -20,6 +20,7 @@ import yaml
 
 from fleet.base.errors import ConfigError, FleetError
 from fleet.data.shift import ShiftConfig, check_shift
+from fleet.engine.accelerator import DEVICES
 
 METHODS = ("full", "tl", "bn_bias", "prunetrain", "elastic")
 
@@ -93,6 +94,13 @@ class TrainConfig:
     probe: str = "train"
     prunetrain_lambda: float = 1e-4  # L1 group penalty weight (prunetrain)
     seed: int = 0  # seeds the model's initialization, shuffling and caps; in a fleet also the split and sampling
+    # where the model, its batches, optimizer and importance probes live: auto (a CUDA GPU where torch sees one, else
+    # the CPU), cpu or cuda (an error on a machine without one). A profile is measured on, and only valid for, one
+    # kind: a CPU profile is refused for a CUDA run and the other way round (docs/gpu.md)
+    device: str = "auto"
+    # mixed precision on CUDA: autocast to float16 with a gradient scaler, about twice the throughput on tensor cores.
+    # The profile must be measured in the same precision (its dtype), or it is refused. Needs a CUDA device
+    amp: bool = False
 
 
 @dataclass
@@ -178,6 +186,7 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {  # by dotted path
     "train.probe": (lambda v: v in ("restore", "train"), "'restore' or 'train'"),
     "train.interval_unit": (lambda v: v in ("epoch", "step"), "'epoch' or 'step'"),
     "train.prunetrain_lambda": (lambda v: v >= 0, "a number >= 0"),
+    "train.device": (lambda v: v in DEVICES, "one of " + ", ".join(DEVICES)),
     "hardware.threads": _OPTIONAL_COUNT,
     "hardware.memory_budget_mb": (lambda v: v is None or v > 0, "a positive number of MB or null"),
     "pretrain.classes": LABELS_RULE,
@@ -310,6 +319,11 @@ def build_dataclass(cls: type, data: Any, prefix: str) -> Any:
 def check_experiment(cfg: ExperimentConfig) -> None:
     """Checks that span sections, so one field alone cannot express them."""
     check_shift(cfg.data.shift, "data.shift", cfg.model.in_channels)
+    if cfg.train.amp and cfg.train.device == "cpu":
+        raise ConfigError(
+            "train.amp: true needs a CUDA device, and train.device is cpu; set train.amp to false, "
+            "or train.device to cuda (or auto) on a machine with a CUDA GPU"
+        )
     domains = cfg.data.shift.domains or 2
     if not 0 <= cfg.data.domain < domains:
         raise ConfigError(

@@ -40,7 +40,8 @@ class DeviceProfile:
     input_size: int
     t_fw: float  # fixed cost of any step: forward, loss, optimizer call
     tensors: list[TensorTiming]
-    dtype: str = "float32"
+    dtype: str = "float32"  # what the forward computes in: float16 for a profile measured under train.amp
+    device: str = "cpu"  # the kind of device it was measured on (cpu, cuda); a profile holds only there
     threads: int = 1
     host: dict = field(default_factory=dict)
     repeats: int = 0
@@ -98,8 +99,12 @@ class DeviceProfile:
         batch_size: int | None = None,
         input_size: int | None = None,
         source: str = "the profile",
+        device: str | None = None,
+        dtype: str | None = None,
     ) -> None:
-        """Refuse a profile measured for another model, batch or input size."""
+        """Refuse a profile measured for another model, batch or input size, or (given ``device``, ``dtype``)
+        on another kind of device or in another precision."""
+        self.check_runs_on(device, dtype, source)
         fix = f"re-run `fleet profile` for this model (it was measured on {self.describe()})"
         names = [t.name for t in self.tensors]
         if list(tensor_names) != names:
@@ -126,6 +131,21 @@ class DeviceProfile:
         if input_size is not None and input_size != self.input_size:
             raise ProfileMismatchError(
                 f"{source} was measured at input size {self.input_size}, training uses {input_size}; {fix}"
+            )
+
+    def check_runs_on(self, device: str | None, dtype: str | None, source: str = "the profile") -> None:
+        """Refuse a profile measured on another kind of device (a CPU's times for a GPU run say nothing of
+        it, and the other way round) or in another precision than the run trains in; None: not checked."""
+        if device is not None and device != self.device:
+            raise ProfileMismatchError(
+                f"{source} was measured on {self.device}, training runs on {device}; "
+                f"re-run `fleet profile --device {device}` on this machine, or set train.device to {self.device}"
+            )
+        if dtype is not None and dtype != self.dtype:
+            amp = "true" if self.dtype != "float32" else "false"
+            raise ProfileMismatchError(
+                f"{source} was measured in {self.dtype}, training runs in {dtype}; re-run `fleet profile` "
+                f"with the run's train.amp, or set train.amp to {amp}"
             )
 
     def describe(self) -> str:

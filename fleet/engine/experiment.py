@@ -12,7 +12,8 @@ from torch import nn
 from fleet.base.errors import ConfigError
 from fleet.data.datasets import ArrayDataset, check_fashion_mnist, load_dataset
 from fleet.data.shift import device_shift, shift_dataset
-from fleet.engine.config import DataConfig, ExperimentConfig, ModelConfig
+from fleet.engine.accelerator import Precision, device_name, module_device, resolve_device
+from fleet.engine.config import DataConfig, ExperimentConfig, ModelConfig, TrainConfig
 from fleet.engine.device_profile import DeviceProfile
 from fleet.engine.models import build_model, head_parameter_names, input_channels, model_meta
 from fleet.engine.profiler import profile_device, tensor_order
@@ -101,8 +102,25 @@ def model_with_weights(cfg: ModelConfig, weights: Mapping[str, torch.Tensor]) ->
     return model
 
 
-def check_profile(profile: DeviceProfile, model: nn.Module, batch_size: int, input_size: int, source: str) -> None:
-    example = torch.zeros(1, input_channels(model), input_size, input_size)
+def run_precision(train: TrainConfig) -> tuple[torch.device, str]:
+    """The device ``train.device`` resolves to here, and the type its forward computes in (float16 under
+    ``train.amp``): what a profile must have been measured on and in."""
+    device = resolve_device(train.device)
+    return device, Precision(device, train.amp).dtype
+
+
+def check_profile(
+    profile: DeviceProfile,
+    model: nn.Module,
+    batch_size: int,
+    input_size: int,
+    source: str,
+    train: TrainConfig | None = None,
+) -> None:
+    """Refuse ``profile`` unless it was measured for ``model`` at this batch and input size, and (given the
+    run's ``train`` section) on the device kind and in the precision the run trains on."""
+    device, dtype = run_precision(train) if train is not None else (None, None)
+    example = torch.zeros(1, input_channels(model), input_size, input_size, device=module_device(model))
     order = tensor_order(model, example)
     profile.check_matches(
         [n for n, _, _ in order],
@@ -110,6 +128,8 @@ def check_profile(profile: DeviceProfile, model: nn.Module, batch_size: int, inp
         batch_size=batch_size,
         input_size=input_size,
         source=source,
+        device=None if device is None else device.type,
+        dtype=dtype,
     )
 
 
@@ -120,17 +140,19 @@ def obtain_profile(
     batch, size = cfg.train.batch_size, cfg.data.input_size
     if cfg.hardware.profile is not None:
         profile = DeviceProfile.load(cfg.hardware.profile, field="hardware.profile")
-        check_profile(profile, model, batch, size, f"profile {cfg.hardware.profile} (hardware.profile)")
+        check_profile(profile, model, batch, size, f"profile {cfg.hardware.profile} (hardware.profile)", cfg.train)
         return profile
     if cache is not None and cache.is_file():
         try:
             profile = DeviceProfile.load(cache)
-            check_profile(profile, model, batch, size, str(cache))
+            check_profile(profile, model, batch, size, str(cache), cfg.train)
             if profile.threads == torch.get_num_threads():
                 return profile
         except Exception:  # a stale cache is simply re-measured
             pass
-    log(f"profiling {cfg.model.name} at batch {batch}, input {size} on this device ...")
+    device = resolve_device(cfg.train.device)
+    where = "this device" if device.type == "cpu" else f"this device's {device_name(device)}"
+    log(f"profiling {cfg.model.name} at batch {batch}, input {size} on {where} ...")
     profile = profile_device(
         model,
         model_meta(cfg.model.name, cfg.model.num_classes, cfg.model.in_channels, cfg.model.small_input),
@@ -139,6 +161,8 @@ def obtain_profile(
         make_optimizer=lambda ps: make_optimizer(ps, cfg.train),
         repeats=repeats,
         seed=cfg.train.seed,
+        device=device,
+        amp=cfg.train.amp,
     )
     log(
         f"profiled in {profile.profiling_time_s:.1f}s: full step {1000 * profile.full_step_time:.0f} ms, "

@@ -22,10 +22,16 @@ pooling, residual adds) are paid as they really are:
   the profile).
 
 Runs are interleaved and repeated; every figure is a median.
+
+Every moment is stamped by the device's clock (fleet/engine/accelerator.py): the host's on the
+CPU; on a CUDA GPU, events recorded on the stream and read after it synchronizes, so a stamp
+marks when the queued work finished rather than when it was queued. Under mixed precision every
+pass runs under the autocast it trains with, so the profile is in the precision training pays.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import platform
@@ -35,11 +41,21 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from fleet.base.hooks import first_tensor, no_grad_forward
+from fleet.engine.accelerator import (
+    CUDA_WARMUP,
+    Clock,
+    HostClock,
+    Precision,
+    clock_for,
+    elapsed,
+    on_device,
+)
 from fleet.engine.device_profile import DeviceProfile, TensorTiming
 from fleet.engine.models import input_channels
 
@@ -81,9 +97,10 @@ def _backward_stamps(
     x: torch.Tensor,
     y: torch.Tensor,
     loss_fn: Callable,
+    clock: Clock,
 ) -> tuple[dict[int, float], float, float]:
     """One forward+backward; returns {layer index: grad arrival time}, backward start and end."""
-    stamps: dict[int, float] = {}
+    stamps: dict[int, Any] = {}
     handles = []
 
     def make_hook(index: int):
@@ -92,7 +109,8 @@ def _backward_stamps(
             if out is not None and out.requires_grad:
 
                 def on_grad(_grad):
-                    stamps.setdefault(index, time.perf_counter())
+                    if index not in stamps:
+                        stamps[index] = clock.stamp()
 
                 out.register_hook(on_grad)
 
@@ -103,31 +121,33 @@ def _backward_stamps(
     try:
         x = x.detach().requires_grad_(True)
         loss = loss_fn(model(x), y)
-        start = time.perf_counter()
+        start = clock.stamp()
         loss.backward()
-        end = time.perf_counter()
+        end = clock.stamp()
     finally:
         for h in handles:
             h.remove()
-    return stamps, start, end
+    return {i: clock.seconds(m) for i, m in stamps.items()}, clock.seconds(start), clock.seconds(end)
 
 
 def _forward_stamps(
-    model: nn.Module, layers: LayerOrder, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable
+    model: nn.Module, layers: LayerOrder, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, clock: Clock
 ) -> tuple[dict[int, float], float, torch.Tensor]:
     """One forward; returns {layer index: time its forward starts}, the end time and the loss."""
-    stamps: dict[int, float] = {}
-    handles = [
-        layer.register_forward_pre_hook(lambda *_a, i=i: stamps.setdefault(i, time.perf_counter()) and None)
-        for i, (_, layer) in enumerate(layers)
-    ]
+    stamps: dict[int, Any] = {}
+
+    def pre(i: int) -> None:
+        if i not in stamps:
+            stamps[i] = clock.stamp()
+
+    handles = [layer.register_forward_pre_hook(lambda *_a, i=i: pre(i)) for i, (_, layer) in enumerate(layers)]
     try:
         loss = loss_fn(model(x), y)
-        end = time.perf_counter()
+        end = clock.stamp()
     finally:
         for h in handles:
             h.remove()
-    return stamps, end, loss
+    return {i: clock.seconds(m) for i, m in stamps.items()}, clock.seconds(end), loss
 
 
 def _gaps(stamps: dict[int, float], end: float) -> dict[int, float]:
@@ -149,16 +169,16 @@ def _median_or_zero(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def _median_time(fn: Callable[[], object], repeats: int) -> float:
+def _median_time(fn: Callable[[], object], repeats: int, clock: Clock) -> float:
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock.stamp()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(elapsed(clock, start, clock.stamp()))
     return statistics.median(times)
 
 
-def _split_within_layer(layer: nn.Module, x_in: torch.Tensor, repeats: int) -> list[float]:
+def _split_within_layer(layer: nn.Module, x_in: torch.Tensor, repeats: int, clock: Clock) -> list[float]:
     """Shares of a layer's weight-gradient time among its tensors, from isolated timings."""
     params = list(layer.parameters(recurse=False))
     if len(params) == 1:
@@ -168,7 +188,8 @@ def _split_within_layer(layer: nn.Module, x_in: torch.Tensor, repeats: int) -> l
     grad_out = torch.randn_like(out)
     costs = []
     for p in params:
-        costs.append(_median_time(lambda p=p: torch.autograd.grad(out, [p], grad_out, retain_graph=True), repeats))
+        grad = lambda p=p: torch.autograd.grad(out, [p], grad_out, retain_graph=True)  # noqa: E731
+        costs.append(_median_time(grad, repeats, clock))
     total = sum(costs) or 1.0
     return [c / total for c in costs]
 
@@ -229,6 +250,8 @@ class _Run:
     x: torch.Tensor
     y: torch.Tensor
     loss_fn: Callable
+    clock: Clock = field(default_factory=HostClock)
+    precision: Precision | None = None  # the real steps' backward and update (a gradient scaler under amp)
 
     def trainable(self, flag: bool) -> None:
         _set_trainable(self.params, flag)
@@ -249,13 +272,19 @@ def _warm_up(run: _Run, warmup: int) -> None:
 def _time_real_step(run: _Run, optimizer: torch.optim.Optimizer) -> tuple[float, float]:
     """(forward, backward + update) of a full training step, timed exactly as the trainer runs it."""
     run.trainable(True)
-    start = time.perf_counter()
+    clock = run.clock
+    start = clock.stamp()
     optimizer.zero_grad(set_to_none=True)
     loss = run.loss_fn(run.model(run.x), run.y)
-    middle = time.perf_counter()
-    loss.backward()
-    optimizer.step()
-    return middle - start, time.perf_counter() - middle
+    middle = clock.stamp()
+    if run.precision is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        run.precision.backward(loss)
+        run.precision.step(optimizer)
+    end = clock.stamp()
+    return elapsed(clock, start, middle), elapsed(clock, middle, end)
 
 
 def _sample_forwards(run: _Run, samples: _Samples) -> None:
@@ -264,24 +293,24 @@ def _sample_forwards(run: _Run, samples: _Samples) -> None:
     The difference is each layer's recording cost, paid only above the input-most selected tensor.
     """
     run.trainable(False)
-    start = time.perf_counter()
-    stamps, end, _ = _forward_stamps(run.model, run.layers, run.x, run.y, run.loss_fn)
+    start = run.clock.seconds(run.clock.stamp())
+    stamps, end, _ = _forward_stamps(run.model, run.layers, run.x, run.y, run.loss_fn, run.clock)
     samples.fw_times.append(end - start)
     _add_gaps(samples.fw_plain, stamps, end)
     run.trainable(True)
-    stamps, end, loss = _forward_stamps(run.model, run.layers, run.x, run.y, run.loss_fn)
+    stamps, end, loss = _forward_stamps(run.model, run.layers, run.x, run.y, run.loss_fn, run.clock)
     del loss
     _add_gaps(samples.fw_rec, stamps, end)
 
 
 def _sample_backwards(run: _Run, samples: _Samples) -> None:
     """Backward run A (everything trainable, as left by the forwards), then run B (only the input)."""
-    stamps, bstart, end = _backward_stamps(run.model, run.layers, run.x, run.y, run.loss_fn)
+    stamps, bstart, end = _backward_stamps(run.model, run.layers, run.x, run.y, run.loss_fn, run.clock)
     if stamps:
         samples.head_times.append(min(stamps.values()) - bstart)
     _add_gaps(samples.gaps_a, stamps, end)
     run.trainable(False)
-    stamps, _, end = _backward_stamps(run.model, run.layers, run.x, run.y, run.loss_fn)
+    stamps, _, end = _backward_stamps(run.model, run.layers, run.x, run.y, run.loss_fn, run.clock)
     _add_gaps(samples.gaps_b, stamps, end)
 
 
@@ -308,6 +337,7 @@ def _pieces(
     samples: _Samples,
     make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     repeats: int,
+    clock: Clock,
 ) -> _Pieces:
     """Medians of the samples, turned into per-layer and per-tensor costs (run A minus run B is t_dw)."""
     inputs = _layer_inputs(model, layers, x)
@@ -316,13 +346,13 @@ def _pieces(
     layer_dw: list[list[float]] = []
     for i, (_, layer) in enumerate(layers):
         a, b = _median_or_zero(samples.gaps_a[i]), _median_or_zero(samples.gaps_b[i])
-        shares = _split_within_layer(layer, inputs[i], max(3, repeats // 2)) if i in inputs else None
+        shares = _split_within_layer(layer, inputs[i], max(3, repeats // 2), clock) if i in inputs else None
         n_params = len(list(layer.parameters(recurse=False)))
         shares = shares or [1.0 / n_params] * n_params
         layer_b.append(b)
         layer_rec.append(max(_median_or_zero(samples.fw_rec[i]) - _median_or_zero(samples.fw_plain[i]), 0.0))
         layer_dw.append([max(a - b, 0.0) * s for s in shares])
-    t_opt, t_opt_fixed = _optimizer_times(params, make_optimizer, repeats)
+    t_opt, t_opt_fixed = _optimizer_times(params, make_optimizer, repeats, clock)
     return _Pieces(
         forward=statistics.median(samples.fw_times),
         fixed_backward=(statistics.median(samples.head_times) if samples.head_times else 0.0) + t_opt_fixed,
@@ -386,20 +416,28 @@ def measure_tensor_timings(
     loss_fn: Callable = nn.functional.cross_entropy,
     repeats: int = 7,
     warmup: int = 2,
+    precision: Precision | None = None,
 ) -> tuple[float, list[TensorTiming], dict[str, float]]:
     """Measure ``t_fw``, per-tensor timings and the calibration factor on a private copy of ``model``.
 
-    ``x``/``y`` is one training batch of the size the profile is for.
+    ``x``/``y`` is one training batch of the size the profile is for, on the device to measure
+    (the copy of the model is moved there). ``precision``: mixed precision, under which every pass
+    runs (None: float32).
     """
     model = copy.deepcopy(model).train()
+    if x.device.type != "cpu":
+        model.to(x.device)
+        warmup = max(warmup, CUDA_WARMUP)
     layers = parametric_layers(model, x)
     order = tensor_order(model, x)
     params = [p for _, _, p in order]
 
-    run = _Run(model, layers, params, x, y, loss_fn)
-    _warm_up(run, warmup)
-    samples = _collect_samples(run, make_optimizer, repeats)
-    pieces = _pieces(model, layers, params, x, samples, make_optimizer, repeats)
+    amp = precision is not None and precision.amp
+    run = _Run(model, layers, params, x, y, loss_fn, clock_for(x.device), precision if amp else None)
+    with precision.autocast() if amp else contextlib.nullcontext():
+        _warm_up(run, warmup)
+        samples = _collect_samples(run, make_optimizer, repeats)
+        pieces = _pieces(model, layers, params, x, samples, make_optimizer, repeats, run.clock)
     cal_f, cal_b = _calibration(pieces, samples.step_times)
 
     t_fw = pieces.forward * cal_f + pieces.fixed_backward * cal_b
@@ -414,6 +452,7 @@ def _optimizer_times(
     params: list[nn.Parameter],
     make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     repeats: int,
+    clock: Clock,
 ) -> tuple[list[float], float]:
     """Per-tensor update time and the fixed cost of an optimizer call with nothing to do."""
     originals = [p.detach().clone() for p in params]
@@ -423,11 +462,11 @@ def _optimizer_times(
     optimizer.step()  # creates state (momentum buffers) like a real run
     for p in params:
         p.grad = None
-    fixed = _median_time(optimizer.step, repeats)
+    fixed = _median_time(optimizer.step, repeats, clock)
     per_tensor = []
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
-        t = _median_time(optimizer.step, repeats)
+        t = _median_time(optimizer.step, repeats, clock)
         p.grad = None
         per_tensor.append(max(t - fixed, 0.0))
     with torch.no_grad():
@@ -448,8 +487,9 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def host_info() -> dict[str, str | int]:
-    return {
+def host_info(device: torch.device | None = None) -> dict[str, str | int]:
+    """The machine a profile was measured on; on a CUDA device also its GPU (by name)."""
+    info: dict[str, str | int] = {
         "hostname": socket.gethostname(),
         "cpu": cpu_model(),
         "cores": os.cpu_count() or 1,
@@ -459,6 +499,10 @@ def host_info() -> dict[str, str | int]:
         "torch": str(torch.__version__),
         "threads": torch.get_num_threads(),
     }
+    if device is not None and device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["cuda"] = str(torch.version.cuda)
+    return info
 
 
 def profile_device(
@@ -470,22 +514,32 @@ def profile_device(
     make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     repeats: int = 7,
     seed: int = 0,
+    device: torch.device | None = None,
+    amp: bool = False,
 ) -> DeviceProfile:
-    """Measure ``model`` on this device for a batch of random inputs of the given size."""
+    """Measure ``model`` on this device (``device``: the CPU when None) for a batch of random inputs of the
+    given size, in mixed precision with ``amp`` (CUDA only). The batch is drawn on the CPU, so it is the
+    same on either device."""
+    device = device or torch.device("cpu")
+    precision = Precision(device, amp)
     in_channels = input_channels(model)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(batch_size, in_channels, input_size, input_size, generator=gen)
     y = torch.randint(0, int(model_meta.get("num_classes", 2)), (batch_size,), generator=gen)
+    x, y = on_device(x, device), on_device(y, device)
     started = time.perf_counter()
-    t_fw, tensors, calibration = measure_tensor_timings(model, x, y, make_optimizer=make_optimizer, repeats=repeats)
-    info = host_info()
+    t_fw, tensors, calibration = measure_tensor_timings(
+        model, x, y, make_optimizer=make_optimizer, repeats=repeats, precision=precision
+    )
+    info = host_info(device)
     return DeviceProfile(
         model=dict(model_meta),
         batch_size=batch_size,
         input_size=input_size,
         t_fw=t_fw,
         tensors=tensors,
-        dtype=str(x.dtype).replace("torch.", ""),
+        dtype=precision.dtype,
+        device=device.type,
         threads=int(info["threads"]),
         host=info,
         repeats=repeats,

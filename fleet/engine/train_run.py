@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from fleet.base.atomic import write_json
+from fleet.engine.accelerator import check_memory_budget, device_name, resolve_device
 from fleet.engine.config import ExperimentConfig, config_to_dict
 from fleet.engine.device_profile import DeviceProfile
 from fleet.engine.experiment import check_model_fits_data, load_data, make_model, obtain_profile
@@ -60,6 +61,8 @@ def trainer_record(trainer: Trainer, history: list[EpochStats], profile: DeviceP
         "epochs": [epoch_record(s) for s in history],
         "selections": [sel.summary(trainer.names) for sel in trainer.selections],
         "tensors": len(trainer.names),
+        "device": device_name(trainer.device),  # what trained: cpu, or cuda with the GPU's name
+        "precision": trainer.precision.dtype,
         "profile": None
         if profile is None
         else {"t_full_s": profile.full_step_time, "t_fw_s": profile.forward_time, "min_rho": profile.min_rho},
@@ -71,6 +74,7 @@ def run_training(cfg: ExperimentConfig, log: Callable[[str], None] = print) -> t
     if cfg.hardware.threads:
         torch.set_num_threads(cfg.hardware.threads)
     out = experiment_dir(cfg)
+    check_memory_budget(resolve_device(cfg.train.device), cfg.hardware.memory_budget_mb)  # before any data is read
     train_ds, test_ds = load_data(cfg.data, cfg.train.seed)
     check_model_fits_data(cfg, train_ds, test_ds)
     model = make_model(cfg.model, cfg.train.seed)

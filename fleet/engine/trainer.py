@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -22,6 +21,15 @@ from torch import nn
 
 from fleet.base.errors import BudgetError
 from fleet.data.datasets import ArrayDataset, batches
+from fleet.engine.accelerator import (
+    Precision,
+    check_memory_budget,
+    clock_for,
+    elapsed,
+    module_device,
+    on_device,
+    resolve_device,
+)
 from fleet.engine.config import TrainConfig
 from fleet.engine.device_profile import DeviceProfile
 from fleet.engine.importance import evaluate_importance, importance_from_update, normalize
@@ -108,7 +116,8 @@ class Trainer:
     _prox_lambda: float = field(default=0.0, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        example = torch.zeros(1, *self._input_shape())
+        self._place()
+        example = torch.zeros(1, *self._input_shape(), device=self.device)
         order = tensor_order(self.model, example)
         self.names = [n for n, _, _ in order]
         self.params = [p for _, _, p in order]
@@ -128,6 +137,16 @@ class Trainer:
                 )
         self.set_mask(static_mask(self.config.method, self.names, self.layers, head_parameter_names(self.model)))
 
+    def _place(self) -> None:
+        """The device ``config.device`` names, the model moved there (before its optimizer is made, so the
+        optimizer's state lives there too), and how steps are timed and computed on it."""
+        self.device = resolve_device(self.config.device)
+        if self.device.type != "cpu":
+            check_memory_budget(self.device, None if self.memory is None else self.memory.budget_bytes)
+            self.model.to(self.device)
+        self.clock = clock_for(self.device)
+        self.precision = Precision(self.device, self.config.amp)
+
     def _input_shape(self) -> tuple[int, int, int]:
         size = self.input_size or 32
         return (input_channels(self.model), size, size)
@@ -137,7 +156,7 @@ class Trainer:
 
         Ditto's personal model is pulled this way toward the global model it started the round from;
         the anchor is part of the objective, so the Trainer owns it rather than having it patched in."""
-        self._anchor = [weights[n] for n in self.names]
+        self._anchor = [on_device(weights[n], self.device) for n in self.names]
         self._prox_lambda = prox_lambda
 
     # --- selection --------------------------------------------------------
@@ -197,7 +216,8 @@ class Trainer:
     def probe_importance(self, probe: tuple[torch.Tensor, torch.Tensor]) -> list[float]:
         """Each tensor's importance on the ``probe`` batch, under the memory plan for full training;
         the model, the optimizer and the selection are left as they were."""
-        return evaluate_importance(self.model, self.params, self.optimizer, *probe, step_context=self.step_context)
+        x, y = (on_device(t, self.device) for t in probe)
+        return evaluate_importance(self.model, self.params, self.optimizer, x, y, step_context=self.step_context)
 
     def memory_added_s(self) -> float:
         """Seconds the memory plan for the current selection adds to one step on this device (its
@@ -220,7 +240,7 @@ class Trainer:
         batch size would fail its round on it."""
         batch_size = self.config.batch_size
         single_last = len(data) > batch_size and len(data) % batch_size == 1
-        return batches(
+        cpu_batches = batches(
             data,
             batch_size,
             shuffle=True,
@@ -228,6 +248,9 @@ class Trainer:
             input_size=self.input_size,
             drop_last=single_last,
         )
+        if self.device.type == "cpu":
+            return cpu_batches
+        return ((on_device(x, self.device), on_device(y, self.device)) for x, y in cpu_batches)
 
     def probe_batch(self, data: ArrayDataset) -> tuple[torch.Tensor, torch.Tensor]:
         """A freshly shuffled batch (its first ``probe_samples``), so importance is not judged on the same
@@ -257,14 +280,16 @@ class Trainer:
     def _backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Fresh gradients of the training loss for the tensors being trained; the data loss."""
         self.optimizer.zero_grad(set_to_none=True)
+        x, y = on_device(x, self.device), on_device(y, self.device)
         with self.step_context():
-            loss, total = self._loss(x, y)
-            total.backward()
+            with self.precision.autocast():
+                loss, total = self._loss(x, y)
+            self.precision.backward(total)
         return float(loss.detach())
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         loss = self._backward(x, y)
-        self.optimizer.step()
+        self.precision.step(self.optimizer)
         self.step_count += 1
         return loss
 
@@ -297,7 +322,7 @@ class Trainer:
         second = self._backward(x, y)
         importance = normalize(importance_from_update([p.grad for p in self.params], update))
         self.reselect(importance=importance, epoch=epoch)  # drops the gradients of tensors left out
-        self.optimizer.step()
+        self.precision.step(self.optimizer)
         self.step_count += 1
         return [first, second]
 
@@ -327,23 +352,23 @@ class Trainer:
         for i, (x, y) in enumerate(self.shuffled_batches(data)):
             due = self._due(epoch, i)
             if due and self.config.probe == "train":
-                start = time.perf_counter()
+                start = self.clock.stamp()
                 losses += self.training_probe(x, y, epoch)
-                probe_steps_time += time.perf_counter() - start
+                probe_steps_time += elapsed(self.clock, start, self.clock.stamp())
                 probe_steps += 1  # the batch's own step; the other is the probe's
                 predicted += 2 * self.profile.full_step_time
                 continue
             if due:
-                start = time.perf_counter()
+                start = self.clock.stamp()
                 self.reselect(self.probe_batch(data), epoch=epoch)
                 self.train_mode()  # the probe leaves every module in training mode
-                restore_time += time.perf_counter() - start
+                restore_time += elapsed(self.clock, start, self.clock.stamp())
                 predicted += self._probe_cost_s()
             if not any(self.mask):
                 continue  # nothing worth training until the next re-selection
-            start = time.perf_counter()
+            start = self.clock.stamp()
             losses.append(self.train_step(x, y))
-            train_time += time.perf_counter() - start
+            train_time += elapsed(self.clock, start, self.clock.stamp())
             if self.profile is not None:
                 predicted += self.profile.step_time(self.mask)
         elastic_steps = len(losses) - 2 * probe_steps
@@ -370,7 +395,8 @@ class Trainer:
 def accuracy(model: nn.Module, data: ArrayDataset, input_size: int | None, batch_size: int = 256) -> float:
     """Top-1 accuracy of ``model`` (put in eval mode) on ``data``."""
     model.eval()
+    device = module_device(model)
     correct = 0
     for x, y in batches(data, batch_size, shuffle=False, input_size=input_size):
-        correct += int((model(x).argmax(1) == y).sum())
+        correct += int((model(on_device(x, device)).argmax(1) == on_device(y, device)).sum())
     return correct / max(len(data), 1)

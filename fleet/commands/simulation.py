@@ -40,7 +40,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from fleet.base.errors import FleetError
+from fleet.base.errors import ConfigError, FleetError
 from fleet.commands.flower_log import FLOWER_LOG, flower_output
 from fleet.federated.config import FleetConfig, load_fleet_config, run_dir
 from fleet.federated.paths import APP_ROOT
@@ -142,8 +142,13 @@ def run_simulation(
     from flwr.supercore.telemetry import EventType
 
     run, fused = _flower_run(config_path, resume)
+    if cfg.train.device == "cuda" and cfg.simulation.client_gpus == 0:
+        raise ConfigError(
+            "simulation.client_gpus: 0, but train.device is cuda and Ray hides the GPU from a ClientApp that "
+            "reserves none; set simulation.client_gpus to a share of one GPU (e.g. 0.25 for four devices)"
+        )
     backend = {
-        "client_resources": {"num_cpus": cfg.simulation.client_cpus, "num_gpus": 0.0},
+        "client_resources": {"num_cpus": cfg.simulation.client_cpus, "num_gpus": cfg.simulation.client_gpus},
         "init_args": ray_init_args(cfg.simulation.ray_address),
     }
     log_path = run_dir(cfg) / FLOWER_LOG

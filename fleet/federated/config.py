@@ -175,6 +175,9 @@ class SimulationConfig:
     ray_address: str | None = None
     client_cpus: float = 1.0  # simulation: CPUs reserved per ClientApp
     client_threads: int = 1  # torch threads inside a ClientApp (deployed ones too)
+    # simulation: share of a GPU reserved per ClientApp (0.25: four devices on one GPU). Ray hides the GPU from a
+    # ClientApp that reserves none, so a simulation with train.device cuda needs a share > 0
+    client_gpus: float = 0.0
 
     RULES: Rules = {
         "ray_address": (
@@ -183,6 +186,7 @@ class SimulationConfig:
         ),
         "client_cpus": (lambda v: v > 0, "a number > 0"),
         "client_threads": (lambda v: v >= 1, "an integer >= 1"),
+        "client_gpus": (lambda v: 0 <= v <= 1 or v == int(v), "a share of one GPU from 0 to 1, or a whole number"),
     }
 
 

@@ -18,8 +18,9 @@ from torch import nn
 
 from fleet.base.atomic import load_torch, save_torch
 from fleet.base.errors import ConfigError
+from fleet.engine.accelerator import resolve_device
 from fleet.engine.device_profile import DeviceProfile
-from fleet.engine.experiment import check_profile, make_model, obtain_profile
+from fleet.engine.experiment import check_profile, make_model, obtain_profile, run_precision
 from fleet.federated import keys
 from fleet.federated.classes import bandwidth_of, class_of
 from fleet.federated.config import FleetConfig, run_dir
@@ -73,6 +74,18 @@ def threads_of(cfg: FleetConfig, node_config: dict[str, Any]) -> int:
             "threads from 1 to 1024 (its cores)"
         )
     return int(threads)
+
+
+def train_device_of(cfg: FleetConfig, node_config: dict[str, Any]) -> str:
+    """Where the device trains: node config ``device`` (auto, cpu or cuda; its operator knows its hardware),
+    else ``train.device``. Resolved here, so a ``cuda`` request on a host without CUDA is refused when the
+    device joins, in one line, rather than failing in its first round."""
+    if keys.NODE_DEVICE not in node_config:
+        requested, where = cfg.train.device, "train.device"
+    else:
+        requested, where = str(node_config[keys.NODE_DEVICE]).strip().lower(), "node config device"
+    resolve_device(requested, where)
+    return requested
 
 
 def uplink_of(cfg: FleetConfig, node_config: dict[str, Any], partition_id: int | None) -> float:
@@ -200,6 +213,8 @@ def _checked_profile(path: Path, cfg: FleetConfig, model: nn.Module | None, sour
         if len(_PROFILES) >= 64:
             _PROFILES.clear()
         _PROFILES[key] = profile
+    device, dtype = run_precision(cfg.train)  # where this device trains, which a node config may set
+    _PROFILES[key].check_runs_on(device.type, dtype, source)
     return _PROFILES[key]
 
 

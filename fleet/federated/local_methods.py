@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fleet.engine.accelerator import host_copy, module_device
+
 TWO_MODELS = ("ditto", "apfl")  # methods that train a second model on every step
 ALA_FIRST_PASSES = 5  # a device's first merge learns its weights for at most this many passes (FedALA: to convergence)
 ALA_CONVERGED_STD = 0.1  # ... stopping once its last ALA_WINDOW losses' std falls below this (FedALA's threshold)
@@ -137,7 +139,7 @@ class Apfl:
 
     def __init__(self, v: nn.Module, shared: nn.Module, alpha: float, optimizer: torch.optim.Optimizer, lr: float):
         self.v, self.shared, self.optimizer, self.lr = v, shared, optimizer, lr
-        self.alpha = torch.tensor(float(alpha), requires_grad=True)
+        self.alpha = torch.tensor(float(alpha), requires_grad=True, device=module_device(v))
 
     def _mix(self) -> dict[str, torch.Tensor]:
         w = dict(self.shared.named_parameters())
@@ -159,6 +161,6 @@ class Apfl:
     def mixed(self) -> dict[str, torch.Tensor]:
         """``v_bar``'s every tensor: the mixed parameters and ``v``'s norm statistics."""
         with torch.no_grad():
-            state = {n: t.detach().clone() for n, t in self.v.state_dict().items()}
-            state.update({n: t.detach().clone() for n, t in self._mix().items()})
+            state = {n: host_copy(t) for n, t in self.v.state_dict().items()}
+            state.update({n: host_copy(t) for n, t in self._mix().items()})
         return state

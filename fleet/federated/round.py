@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from fleet.data.datasets import ArrayDataset, batches
+from fleet.engine.accelerator import host_copy
 from fleet.engine.device_profile import DeviceProfile
 from fleet.engine.experiment import model_with_weights
 from fleet.engine.models import head_parameter_names
@@ -333,15 +334,15 @@ def upload(trainer: Trainer, steps: int, personal: frozenset[str]) -> dict[str, 
     """What the reply carries: the trained shared tensors and, after any step, the norm statistics
     (every forward pass in training mode moves them); never a personal tensor."""
     trained = zip(trainer.names, trainer.params, trainer.mask)
-    arrays = {n: p.detach().clone() for n, p, m in trained if m and n not in personal}
+    arrays = {n: host_copy(p) for n, p, m in trained if m and n not in personal}
     if steps:
-        arrays.update({n: b.detach().clone() for n, b in float_buffers(trainer.model).items() if n not in personal})
+        arrays.update({n: host_copy(b) for n, b in float_buffers(trainer.model).items() if n not in personal})
     return arrays
 
 
 def weights_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of every tensor of ``model``'s state."""
-    return {k: t.detach().clone() for k, t in model.state_dict().items()}
+    """A copy of every tensor of ``model``'s state, in host memory (a model on a GPU included)."""
+    return {k: host_copy(t) for k, t in model.state_dict().items()}
 
 
 @dataclass(frozen=True)
@@ -412,6 +413,8 @@ class DeviceRound:
             metrics[keys.MEMORY_BUDGET_BYTES] = self.memory.budget_bytes
             metrics[keys.MEMORY_PEAK_BYTES] = self.memory.peak_bytes
             metrics[keys.MEMORY_ADDED_S] = done.times.added_s
+        if done.trainer.device.type == "cuda":
+            metrics[keys.CUDA] = 1
         personalized = done.personal_model if done.personal_model is not None else weights_of(self.model)
         state = self._next_state(plan, done, self.kept(plan, personalized))
         metrics[keys.ROUNDS_TRAINED] = state.rounds_trained

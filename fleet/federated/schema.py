@@ -72,6 +72,7 @@ TRAIN = {
     keys.MEMORY_BUDGET_BYTES: Field(False),
     keys.MEMORY_PEAK_BYTES: Field(False),
     keys.MEMORY_ADDED_S: Field(False),
+    keys.CUDA: Field(False, integer=True, lo=1.0, hi=1.0),
     keys.READY_S: Field(False, hi=1e6),
 }
 EVALUATE = {

@@ -10,6 +10,7 @@ message, so nothing in memory survives.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import zlib
 from collections.abc import Mapping
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from fleet.base.process import process_age_s
+from fleet.engine.accelerator import check_memory_budget, resolve_device
 from fleet.engine.device_profile import DeviceProfile
 from fleet.engine.experiment import make_model, model_with_weights
 from fleet.engine.trainer import accuracy
@@ -39,6 +41,7 @@ from fleet.federated.device import (
     state_dir_of,
     threads_of,
     tier_of,
+    train_device_of,
     uplink_of,
 )
 from fleet.federated.personal import overlay_personal, personal_names
@@ -63,6 +66,9 @@ class Device:
     def from_configs(cls, cfg: FleetConfig, node_config: Mapping[str, Any]) -> Device:
         node_config = dict(node_config)
         torch.set_num_threads(threads_of(cfg, node_config))
+        device = train_device_of(cfg, node_config)
+        if device != cfg.train.device:  # every trainer of the device reads train.device
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device=device))
         pid = partition_of(cfg, node_config)
         return cls(cfg, pid, device_name_of(cfg, node_config, pid), node_config)
 
@@ -119,7 +125,9 @@ def query(device: Device) -> dict[str, float | int]:
     is refused when it joins, with its own one-line error, rather than failing every round later."""
     ready = readiness()  # counted, so that a simulation worker's later messages report no lifetime
     profile = device.profile(reference_model(device.cfg))
-    memory_budget_of(device.cfg, device.partition_id, device.node_config, profile)
+    budget = memory_budget_of(device.cfg, device.partition_id, device.node_config, profile)
+    where = "the device's memory budget (node config memory-budget-mb, devices.memory_budgets_mb or hardware.*)"
+    check_memory_budget(resolve_device(device.cfg.train.device), budget, where)
     uplink_of(device.cfg, device.node_config, device.partition_id)  # a bad uplink-mbps is refused here too
     return {
         **device.identity(),

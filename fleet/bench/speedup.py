@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fleet.bench.steps import StepBench, model_from_profile
+from fleet.bench.steps import bench_for_profile
 from fleet.engine.accelerator import device_name
 from fleet.engine.device_profile import DeviceProfile
 from fleet.engine.importance import evaluate_importance
@@ -16,16 +16,8 @@ def speedup_bench(
 ) -> dict:
     """Measured elastic/full step-time ratio at ``rho`` against the predicted one, on ``device`` (the CPU
     when None) and in the profile's precision."""
-    model = model_from_profile(profile)
-    bench = StepBench(
-        model,
-        profile.batch_size,
-        profile.input_size,
-        int(profile.model["num_classes"]),
-        seed,
-        device=device,
-        amp=profile.dtype != "float32",
-    )
+    bench = bench_for_profile(profile, seed, device)
+    model = bench.model
     importance = evaluate_importance(model, bench.params, bench.optimizer, bench.x, bench.y)
     mask = select_tensors(importance, profile.t_dw, profile.t_dy, profile.backward_budget(rho))
     full = [True] * len(mask)

@@ -82,6 +82,19 @@ class StepBench:
         return [statistics.median(t) for t in times]
 
 
+def bench_for_profile(profile: DeviceProfile, seed: int = 0, device: torch.device | None = None) -> StepBench:
+    """The profile's model and batch shape on ``device`` (the CPU when None), in the profile's precision."""
+    return StepBench(
+        model_from_profile(profile),
+        profile.batch_size,
+        profile.input_size,
+        int(profile.model["num_classes"]),
+        seed,
+        device=device,
+        amp=profile.dtype != "float32",
+    )
+
+
 def model_from_profile(profile: DeviceProfile) -> nn.Module:
     m = profile.model
     torch.manual_seed(0)

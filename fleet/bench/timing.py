@@ -7,7 +7,7 @@ import statistics
 
 import torch
 
-from fleet.bench.steps import StepBench, model_from_profile
+from fleet.bench.steps import bench_for_profile
 from fleet.engine.accelerator import device_name
 from fleet.engine.device_profile import DeviceProfile
 
@@ -32,16 +32,7 @@ def timing_bench(
 ) -> dict:
     """Predicted against measured step time for full training and random selections, on ``device`` (the
     CPU when None) and in the profile's precision."""
-    model = model_from_profile(profile)
-    bench = StepBench(
-        model,
-        profile.batch_size,
-        profile.input_size,
-        int(profile.model["num_classes"]),
-        seed,
-        device=device,
-        amp=profile.dtype != "float32",
-    )
+    bench = bench_for_profile(profile, seed, device)
     profile.check_matches(bench.names, [list(p.shape) for p in bench.params], source="the profile")
     masks = [[True] * len(bench.names)] + random_masks(len(bench.names), selections, seed)
     measured = bench.interleaved(masks, repeats)

@@ -108,26 +108,28 @@ def personalized_key(method: str) -> str:
     return "finetuned_accuracy" if method == BASELINE else "personal_accuracy"
 
 
-def personalized_curve(history: list[dict], method: str) -> list[dict]:
-    """``[{"sim_time_s", "global_accuracy"}]`` of the method's personalized accuracy (evaluated rounds only),
-    in the shape :func:`fleet.bench.fleet.time_to_target` reads."""
-    key = personalized_key(method)
-    return [{"sim_time_s": r["sim_time_s"], "global_accuracy": r[key]} for r in history if r.get(key) is not None]
-
-
-def device_values(run: Path, method: str, horizon: float | None) -> list[float]:
-    """Each device's personalized accuracy in the method's last evaluated round within the horizon."""
+def device_rounds(run: Path, method: str, horizon: float | None) -> list[tuple[float, list[float]]]:
+    """Per evaluated round within the horizon: its simulated time and each device's personalized accuracy."""
     key = personalized_key(method)
     records = [json.loads(line) for line in (run / METRICS_FILE).read_text().splitlines() if line.strip()]
-    evaluated = [r for r in within(records, horizon) if r.get(key) is not None]
-    return [d[key] for d in evaluated[-1]["devices"] if key in d] if evaluated else []
+    rounds = [(r["sim_time_s"], [d[key] for d in r["devices"] if key in d]) for r in within(records, horizon)]
+    return [(t, values) for t, values in rounds if values]
+
+
+def personalized_curve(rounds: list[tuple[float, list[float]]]) -> list[dict]:
+    """``[{"sim_time_s", "global_accuracy"}]``, the mean over devices each evaluated round, in the shape
+    :func:`fleet.bench.fleet.time_to_target` reads: the figure the final mean and the target are made of (the
+    round's own accuracy weighs devices by their test samples, and a target from one read on the other could
+    be out of reach of the method that set it)."""
+    return [{"sim_time_s": t, "global_accuracy": statistics.fmean(values)} for t, values in rounds]
 
 
 def method_figures(summary: dict, method: str, horizon: float | None) -> dict[str, Any]:
     """One method's figures in one seed, over its rounds within the horizon (the target comes later: it
     follows the best baseline, known only over every seed)."""
     history = within(summary["history"], horizon)
-    devices = device_values(Path(summary["run_dir"]), method, horizon)
+    rounds = device_rounds(Path(summary["run_dir"]), method, horizon)
+    devices = rounds[-1][1] if rounds else []
     return {
         "personalized_accuracy_mean": statistics.fmean(devices) if devices else None,
         "personalized_accuracy_p10": p10(devices),
@@ -136,7 +138,7 @@ def method_figures(summary: dict, method: str, horizon: float | None) -> dict[st
         "rounds": len(history),
         "sim_time_s": history[-1]["sim_time_s"] if history else 0.0,
         "device_accuracies": devices,
-        "curve": personalized_curve(history, method),
+        "curve": personalized_curve(rounds),
         "run_dir": summary["run_dir"],
     }
 

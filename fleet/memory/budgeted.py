@@ -3,6 +3,10 @@
 Elastic selection changes what autograd stores (nothing below the input-most
 trained tensor), so the cheapest plan changes with it. Plans are cached by
 ``frozen_below`` and re-solved only when a re-selection moves it.
+
+On a CUDA GPU the profile is measured there: block times on the GPU, paging
+priced by pinned-host copies (:func:`fleet.memory.storage.measure_paging`),
+and the steps page to pinned host memory and count GPU memory.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from fleet.memory.executor import PlanRunner, apply_plan, first_trainable_block
 from fleet.memory.measure import measure_block_costs
 from fleet.memory.planner import MB, InfeasibleBudgetError, MemoryPlan, plan_memory
 from fleet.memory.records import MemoryProfile
-from fleet.memory.storage import measure_storage
+from fleet.memory.storage import measure_paging
 
 
 @dataclass
@@ -48,6 +52,7 @@ class MemoryBudget:
         model_name: str | None = None,
         cache: Path | None = None,
         flag: str = "--memory-budget-mb",
+        device: torch.device | None = None,
     ) -> MemoryBudget:
         """Profile activation memory of one step and the storage behind ``spill_dir``.
 
@@ -55,12 +60,17 @@ class MemoryBudget:
         input shape and thread count on this device, reused instead of measuring
         again (a deployed device starts a new process for every round).
         ``flag``: the user's name for the budget (a CLI flag or a config key), which
-        an infeasible budget's error suggests a value for."""
+        an infeasible budget's error suggests a value for. ``device``: where training
+        runs; a CUDA model is moved there first (training moves it there anyway), and
+        a profile cached for the other kind of device is measured again."""
         spill = spill_dir or os.path.join(tempfile.gettempdir(), "fleet-spill")
         name = model_name or type(model).__name__
-        profile = _cached(cache, name, list(input_shape))
+        device = torch.device("cpu") if device is None else torch.device(device)
+        if device.type != "cpu":
+            model.to(device)
+        profile = _cached(cache, name, list(input_shape), device)
         if profile is None:
-            storage = measure_storage(spill)
+            storage = measure_paging(device, spill)
             profile = measure_block_costs(model, input_shape, model_name=model_name, storage=storage)
             if cache is not None:
                 write_text_atomic(cache, json.dumps(profile.to_dict()))
@@ -93,8 +103,15 @@ class MemoryBudget:
         return self._runners[plan.frozen_below]
 
 
-def _cached(path: Path | None, model_name: str, input_shape: list[int]) -> MemoryProfile | None:
-    """The cached profile if it was measured for this model, shape and thread count."""
+def _on_gpu(profile: MemoryProfile) -> bool:
+    """Whether ``profile`` was measured on a CUDA GPU: its paging was priced by pinned-host copies."""
+    return profile.storage is not None and profile.storage.source == "pinned-host"
+
+
+def _cached(
+    path: Path | None, model_name: str, input_shape: list[int], device: torch.device | None = None
+) -> MemoryProfile | None:
+    """The cached profile if it was measured for this model, shape, thread count and kind of device."""
     if path is None or not Path(path).is_file():
         return None
     try:
@@ -105,6 +122,7 @@ def _cached(path: Path | None, model_name: str, input_shape: list[int]) -> Memor
         profile.model != model_name
         or list(profile.input_shape) != input_shape
         or profile.threads != torch.get_num_threads()
+        or _on_gpu(profile) != (device is not None and device.type == "cuda")
     ):
         return None
     return profile

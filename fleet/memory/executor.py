@@ -19,6 +19,11 @@ Inside the ``with`` block every forward/backward of ``model`` follows the plan:
   and everything left (after an exception, say) when the ``with`` block exits.
 * ``keep`` and ``frozen`` blocks run unchanged.
 
+The pager follows the model's device (:func:`pager_kind`): spill files on the
+CPU, pinned host memory on a CUDA GPU (:class:`~fleet.memory.hostpager.HostPager`,
+which needs no spill directory). Both take the same calls, so the rest of the
+runner does not know which one it drives.
+
 Parameters, buffers, the model input and tensors the loss saves that did not
 come out of the graph (its targets) are the caller's, not activations: they
 are neither counted nor paged.
@@ -26,6 +31,8 @@ are neither counted nor paged.
 With ``track=True`` (the default) every saved storage is also counted by a
 :class:`~fleet.memory.meter.StorageMeter` (``run.meter``), including
 recomputed and paged-in copies, which gives the measured activation peak.
+On a CUDA GPU the meter is a :class:`~fleet.memory.meter.CudaMemoryMeter`:
+the GPU memory the step allocates, by the allocator's own statistics.
 ``apply_plan(model, None)`` only measures.
 
 The context can span many steps; the returned runner can also be entered
@@ -46,9 +53,29 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fleet.base.errors import ConfigError, ModelError, ProfileMismatchError
-from fleet.memory.meter import StorageMeter, is_caller_data, storage_key
+from fleet.memory.hostpager import HostPager
+from fleet.memory.meter import CudaMemoryMeter, StorageMeter, is_caller_data, meter_for, storage_key
 from fleet.memory.planner import FROZEN, PAGE, RECOMPUTE, MemoryPlan
 from fleet.memory.spill import Kept, Pager
+
+PAGERS = ("auto", "file", "host")
+
+
+def pager_kind(device: torch.device, requested: str = "auto") -> str:
+    """Where a plan on ``device`` pages: ``file`` (spill files) on the CPU, ``host`` (pinned host memory)
+    on a CUDA GPU. ``requested`` other than ``auto`` forces one (``host`` on the CPU: tests of its logic)."""
+    if requested not in PAGERS:
+        raise ConfigError(f"pager: {requested!r} is not allowed; use one of {', '.join(PAGERS)}")
+    if requested != "auto":
+        return requested
+    return "host" if device.type == "cuda" else "file"
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter (the CPU for a model without any); memory sits below the
+    engine, so it has its own copy of ``fleet.engine.accelerator.module_device``."""
+    first = next(model.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 class _Recompute:
@@ -110,15 +137,18 @@ class PlanRunner:
         sync: bool,
         check_input: bool,
         track: bool = True,
+        pager: str = "auto",
     ) -> None:
         self.model = model
+        self.device = model_device(model)
+        self.pager_kind = pager_kind(self.device, pager)
         self.plan = plan
         self.spill_dir = os.fspath(spill_dir) if spill_dir is not None else None
         self.sync = sync
         self.check_input = check_input
         self.track = track
-        self.meter = StorageMeter()
-        self.pager: Pager | None = None
+        self.meter: StorageMeter | CudaMemoryMeter = StorageMeter()
+        self.pager: Pager | HostPager | None = None
         self.io_samples: list[tuple[str, int, float]] | None = None  # set to a list to collect pager timings
         self._modules: list[nn.Module] = []
         self._handles: list[Any] = []
@@ -162,11 +192,11 @@ class PlanRunner:
                             f"frozen_below: the plan assumes block {plan.blocks[k]!r} is frozen but {where} "
                             f"requires grad; re-plan with frozen_below={k} or lower"
                         )
-        if PAGE in plan.actions and self.spill_dir is None:
+        if PAGE in plan.actions and self.pager_kind == "file" and self.spill_dir is None:
             raise ConfigError("spill_dir: the memory plan pages activations; pass a spill directory (--spill-dir)")
 
     def __enter__(self) -> PlanRunner:
-        self.meter = StorageMeter()
+        self.meter = meter_for(self.device) if self.track else StorageMeter()
         self._excluded = {t.untyped_storage().data_ptr() for t in self._state_tensors}
         try:
             self._install()
@@ -181,7 +211,10 @@ class PlanRunner:
         self._handles.append(self.model.register_forward_pre_hook(self._on_model_input))
         self._handles.append(self.model.register_forward_hook(self._on_model_output))
         if plan is not None:
-            if PAGE in plan.actions:
+            if PAGE in plan.actions and self.pager_kind == "host":
+                meter = self.meter if self.track else None
+                self.pager = HostPager(self.device, meter, self._excluded, min_bytes=plan.page_min_bytes or 1)
+            elif PAGE in plan.actions:
                 try:
                     os.makedirs(self.spill_dir, exist_ok=True)
                     directory = tempfile.mkdtemp(prefix="fleet-spill-", dir=self.spill_dir)
@@ -233,6 +266,7 @@ class PlanRunner:
             self._patched.clear()
             if self.pager is not None:
                 self.pager.close()
+            self.meter.stop()
 
     def _patch(self, module: nn.Module, forward) -> None:
         self._patched.append((module, module.__dict__.get("forward")))
@@ -329,6 +363,7 @@ def apply_plan(
     sync: bool = False,
     check_input: bool = True,
     track: bool = True,
+    pager: str = "auto",
 ) -> PlanRunner:
     """Make the steps run inside the returned context follow ``plan``.
 
@@ -337,8 +372,10 @@ def apply_plan(
     cache. ``check_input``: refuse inputs larger than the plan was made for.
     ``track``: count the activation peak (``run.peak_bytes``); costs a few
     microseconds per saved tensor, so leave it off in production steps.
+    ``pager``: ``auto`` pages to files on the CPU and to pinned host memory on
+    a CUDA GPU (:func:`pager_kind`); ``file`` or ``host`` forces one.
     ``plan=None`` keeps everything and only measures.
     """
     if plan is not None and not isinstance(plan, MemoryPlan):
         raise ModelError(f"plan: got {type(plan).__name__}; pass a MemoryPlan from plan_memory()")
-    return PlanRunner(model, plan, spill_dir, sync=sync, check_input=check_input, track=track)
+    return PlanRunner(model, plan, spill_dir, sync=sync, check_input=check_input, track=track, pager=pager)

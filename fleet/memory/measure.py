@@ -42,7 +42,7 @@ from torch import nn
 
 from fleet.base.errors import ConfigError, ModelError
 from fleet.base.hooks import first_tensor, no_grad_forward
-from fleet.memory.executor import PlanRunner, apply_plan
+from fleet.memory.executor import PlanRunner, apply_plan, model_device
 from fleet.memory.meter import is_caller_data, module_storage_keys, storage_key
 from fleet.memory.planner import KEEP, PAGE, RECOMPUTE, MemoryPlan
 from fleet.memory.records import BlockCost, MemoryProfile, SavedItem, StorageProfile
@@ -250,12 +250,26 @@ def _record(model: nn.Module, names: list[str], x: torch.Tensor, y: torch.Tensor
 
 
 # --- timing ---------------------------------------------------------------------------
+def _now_on(device: torch.device):
+    """A host clock for work on ``device``: on CUDA it waits for the queued kernels before reading
+    (which serializes the step a little, but a stamp then marks finished work, not queued work)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def now() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return now
+
+
 class _BlockTimer:
     """Forward time per block (while ``recording``) and a timestamp when each
     block's output gradient arrives in backward (``stamps``)."""
 
-    def __init__(self, modules: list[nn.Module]) -> None:
+    def __init__(self, modules: list[nn.Module], now=time.perf_counter) -> None:
         self.modules = modules
+        self.now = now
         self.fwd: list[list[float]] = [[] for _ in modules]
         self.start: dict[int, float] = {}
         self.stamps: dict[int, float] = {}
@@ -274,7 +288,7 @@ class _BlockTimer:
 
     def _pre(self, i: int):
         def pre(_m, _args):
-            self.start[i] = time.perf_counter()
+            self.start[i] = self.now()
 
         return pre
 
@@ -283,10 +297,10 @@ class _BlockTimer:
 
         def post(_m, _args, out):
             if self.recording:
-                self.fwd[i].append(time.perf_counter() - self.start[i])
+                self.fwd[i].append(self.now() - self.start[i])
             t = first_tensor(out)
             if t is not None and t.requires_grad:
-                t.register_hook(lambda _g: stamps.__setitem__(i, time.perf_counter()))
+                t.register_hook(lambda _g: stamps.__setitem__(i, self.now()))
 
         return post
 
@@ -316,7 +330,8 @@ def _time_blocks(model, names, order, x, y, repeats, recompute_runner=None, page
     backward time when recomputed: what recomputing it really costs
     (checkpoint bookkeeping and fresh allocations included). With
     ``page_runner`` (every block paged) steps alternate with those too."""
-    timer = _BlockTimer([_module(model, names[b]) for b in order])
+    now = _now_on(x.device)
+    timer = _BlockTimer([_module(model, names[b]) for b in order], now)
     n = len(order)
     bwd: list[list[float]] = [[] for _ in range(n)]
     extra: list[list[float]] = [[] for _ in range(n)]
@@ -326,9 +341,9 @@ def _time_blocks(model, names, order, x, y, repeats, recompute_runner=None, page
         for _ in range(repeats):
             timer.stamps.clear()
             timer.recording = True
-            t0 = time.perf_counter()
+            t0 = now()
             _step(model, x, y)
-            end = time.perf_counter()
+            end = now()
             steps.append(end - t0)
             plain = timer.backward_times(end)
             for i, b in enumerate(plain):
@@ -343,7 +358,7 @@ def _time_blocks(model, names, order, x, y, repeats, recompute_runner=None, page
             timer.stamps.clear()
             with recompute_runner:
                 _step(model, x, y)
-            for i, (a, b) in enumerate(zip(plain, timer.backward_times(time.perf_counter()))):
+            for i, (a, b) in enumerate(zip(plain, timer.backward_times(now()))):
                 if a is not None and b is not None:
                     extra[i].append(b - a)
     finally:
@@ -389,15 +404,18 @@ def _check_args(shape: list[int], repeats: int) -> None:
 
 
 def _inputs(model: nn.Module, shape: list[int], seed: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random inputs of ``shape`` and class targets for them (the model must be a classifier)."""
+    """Random inputs of ``shape`` and class targets for them (the model must be a classifier), on the
+    model's device (drawn on the CPU, so a seed gives the same batch everywhere)."""
     gen = torch.Generator().manual_seed(seed)
+    device = model_device(model)
     x = torch.randn(shape, generator=gen)
+    x = x if device.type == "cpu" else x.to(device)
     with torch.no_grad():
         out = model(x)
     if out.dim() != 2:
         raise ModelError(f"model {name}: output shape {tuple(out.shape)} is not (batch, classes); use a classifier")
     y = torch.randint(0, out.shape[1], (shape[0],), generator=gen)
-    return x, y
+    return x, (y if device.type == "cpu" else y.to(device))
 
 
 def _unplanned_peak(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:

@@ -8,12 +8,18 @@ them. The high-water mark of that sum is the step's activation peak, the
 figure a memory budget is checked against. Parameters, buffers, the
 model input and the caller's data (:func:`is_caller_data`) are not
 activations and are skipped by the callers.
+
+On a CUDA GPU the budget is the GPU's memory, which its caching allocator
+already counts: a :class:`CudaMemoryMeter` reads ``torch.cuda``'s allocated
+and peak-allocated bytes above what was allocated when the step began
+(:func:`meter_for` picks the meter by the model's device).
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from typing import Any
 
 import torch
 
@@ -83,3 +89,54 @@ class StorageMeter:
         """Start a new high-water mark from the bytes alive now."""
         with self._lock:
             self.peak_bytes = self.live_bytes
+
+    def stop(self) -> None:
+        """End of a step: nothing to do, the counts are already final (the CUDA meter's interface)."""
+
+
+class CudaMemoryMeter:
+    """GPU memory a step allocates beyond what was allocated when the step began (or :meth:`reset_peak`).
+
+    It counts everything the step allocates on the GPU (activations, and also gradients made in
+    backward and kernel workspaces), so it is at least the activation peak the planner models.
+    ``stats`` stands in for ``torch.cuda``'s memory statistics (tests)."""
+
+    def __init__(self, device: torch.device, stats: Any = None) -> None:
+        self.device = device
+        self.stats = torch.cuda if stats is None else stats
+        self._base = 0
+        self._peak: int | None = None
+        self.reset_peak()
+
+    def watch(self, t: torch.Tensor) -> None:
+        """No-op: the allocator counts every storage already."""
+
+    def watch_storage(self, storage: torch.UntypedStorage) -> None:
+        """No-op: the allocator counts every storage already."""
+
+    @property
+    def live_bytes(self) -> int:
+        return max(int(self.stats.memory_allocated(self.device)) - self._base, 0)
+
+    @property
+    def peak_bytes(self) -> int:
+        if self._peak is not None:
+            return self._peak
+        return max(int(self.stats.max_memory_allocated(self.device)) - self._base, 0)
+
+    def reset_peak(self) -> None:
+        """Start a new high-water mark from the bytes allocated now."""
+        self.stats.reset_peak_memory_stats(self.device)
+        self._base = int(self.stats.memory_allocated(self.device))
+        self._peak = None
+
+    def stop(self) -> None:
+        """Freeze the peak at the end of a step, so later work on the GPU does not change it."""
+        self._peak = self.peak_bytes
+
+
+def meter_for(device: torch.device, stats: Any = None) -> StorageMeter | CudaMemoryMeter:
+    """The meter for a step on ``device``: the allocator's statistics on CUDA, watched storages elsewhere."""
+    if device.type == "cuda":
+        return CudaMemoryMeter(device, stats)
+    return StorageMeter()

@@ -9,6 +9,11 @@ per direction.
   include what a probe of a quiet file misses.
   :func:`fleet.memory.measure.measure_block_costs` uses it when it is given a
   storage profile.
+* On a CUDA GPU activations are paged to pinned host memory, not to files:
+  :func:`measure_host_copies` times the pager's copies (device to host is
+  "write", host to device is "read") with CUDA events on a side stream
+  (``source="pinned-host"``), and :func:`measure_paging` picks the probe by
+  the device.
 """
 
 from __future__ import annotations
@@ -78,6 +83,69 @@ def in_step_storage(probe: StorageProfile, samples: list[tuple[str, int, float]]
         samples=[{"bytes": n, "write_s": med.get(("write", n)), "read_s": med.get(("read", n))} for n in sizes],
         source="in-step",
     )
+
+
+def fit_host_copies(samples: list[dict], *, storage_watts: float | None = None) -> StorageProfile:
+    """A pinned-host paging profile from median copy times per size (``bytes``, ``write_s``: device to
+    host, ``read_s``: host to device), fitted as the file probe is; the planner reads it the same way."""
+    w_lat, w_thr = _fit([(s["bytes"], s["write_s"]) for s in samples])
+    r_lat, r_thr = _fit([(s["bytes"], s["read_s"]) for s in samples])
+    return StorageProfile(
+        spill_dir="",
+        sync=False,
+        write_latency_s=w_lat,
+        write_bytes_per_s=w_thr,
+        read_latency_s=r_lat,
+        read_bytes_per_s=r_thr,
+        storage_watts=storage_watts,
+        samples=samples,
+        source="pinned-host",
+    )
+
+
+def _copy_times(device: torch.device, size: int, repeats: int) -> dict:
+    """Median device-to-host and host-to-device copy of ``size`` bytes with pinned memory on a side
+    stream, as the pager makes them, timed by CUDA events (one unmeasured copy each way first)."""
+    stream = torch.cuda.Stream(device)
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    writes, reads = [], []
+    with torch.cuda.stream(stream):
+        for r in range(repeats + 1):
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            marks[0].record(stream)
+            host.copy_(src, non_blocking=True)
+            marks[1].record(stream)
+            src.copy_(host, non_blocking=True)
+            marks[2].record(stream)
+            marks[2].synchronize()
+            if r > 0:
+                writes.append(marks[0].elapsed_time(marks[1]) / 1000.0)
+                reads.append(marks[1].elapsed_time(marks[2]) / 1000.0)
+    return {"bytes": size, "write_s": statistics.median(writes), "read_s": statistics.median(reads)}
+
+
+def measure_host_copies(
+    device: torch.device,
+    *,
+    sizes: tuple[int, ...] = DEFAULT_STORAGE_SIZES,
+    repeats: int = 5,
+    storage_watts: float | None = None,
+) -> StorageProfile:
+    """What paging to pinned host memory costs on the CUDA GPU ``device`` (``source="pinned-host"``)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ConfigError(
+            f"device: pinned-host paging is measured on a CUDA GPU and this is {device}; "
+            "measure spill files with measure_storage on the CPU"
+        )
+    return fit_host_copies([_copy_times(device, int(s), repeats) for s in sizes], storage_watts=storage_watts)
+
+
+def measure_paging(device: torch.device, spill_dir: str | os.PathLike, *, sync: bool = False) -> StorageProfile:
+    """What paging costs where the model trains: pinned-host copies on a CUDA GPU, spill files elsewhere."""
+    if device.type == "cuda":
+        return measure_host_copies(device)
+    return measure_storage(spill_dir, sync=sync)
 
 
 def _probe_dir(spill_dir: str) -> str:

@@ -74,7 +74,8 @@ def run_training(cfg: ExperimentConfig, log: Callable[[str], None] = print) -> t
     if cfg.hardware.threads:
         torch.set_num_threads(cfg.hardware.threads)
     out = experiment_dir(cfg)
-    check_memory_budget(resolve_device(cfg.train.device), cfg.hardware.memory_budget_mb)  # before any data is read
+    device = resolve_device(cfg.train.device)
+    check_memory_budget(device, cfg.hardware.memory_budget_mb, amp=cfg.train.amp)  # before any data is read
     train_ds, test_ds = load_data(cfg.data, cfg.train.seed)
     check_model_fits_data(cfg, train_ds, test_ds)
     model = make_model(cfg.model, cfg.train.seed)
@@ -91,6 +92,7 @@ def run_training(cfg: ExperimentConfig, log: Callable[[str], None] = print) -> t
             cfg.hardware.spill_dir,
             model_name=cfg.model.name,
             cache=out / "memory-profile.json",
+            device=device,
         )
         log(
             f"memory budget {cfg.hardware.memory_budget_mb:g} MB for activations "

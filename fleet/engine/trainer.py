@@ -142,7 +142,8 @@ class Trainer:
         optimizer's state lives there too), and how steps are timed and computed on it."""
         self.device = resolve_device(self.config.device)
         if self.device.type != "cpu":
-            check_memory_budget(self.device, None if self.memory is None else self.memory.budget_bytes)
+            budget = None if self.memory is None else self.memory.budget_bytes
+            check_memory_budget(self.device, budget, amp=self.config.amp)
             self.model.to(self.device)
         self.clock = clock_for(self.device)
         self.precision = Precision(self.device, self.config.amp)

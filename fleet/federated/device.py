@@ -258,6 +258,7 @@ def device_memory(
         model_name=cfg.model.name,
         cache=state_dir / "memory-profile.json",
         flag="memory-budget-mb",
+        device=resolve_device(train_device_of(cfg, node_config)),
     )
 
 

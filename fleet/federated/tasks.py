@@ -127,7 +127,7 @@ def query(device: Device) -> dict[str, float | int]:
     profile = device.profile(reference_model(device.cfg))
     budget = memory_budget_of(device.cfg, device.partition_id, device.node_config, profile)
     where = "the device's memory budget (node config memory-budget-mb, devices.memory_budgets_mb or hardware.*)"
-    check_memory_budget(resolve_device(device.cfg.train.device), budget, where)
+    check_memory_budget(resolve_device(device.cfg.train.device), budget, where, amp=device.cfg.train.amp)
     uplink_of(device.cfg, device.node_config, device.partition_id)  # a bad uplink-mbps is refused here too
     return {
         **device.identity(),

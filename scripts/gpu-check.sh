@@ -29,8 +29,8 @@ fleet bench timing --profile "$OUT/resnet18-cuda.yaml" --device cuda --repeats 1
 step "fleet bench speedup at rho 0.5"
 fleet bench speedup --profile "$OUT/resnet18-cuda.yaml" --device cuda --rho 0.5 --repeats 15
 
-step "fleet bench memory at 50% of the unconstrained peak (memory plans still run on the CPU: docs/gpu.md)"
-fleet bench memory "${MODEL[@]}" --budget-fraction 0.5
+step "fleet bench memory at 50% of the unconstrained peak, on the GPU (pages to pinned host memory)"
+fleet bench memory "${MODEL[@]}" --budget-fraction 0.5 --device cuda --repeats 15
 
 step "fleet simulate: 4 devices training on the GPU (each profiles itself there once)"
 fleet simulate simulations/fleet-tiny.yaml --name gpu-check-simulate --output-dir "$OUT" \

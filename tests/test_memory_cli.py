@@ -114,3 +114,17 @@ def test_bench_memory_json(tmp_path, capsys):
     assert elastic["measured_peak_bytes"] <= result["budget_bytes"]
     assert elastic["predicted_added_s"] <= result["predicted_added_s"]
     assert os.listdir(tmp_path) == []
+
+
+def test_bench_memory_runs_where_device_says(monkeypatch):
+    import torch
+
+    from fleet.bench import memory as bench_memory
+
+    seen = {}
+    monkeypatch.setattr(bench_memory, "run_memory_bench", lambda *a, **kw: seen.update(kw) or {"model": "x"})
+    assert run("bench memory --model resnet18 --budget-fraction 0.5 --device cpu --json".split()) == 0
+    assert seen["device"] == torch.device("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="^--device: cuda, but torch sees no CUDA GPU"):
+            run("bench memory --model resnet18 --budget-fraction 0.5 --device cuda --json".split())

@@ -26,6 +26,11 @@ input-most block such that training everything from it to the output fits
 ``rho`` of the full step by the profile's block times (ElasticTrainer picks a
 subset above that block; the memory saved depends only on where it starts).
 The overhead there is against an unplanned step with the same blocks frozen.
+
+With ``device`` a CUDA GPU, the model and batch live there, paging is priced by
+pinned-host copies and pages to pinned host memory, the measured peaks are GPU
+memory by the allocator, and every timed step ends with a synchronize (so the
+host clock reads finished work); the result names the device.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from fleet.memory.executor import apply_plan
 from fleet.memory.measure import measure_block_costs
 from fleet.memory.planner import MB, MemoryPlan, plan_memory, resolve_budget
 from fleet.memory.records import MemoryProfile, StorageProfile
-from fleet.memory.storage import measure_storage
+from fleet.memory.storage import measure_paging
 
 
 def bench_model(name: str, num_classes: int = 10, *, in_channels: int = 3, small_input: bool = False) -> nn.Module:
@@ -73,6 +78,8 @@ def frozen_below_for_rho(profile: MemoryProfile, rho: float) -> int:
 def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     model.zero_grad(set_to_none=False)  # gradient buffers stay allocated in both variants
     F.cross_entropy(model(x), y).backward()
+    if x.is_cuda:  # the kernels are queued: the step is done when they are
+        torch.cuda.synchronize(x.device)
 
 
 def _rss_hwm() -> int | None:
@@ -242,14 +249,19 @@ def run_memory_bench(
     sync: bool = False,
     overlap: bool = False,
     seed: int = 0,
+    device: torch.device | None = None,
 ) -> dict:
-    """Profile, plan for ``budget_fraction`` of the unconstrained peak, run and measure."""
+    """Profile, plan for ``budget_fraction`` of the unconstrained peak, run and measure (on ``device``:
+    the CPU by default)."""
     _check_args(repeats, batch_size, input_size)
     torch.manual_seed(seed)
+    device = torch.device("cpu") if device is None else torch.device(device)
     model = bench_model(model_name, num_classes, in_channels=in_channels, small_input=small_input)
+    if device.type != "cpu":
+        model.to(device)
     shape = (batch_size, in_channels, input_size, input_size)
     with _spill_dir(spill_dir) as spill:
-        probe = measure_storage(spill, sync=sync)
+        probe = measure_paging(device, spill, sync=sync)
         t0 = time.perf_counter()
         profile = measure_block_costs(
             model, shape, model_name=model_name, storage=probe, seed=seed, repeats=profile_repeats
@@ -260,6 +272,8 @@ def run_memory_bench(
         gen = torch.Generator().manual_seed(seed + 1)
         x = torch.randn(shape, generator=gen)
         y = torch.randint(0, num_classes, (batch_size,), generator=gen)
+        if device.type != "cpu":
+            x, y = x.to(device), y.to(device)
         run = compare_steps(model, plan, x, y, spill, repeats=repeats, sync=sync)
         out = {
             "model": model_name,
@@ -277,6 +291,8 @@ def run_memory_bench(
             "overlap": overlap,
             "storage": _storage_summary(profile.storage, probe),
         }
+        if device.type != "cpu":  # CPU results keep their keys
+            out["device"] = device.type
         if rho is not None:
             out["elastic"] = _elastic(
                 model,

@@ -61,6 +61,7 @@ def register_bench(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--profile-repeats", type=int, default=5, help="timed steps per variant when profiling")
     p.add_argument("--rho", type=float, help="also run with elastic selection at this time fraction")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="auto (a CUDA GPU where there is one), cpu or cuda")
     p.set_defaults(func=run_bench)
 
 
@@ -169,7 +170,9 @@ def _print_plan(args: argparse.Namespace, plan, budget: int, minimum: int, step_
 def run_bench(args: argparse.Namespace) -> int:
     require_counts(args, "repeats", "profile_repeats", "threads")
     from fleet.bench.memory import run_memory_bench
+    from fleet.engine.accelerator import resolve_device
 
+    device = resolve_device(args.device, "--device")
     _threads(args)
     with _budget_flags(None, "--budget-fraction"):
         out = run_memory_bench(
@@ -185,6 +188,7 @@ def run_bench(args: argparse.Namespace) -> int:
             sync=args.sync,
             overlap=args.overlap,
             seed=args.seed,
+            device=device,
             **model_kwargs(args),
         )
     if args.json:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from fleet.memory.meter import StorageMeter
-from fleet.memory.spill import DEFAULT_MIN_BYTES, Kept
+from fleet.memory.spill import DEFAULT_MIN_BYTES, Kept, check_version, pack_saved
 
 
 class _HostRecord:
@@ -50,25 +50,6 @@ class _HostRecord:
         self.ready: Any = None  # CUDA event: the prefetch's copy back is done
         self.handles = 0  # live handles (graph references)
         self.pending = 0  # handles not unpacked yet
-
-
-class _InHost:
-    """A saved tensor whose storage lives in a host buffer."""
-
-    __slots__ = ("pager", "record", "dtype", "size", "stride", "offset", "tensor_ref", "version", "__weakref__")
-
-    def __init__(self, pager: HostPager, record: _HostRecord, t: torch.Tensor) -> None:
-        self.pager = pager
-        self.record = record
-        self.dtype = t.dtype
-        self.size = t.size()
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
-        self.tensor_ref = weakref.ref(t)
-        self.version = t._version
-
-    def __del__(self) -> None:
-        self.pager._drop(self.record)
 
 
 def _event(stream: Any) -> Any:
@@ -111,32 +92,13 @@ class HostPager:
 
     # hooks --------------------------------------------------------------------
     def pack(self, t: torch.Tensor):
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key in self.excluded or key == 0:
-            return Kept(t)
-        if self.meter is not None:
-            self.meter.watch_storage(storage)
-        if storage.nbytes() < self.min_bytes:
-            return Kept(t)
-        with self._lock:
-            record = self._by_storage.get(key)
-            if record is None or record.original() is not storage:
-                record = self._new_record(storage, key)
-            record.handles += 1
-            record.pending += 1
-        return _InHost(self, record, t)
+        return pack_saved(self, t)
 
     def unpack(self, handle) -> torch.Tensor:
         if isinstance(handle, Kept):
             return handle.get()
         record = handle.record
-        t = handle.tensor_ref()
-        if t is not None and t._version != handle.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: saved at version {handle.version}, now at version {t._version}"
-            )
+        check_version(handle)
         storage = record.original()
         if storage is None:
             storage = self._copy_back(record).untyped_storage()

@@ -133,11 +133,12 @@ class _Record:
 
 
 class _Paged:
-    """A saved tensor whose storage lives in a spill file."""
+    """A saved tensor whose storage was paged out: to a spill file (:class:`Pager`), or to a host buffer
+    (:class:`fleet.memory.hostpager.HostPager`); its ``record`` says where."""
 
     __slots__ = ("pager", "record", "dtype", "size", "stride", "offset", "tensor_ref", "version", "__weakref__")
 
-    def __init__(self, pager: Pager, record: _Record, t: torch.Tensor) -> None:
+    def __init__(self, pager, record, t: torch.Tensor) -> None:
         self.pager = pager
         self.record = record
         self.dtype = t.dtype
@@ -152,6 +153,37 @@ class _Paged:
 
 
 # --- the pager ------------------------------------------------------------------
+def pack_saved(pager, t: torch.Tensor):
+    """The ``pack`` hook both pagers share (:class:`Pager`, and the pinned-host one of
+    :mod:`fleet.memory.hostpager`): excluded, empty and small storages are kept; any other storage gets one
+    record however many saved tensors view it, and the tensor a handle on it."""
+    storage = t.untyped_storage()
+    key = storage.data_ptr()
+    if key in pager.excluded or key == 0:
+        return Kept(t)
+    if pager.meter is not None:
+        pager.meter.watch_storage(storage)
+    if storage.nbytes() < pager.min_bytes:
+        return Kept(t)
+    with pager._lock:
+        record = pager._by_storage.get(key)
+        if record is None or record.original() is not storage:
+            record = pager._new_record(storage, key)
+        record.handles += 1
+        record.pending += 1
+    return _Paged(pager, record, t)
+
+
+def check_version(handle) -> None:
+    """Autograd's own error when a saved tensor was changed in place after it was saved."""
+    t = handle.tensor_ref()
+    if t is not None and t._version != handle.version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: saved at version {handle.version}, now at version {t._version}"
+        )
+
+
 class Pager:
     """Spill files for one planned step (or several, until :meth:`close`)."""
 
@@ -186,32 +218,13 @@ class Pager:
 
     # hooks --------------------------------------------------------------------
     def pack(self, t: torch.Tensor):
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key in self.excluded or key == 0:
-            return Kept(t)
-        if self.meter is not None:
-            self.meter.watch_storage(storage)
-        if storage.nbytes() < self.min_bytes:
-            return Kept(t)
-        with self._lock:
-            record = self._by_storage.get(key)
-            if record is None or record.original() is not storage:
-                record = self._new_record(storage, key)
-            record.handles += 1
-            record.pending += 1
-        return _Paged(self, record, t)
+        return pack_saved(self, t)
 
     def unpack(self, handle) -> torch.Tensor:
         if isinstance(handle, Kept):
             return handle.get()
         record = handle.record
-        t = handle.tensor_ref()
-        if t is not None and t._version != handle.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: saved at version {handle.version}, now at version {t._version}"
-            )
+        check_version(handle)
         storage = record.original()
         if storage is None:
             with self._lock:

@@ -88,18 +88,26 @@ def in_step_storage(probe: StorageProfile, samples: list[tuple[str, int, float]]
 def fit_host_copies(samples: list[dict], *, storage_watts: float | None = None) -> StorageProfile:
     """A pinned-host paging profile from median copy times per size (``bytes``, ``write_s``: device to
     host, ``read_s``: host to device), fitted as the file probe is; the planner reads it the same way."""
+    return fitted_profile(samples, "", False, storage_watts, source="pinned-host")
+
+
+def fitted_profile(
+    samples: list[dict], spill_dir: str, sync: bool, storage_watts: float | None, **extra
+) -> StorageProfile:
+    """``latency + bytes / throughput`` per direction, fitted to median times per size (``bytes``,
+    ``write_s``, ``read_s``)."""
     w_lat, w_thr = _fit([(s["bytes"], s["write_s"]) for s in samples])
     r_lat, r_thr = _fit([(s["bytes"], s["read_s"]) for s in samples])
     return StorageProfile(
-        spill_dir="",
-        sync=False,
+        spill_dir=spill_dir,
+        sync=sync,
         write_latency_s=w_lat,
         write_bytes_per_s=w_thr,
         read_latency_s=r_lat,
         read_bytes_per_s=r_thr,
         storage_watts=storage_watts,
         samples=samples,
-        source="pinned-host",
+        **extra,
     )
 
 
@@ -192,15 +200,4 @@ def measure_storage(
         samples = [_probe(work, int(size), repeats, sync, gen) for size in sizes]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    w_lat, w_thr = _fit([(s["bytes"], s["write_s"]) for s in samples])
-    r_lat, r_thr = _fit([(s["bytes"], s["read_s"]) for s in samples])
-    return StorageProfile(
-        spill_dir=spill_dir,
-        sync=sync,
-        write_latency_s=w_lat,
-        write_bytes_per_s=w_thr,
-        read_latency_s=r_lat,
-        read_bytes_per_s=r_thr,
-        storage_watts=storage_watts,
-        samples=samples,
-    )
+    return fitted_profile(samples, spill_dir, sync, storage_watts)

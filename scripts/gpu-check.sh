@@ -26,6 +26,11 @@ fleet profile "${MODEL[@]}" --device cuda --out "$OUT/resnet18-cuda.yaml"
 step "fleet bench timing (against that profile)"
 fleet bench timing --profile "$OUT/resnet18-cuda.yaml" --device cuda --repeats 15
 
+step "fleet profile and fleet bench timing for mobilenet_v2 (the timing target covers both models)"
+fleet profile --model mobilenet_v2 --batch-size 32 --input-size 32 --in-channels 3 --num-classes 10 \
+  --device cuda --out "$OUT/mobilenet_v2-cuda.yaml"
+fleet bench timing --profile "$OUT/mobilenet_v2-cuda.yaml" --device cuda --repeats 15
+
 step "fleet bench speedup at rho 0.5"
 fleet bench speedup --profile "$OUT/resnet18-cuda.yaml" --device cuda --rho 0.5 --repeats 15
 

@@ -53,7 +53,7 @@ from fleet.federated.device import DEVICES_DIR
 from fleet.federated.newcomer import personalize_newcomer
 from fleet.federated.prepare import prepare
 from fleet.federated.state import CHECKPOINT_FILE, load_checkpoint
-from fleet.federated.tracking import METRICS_FILE, SUMMARY_FILE, p10
+from fleet.federated.tracking import SUMMARY_FILE, p10, read_records
 
 DEFAULT_CONFIG = "simulations/pfl.yaml"
 BASELINE = "fedavg_ft"  # its rounds set the horizon
@@ -111,8 +111,7 @@ def personalized_key(method: str) -> str:
 def device_rounds(run: Path, method: str, horizon: float | None) -> list[tuple[float, list[float]]]:
     """Per evaluated round within the horizon: its simulated time and each device's personalized accuracy."""
     key = personalized_key(method)
-    records = [json.loads(line) for line in (run / METRICS_FILE).read_text().splitlines() if line.strip()]
-    rounds = [(r["sim_time_s"], [d[key] for d in r["devices"] if key in d]) for r in within(records, horizon)]
+    rounds = [(r["sim_time_s"], [d[key] for d in r["devices"] if key in d]) for r in within(read_records(run), horizon)]
     return [(t, values) for t, values in rounds if values]
 
 

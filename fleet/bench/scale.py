@@ -36,7 +36,7 @@ from fleet.bench.launch import HONEST_APP, Log, MemoryWatch, launch, progress_lo
 from fleet.federated.config import load_fleet_config, run_dir
 from fleet.federated.device import DEVICES_DIR
 from fleet.federated.prepare import prepare
-from fleet.federated.tracking import METRICS_FILE
+from fleet.federated.tracking import read_records
 
 DEFAULT_CONFIG = "simulations/scale.yaml"
 REPORT_FILE = "scale.json"
@@ -96,12 +96,6 @@ def state_figures(devices_dir: Path) -> dict[str, Any]:
         "devices_with_state": len(sizes),
         "state_bytes_per_device": total / len(sizes) if sizes else 0.0,
     }
-
-
-def read_records(folder: Path) -> list[dict]:
-    """A run's per-round records (none when it wrote none)."""
-    metrics = folder / METRICS_FILE
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
 
 
 def floor_work(records: list[dict]) -> dict[str, float]:

@@ -112,6 +112,12 @@ def finetuned_figures(accuracy: Accuracy | None, devices: list[dict]) -> dict:
     return {"finetuned_accuracy": accuracy.finetuned_accuracy, "finetuned_accuracy_p10": p10(tuned)}
 
 
+def read_records(run: Path) -> list[dict]:
+    """A run folder's per-round records from its ``metrics.jsonl`` (none when it wrote none)."""
+    metrics = run / METRICS_FILE
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+
+
 def trained_rows(records: list[dict]) -> dict[str, list[dict]]:
     """Each device's rows of the rounds it trained in, with the round number, by device name."""
     per_device: dict[str, list[dict]] = {}

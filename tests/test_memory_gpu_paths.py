@@ -17,7 +17,7 @@ from fleet.memory.budgeted import _cached
 from fleet.memory.executor import apply_plan, pager_kind
 from fleet.memory.hostpager import HostPager
 from fleet.memory.measure import measure_block_costs
-from fleet.memory.meter import CudaMemoryMeter, StorageMeter, meter_for
+from fleet.memory.meter import CudaMemoryMeter, StorageMeter, allocator_meter
 from fleet.memory.planner import KEEP, PAGE, RECOMPUTE, evaluate_plan, plan_memory
 from fleet.memory.spill import Kept, Pager
 from fleet.memory.storage import fit_host_copies, measure_host_copies, measure_paging
@@ -53,10 +53,10 @@ class FakeCudaStats:
         self.peak = self.allocated
 
 
-def test_meter_counts_gpu_memory_on_cuda():
-    assert type(meter_for(CPU)) is StorageMeter
+def test_allocator_meter_counts_a_cuda_steps_gpu_memory():
+    assert allocator_meter(CPU) is None
     stats = FakeCudaStats()
-    meter = meter_for(CUDA, stats)
+    meter = allocator_meter(CUDA, stats)
     assert isinstance(meter, CudaMemoryMeter) and stats.resets == 1
     stats.allocated, stats.peak = 150, 400  # the step allocated and freed
     meter.watch_storage(torch.zeros(1000).untyped_storage())  # the allocator counts, not the hooks

@@ -31,8 +31,10 @@ are neither counted nor paged.
 With ``track=True`` (the default) every saved storage is also counted by a
 :class:`~fleet.memory.meter.StorageMeter` (``run.meter``), including
 recomputed and paged-in copies, which gives the measured activation peak.
-On a CUDA GPU the meter is a :class:`~fleet.memory.meter.CudaMemoryMeter`:
-the GPU memory the step allocates, by the allocator's own statistics.
+On a CUDA GPU the same meter counts the activations' GPU memory, and
+``run.allocator`` (a :class:`~fleet.memory.meter.CudaMemoryMeter`) also reads
+the whole step's GPU memory by the allocator's own statistics
+(``allocator_peak_bytes``), which is reported but not budgeted.
 ``apply_plan(model, None)`` only measures.
 
 The context can span many steps; the returned runner can also be entered
@@ -54,7 +56,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fleet.base.errors import ConfigError, ModelError, ProfileMismatchError
 from fleet.memory.hostpager import HostPager
-from fleet.memory.meter import CudaMemoryMeter, StorageMeter, is_caller_data, meter_for, storage_key
+from fleet.memory.meter import CudaMemoryMeter, StorageMeter, allocator_meter, is_caller_data, storage_key
 from fleet.memory.planner import FROZEN, PAGE, RECOMPUTE, MemoryPlan
 from fleet.memory.spill import Kept, Pager
 
@@ -147,7 +149,8 @@ class PlanRunner:
         self.sync = sync
         self.check_input = check_input
         self.track = track
-        self.meter: StorageMeter | CudaMemoryMeter = StorageMeter()
+        self.meter = StorageMeter()
+        self.allocator: CudaMemoryMeter | None = None  # the whole step's GPU memory, on CUDA while tracking
         self.pager: Pager | HostPager | None = None
         self.io_samples: list[tuple[str, int, float]] | None = None  # set to a list to collect pager timings
         self._modules: list[nn.Module] = []
@@ -167,8 +170,16 @@ class PlanRunner:
         None when not tracking."""
         return self.meter.peak_bytes if self.track else None
 
+    @property
+    def allocator_peak_bytes(self) -> int | None:
+        """GPU memory the step allocated beyond what was allocated at its start (activations, gradients,
+        workspaces), by the allocator; None off CUDA or when not tracking."""
+        return self.allocator.peak_bytes if self.allocator is not None else None
+
     def reset_peak(self) -> None:
         self.meter.reset_peak()
+        if self.allocator is not None:
+            self.allocator.reset_peak()
 
     def spill_files(self) -> list[str]:
         return self.pager.files() if self.pager is not None else []
@@ -196,7 +207,8 @@ class PlanRunner:
             raise ConfigError("spill_dir: the memory plan pages activations; pass a spill directory (--spill-dir)")
 
     def __enter__(self) -> PlanRunner:
-        self.meter = meter_for(self.device) if self.track else StorageMeter()
+        self.meter = StorageMeter()
+        self.allocator = allocator_meter(self.device) if self.track else None
         self._excluded = {t.untyped_storage().data_ptr() for t in self._state_tensors}
         try:
             self._install()
@@ -266,7 +278,8 @@ class PlanRunner:
             self._patched.clear()
             if self.pager is not None:
                 self.pager.close()
-            self.meter.stop()
+            if self.allocator is not None:
+                self.allocator.stop()
 
     def _patch(self, module: nn.Module, forward) -> None:
         self._patched.append((module, module.__dict__.get("forward")))

@@ -9,10 +9,14 @@ figure a memory budget is checked against. Parameters, buffers, the
 model input and the caller's data (:func:`is_caller_data`) are not
 activations and are skipped by the callers.
 
-On a CUDA GPU the budget is the GPU's memory, which its caching allocator
-already counts: a :class:`CudaMemoryMeter` reads ``torch.cuda``'s allocated
-and peak-allocated bytes above what was allocated when the step began
-(:func:`meter_for` picks the meter by the model's device).
+On a CUDA GPU the same meter counts the activations' GPU memory, so a budget
+means the same quantity on every device: the one the planner models. Beside it
+a :class:`CudaMemoryMeter` reads the caching allocator's allocated and
+peak-allocated bytes above what was allocated when the step began
+(:func:`allocator_meter`): everything the step allocates, gradients and kernel
+workspaces too. That whole-step figure is reported, not budgeted: budgeting it
+against a plan of activations would let a plan that pages nothing pass (the
+first GPU run did exactly that).
 """
 
 from __future__ import annotations
@@ -90,15 +94,13 @@ class StorageMeter:
         with self._lock:
             self.peak_bytes = self.live_bytes
 
-    def stop(self) -> None:
-        """End of a step: nothing to do, the counts are already final (the CUDA meter's interface)."""
-
 
 class CudaMemoryMeter:
     """GPU memory a step allocates beyond what was allocated when the step began (or :meth:`reset_peak`).
 
     It counts everything the step allocates on the GPU (activations, and also gradients made in
     backward and kernel workspaces), so it is at least the activation peak the planner models.
+    Reported beside the activation peak, never budgeted.
     ``stats`` stands in for ``torch.cuda``'s memory statistics (tests)."""
 
     def __init__(self, device: torch.device, stats: Any = None) -> None:
@@ -135,8 +137,6 @@ class CudaMemoryMeter:
         self._peak = self.peak_bytes
 
 
-def meter_for(device: torch.device, stats: Any = None) -> StorageMeter | CudaMemoryMeter:
-    """The meter for a step on ``device``: the allocator's statistics on CUDA, watched storages elsewhere."""
-    if device.type == "cuda":
-        return CudaMemoryMeter(device, stats)
-    return StorageMeter()
+def allocator_meter(device: torch.device, stats: Any = None) -> CudaMemoryMeter | None:
+    """The allocator's whole-step meter for a step on a CUDA ``device``; None elsewhere."""
+    return CudaMemoryMeter(device, stats) if device.type == "cuda" else None

@@ -58,6 +58,10 @@ from fleet.memory.planner import MB, MemoryPlan, plan_memory, resolve_budget
 from fleet.memory.records import MemoryProfile, StorageProfile
 from fleet.memory.storage import measure_paging
 
+# The allocator's whole-step peaks of the planned and the unplanned step, reported on CUDA beside the budgeted
+# activation peaks (gradients and workspaces too).
+ALLOCATOR_KEYS = ("measured_allocator_peak_bytes", "measured_unplanned_allocator_peak_bytes")
+
 
 def bench_model(name: str, num_classes: int = 10, *, in_channels: int = 3, small_input: bool = False) -> nn.Module:
     """The zoo model (:func:`fleet.engine.models.build_model`, untrained) that ``fleet bench memory``
@@ -143,10 +147,7 @@ def compare_steps(model, plan, x, y, spill_dir, *, repeats: int, sync: bool = Fa
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     on_gpu = {}
     if run.allocator_peak_bytes is not None:  # on CUDA: the whole step's GPU memory, reported beside
-        on_gpu = {
-            "measured_allocator_peak_bytes": max(allocator_peaks),
-            "measured_unplanned_allocator_peak_bytes": run.allocator_peak_bytes,
-        }
+        on_gpu = dict(zip(ALLOCATOR_KEYS, (max(allocator_peaks), run.allocator_peak_bytes)))
     return {
         **on_gpu,
         "measured_peak_bytes": max(peaks),
@@ -203,7 +204,7 @@ def _planned_run(plan: MemoryPlan, run: dict, budget: int) -> dict:
         "predicted_peak_bytes": plan.predicted_peak_bytes,
         "measured_peak_bytes": run["measured_peak_bytes"],
         "within_budget": run["measured_peak_bytes"] <= budget,
-        **{k: run[k] for k in ("measured_allocator_peak_bytes",) if k in run},  # on CUDA only
+        **{k: run[k] for k in ALLOCATOR_KEYS if k in run},  # on CUDA only
         "time_overhead": run["time_overhead"],
         "time_overhead_iqr": run["time_overhead_iqr"],
         "cpu_time_overhead": run["cpu_time_overhead"],

@@ -13,6 +13,7 @@ import pytest
 from fleet.base.errors import ConfigError
 from fleet.bench.launch import MemoryWatch
 from fleet.bench.scale import floor_work, parse_fleets, round_figures, state_figures
+from fleet.federated.tracking import METRICS_FILE, read_records
 from tests.test_fleet_simulation import TINY, run_fleet
 
 
@@ -88,3 +89,9 @@ def test_the_scale_bench_prints_its_figures_for_each_fleet(tmp_path):
         assert "flower_floor_error" not in f
     assert (tmp_path / "scale.png").stat().st_size > 1000 and (tmp_path / "scale.json").is_file()
     assert not any((Path(f["run_dir"]) / "devices").exists() for f in report["fleets"])  # state deleted: GBs
+
+
+def test_read_records_stops_at_a_line_cut_short(tmp_path):
+    assert read_records(tmp_path) == []  # a run that wrote no rounds
+    (tmp_path / METRICS_FILE).write_text('{"round": 1}\n\n{"round": 2}\n{"round": 3, "dev')
+    assert read_records(tmp_path) == [{"round": 1}, {"round": 2}]

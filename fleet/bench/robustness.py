@@ -37,12 +37,11 @@ from fleet.federated.device import DEVICES_DIR
 from fleet.federated.prepare import prepare
 from fleet.federated.server_eval import server_test_set
 from fleet.federated.state import load_checkpoint
-from fleet.federated.tracking import SUMMARY_FILE
+from fleet.federated.tracking import SUMMARY_FILE, read_records
 
 DEFAULT_CONFIG = "simulations/robustness.yaml"
 REPORT_FILE = "robustness.json"
 ADVERSARY_APP = "fleet.bench.adversary_app:app"
-METRICS_FILE = "metrics.jsonl"
 
 
 def _finite(value: Any) -> float | None:
@@ -72,13 +71,7 @@ def _mean(values: list[float]) -> float | None:
 
 def run_figures(out: Path, error: str | None, honest_from: int) -> dict[str, Any]:
     """A run's figures from the rounds it wrote; a run without its summary.json crashed."""
-    records = []
-    if (out / METRICS_FILE).is_file():
-        for line in (out / METRICS_FILE).read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut short by a crash
+    records = read_records(out)  # a line cut short by a crash ends them
     server = [a for a in (_finite(r.get("server_accuracy")) for r in records) if a is not None][-FINAL_ROUNDS:]
     honest = [a for a in (honest_accuracy(r, honest_from) for r in records) if a is not None][-FINAL_ROUNDS:]
     crashed = error is not None or not (out / SUMMARY_FILE).is_file()

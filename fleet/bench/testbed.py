@@ -36,8 +36,8 @@ from fleet.federated.class_config import DeviceClassConfig
 from fleet.federated.config import FleetConfig, run_dir
 from fleet.federated.device import DEVICES_DIR
 from fleet.federated.testbed_config import TestbedConfig
-from fleet.federated.tracking import METRICS_FILE
-from fleet.testbed.run import TestbedRun, read_records, run_testbed
+from fleet.federated.tracking import read_records
+from fleet.testbed.run import TestbedRun, run_testbed
 
 METHODS = ("fedavg", "naive", "fleet")
 ROUND_CAP = 3  # an elastic method may take this many times FedAvg's rounds to fill its budget
@@ -161,7 +161,7 @@ def simulate(cfg: FleetConfig, log) -> list[dict]:
     failed = launch(path, HONEST_APP, timeout_s=3600, echo=lambda line: None)
     if failed is not None:
         raise FleetError(f"the simulation of the testbed's classes failed ({failed}); see {run_dir(cfg)}")
-    return read_records(run_dir(cfg) / METRICS_FILE)
+    return read_records(run_dir(cfg))
 
 
 def slowest_by_class(records: list[dict], key: str, class_of) -> dict[str, float]:

@@ -113,9 +113,19 @@ def finetuned_figures(accuracy: Accuracy | None, devices: list[dict]) -> dict:
 
 
 def read_records(run: Path) -> list[dict]:
-    """A run folder's per-round records from its ``metrics.jsonl`` (none when it wrote none)."""
+    """A run folder's per-round records from its ``metrics.jsonl`` (none when it wrote none). The file is
+    only appended to, so a line that does not parse is the last one, still being written or cut short by a
+    crash: the records stop before it."""
     metrics = run / METRICS_FILE
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+    records: list[dict] = []
+    for line in metrics.read_text().splitlines() if metrics.is_file() else []:
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
 
 
 def trained_rows(records: list[dict]) -> dict[str, list[dict]]:

@@ -31,7 +31,7 @@ from fleet.federated.config import FleetConfig, run_dir
 from fleet.federated.paths import APP_ROOT
 from fleet.federated.state import keep_previous_run
 from fleet.federated.testbed_config import TestbedClassConfig
-from fleet.federated.tracking import METRICS_FILE, SUMMARY_FILE
+from fleet.federated.tracking import SUMMARY_FILE, read_records
 from fleet.testbed import cgroup, network
 from fleet.testbed.calibrate import calibrate_classes
 from fleet.testbed.data import class_names, write_device_trees
@@ -291,18 +291,6 @@ def prepare_run(cfg: FleetConfig, work: Path, joining: set[str], log: Log) -> tu
     return cfg, path
 
 
-def read_records(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a line still being written
-    return records
-
-
 def class_round_times(rec: dict, classes: dict[str, str]) -> dict[str, float]:
     """Per class, its slowest device's real round this round: the server's wall seconds from sending the
     train message to pulling the reply (start, transfers and compute together)."""
@@ -343,7 +331,7 @@ def watch(tb: Testbed, out: Path, faults: list[Fault], log: Log, stop_after_s: f
             raise FleetError(f"the testbed run passed testbed.timeout_s ({cfg.testbed.timeout_s:.0f}s); stopped it")
         if tb.link_proc.poll() is not None:
             raise FleetError(f"the SuperLink exited ({tb.link_proc.returncode}); see {tb.work / 'logs'}")
-        fresh = read_records(out / METRICS_FILE)
+        fresh = read_records(out)
         for rec in fresh[len(records) :]:
             log(progress_line(rec, cfg.federation.rounds, time.monotonic() - started, classes))
         records = fresh
@@ -356,7 +344,7 @@ def watch(tb: Testbed, out: Path, faults: list[Fault], log: Log, stop_after_s: f
                 log(f"testbed: {name} thawed")
                 del thaw[name]
         time.sleep(POLL_S)
-    final = read_records(out / METRICS_FILE)
+    final = read_records(out)
     for rec in final[len(records) :]:
         log(progress_line(rec, cfg.federation.rounds, time.monotonic() - started, classes))
     return final

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fleet.federated.robust import trimmed_mean
-from fleet.federated.sorting import CHUNK, merge_network, sorted_rows
+from fleet.federated.sorting import CHUNK, merge_network, network_for, sorted_rows, trimmed_means
 
 
 @pytest.mark.parametrize("size, comparators", [(1, 0), (2, 1), (4, 5), (8, 19), (16, 63), (32, 191)])
@@ -38,3 +38,22 @@ def test_trimmed_mean_is_the_sorted_middles_mean(dtype):
     got = trimmed_mean(values, 2)
     assert got.dtype == np.float64 and got.shape == (4, 5)
     assert np.allclose(got, middle.mean(axis=0), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("rows, comparators", [(3, 3), (12, 42), (16, 63), (17, 85)])
+def test_a_pruned_network_drops_the_comparators_of_missing_rows(rows, comparators):
+    assert len(network_for(rows)) == comparators and all(j < rows for _, j in network_for(rows))
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 8, 9, 12, 13, 16, 17, 32])
+def test_trimmed_means_are_the_sorted_middles_mean_for_every_cut(n):
+    """Both paths: the two sorted halves' ends (a cut up to a quarter) and a full sort (larger cuts).
+    Integer values sum exactly in float64 in any order, so the means must be equal, not close."""
+    rng = np.random.default_rng(n)
+    shape = (2, CHUNK // 2 + 5)  # two chunks, the last one short
+    values = [rng.integers(-4, 5, size=shape).astype(np.float32) for _ in range(n)]  # many ties
+    values[n - 1][0, :4] = [1e30, -1e30, 3e38, -3e38]  # huge ends, trimmed away, swamp nothing
+    ordered = np.sort(np.stack(values).reshape(n, -1), axis=0).astype(np.float64)
+    for cut in range(1, (n - 1) // 2 + 1):
+        expected = ordered[cut : n - cut].mean(axis=0)
+        assert np.array_equal(trimmed_means(values, cut), expected), cut

@@ -9,7 +9,8 @@ differ (``devices.shift``), in one harness (docs/algorithms.md, "Personal models
   (the global model merged into the device's own by learned weights), ``apfl`` (a personal model
   mixed with the shared one) and ``ditto`` (a personal model pulled toward the global one);
 * fleet's: ``naive`` (per-device ElasticTrainer), ``fleet`` with each personal policy, and fleet's
-  selection with a personal-model method (``fleet_ditto``, ``fleet_ditto_own``, ``fleet_rep``, ``fleet_ala``, ``fleet_apfl``).
+  selection with a personal-model method (``fleet_ditto``, ``fleet_ditto_own``, ``fleet_rep``, ``fleet_ala``,
+  ``fleet_apfl``).
 
 The protocol (:data:`PROTOCOL`, in the JSON): every method runs as its own ``fleet simulate`` from
 the same profile (a reference one from ``profiles/`` unless ``--profile measured``), start model and

@@ -29,6 +29,7 @@ import statistics
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -227,14 +228,21 @@ def rising_share(deltas: np.ndarray) -> np.ndarray:
 SCREEN_COORDINATES = 4096  # a direction is judged on this many coordinates of a larger tensor
 
 
+@lru_cache(maxsize=256)
 def _coordinates(size: int) -> np.ndarray:
     """The coordinates a tensor's directions are compared on: all of a small tensor, else a fixed
     seeded sample. The leave-one-out medians cost senders^2 x coordinates, which on every coordinate
     of a ResNet-18 outlasts the round; a cosine from 4,096 coordinates is within about 0.02 of the
-    full one, and the norms (the sizes) are still taken in full."""
-    if size <= SCREEN_COORDINATES:
-        return np.arange(size)
-    return np.sort(np.random.default_rng([size, 31]).choice(size, SCREEN_COORDINATES, replace=False))
+    full one, and the norms (the sizes) are still taken in full. Drawn once per size (read-only): a
+    round asks for them thousands of times."""
+    chosen = (
+        np.arange(size)
+        if size <= SCREEN_COORDINATES
+        else np.random.default_rng([size, 31]).choice(size, SCREEN_COORDINATES, replace=False)
+    )
+    chosen = np.sort(chosen)
+    chosen.flags.writeable = False
+    return chosen
 
 
 def sampled(values: np.ndarray) -> np.ndarray:

@@ -140,6 +140,27 @@ def test_stale_momentum_is_dropped_for_tensors_that_sat_out():
     assert a in opt.state
 
 
+def test_momentum_saved_in_float16_halves_the_file_and_restores_within_float16s_precision(tmp_path):
+    from fleet.base.atomic import load_torch, save_torch
+    from fleet.federated.round import stored_optimizer
+
+    a, b = torch.nn.Parameter(torch.ones(65536)), torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([a, b], lr=0.1, momentum=0.9)
+    a.grad, b.grad = torch.linspace(-3.0, 3.0, 65536), torch.tensor([1e6, 1.0, 2.0, 3.0])  # b: beyond float16
+    opt.step()
+    full, half = tmp_path / "full.pt", tmp_path / "half.pt"
+    save_torch(full, opt.state_dict())
+    save_torch(half, stored_optimizer(opt.state_dict(), "float16"))
+    assert half.stat().st_size < 0.55 * full.stat().st_size
+    assert stored_optimizer(opt.state_dict(), "float32")["state"][0]["momentum_buffer"].dtype == torch.float32
+    restored = torch.optim.SGD([a, b], lr=0.1, momentum=0.9)
+    restored.load_state_dict(load_torch(half))
+    buf, exact = restored.state[a]["momentum_buffer"], opt.state[a]["momentum_buffer"]
+    assert buf.dtype == torch.float32
+    assert torch.allclose(buf, exact, rtol=1e-3, atol=1e-7) and not torch.equal(buf, exact)
+    assert torch.equal(restored.state[b]["momentum_buffer"], opt.state[b]["momentum_buffer"])  # kept float32
+
+
 def test_blend_mixes_normalized_signals():
     out = blend_importance([1.0, 0.0], ["a", "b"], {"a": 0.0, "b": 50.0}, beta=0.6)
     assert out == pytest.approx([0.6, 0.4])

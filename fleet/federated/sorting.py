@@ -123,7 +123,7 @@ def _middle(rows: list[np.ndarray], spare: np.ndarray, cut: int) -> list[np.ndar
         sort_rows(rows, spare)
         return rows[cut : n - cut]
     a, b = rows[:half], rows[half:]
-    spare = sort_rows(b, sort_rows(a, spare))
+    sort_rows(b, sort_rows(a, spare))
     for i in range(cut):  # the bottom pairs' larger and the top pairs' smaller values are middle ones
         np.maximum(a[i], b[cut - 1 - i], out=a[i])
         np.minimum(a[half - cut + i], b[len(b) - 1 - i], out=b[len(b) - 1 - i])

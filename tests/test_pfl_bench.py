@@ -134,6 +134,18 @@ def test_fleets_best_method_is_paired_with_the_best_baseline_at_a_target_that_di
     assert (tmp_path / "all.json").is_file()
 
 
+def test_batches_that_ran_different_methods_pool_on_the_methods_every_seed_ran(tmp_path):
+    """Regression: the per-device plot took the first seed's methods, and a method another batch had not run
+    stopped the pooling with a KeyError."""
+    methods = {"fedavg_ft": (0.85, 0.8, [(20, 0.85)]), "ditto": (0.86, 0.8, [(20, 0.86)])}
+    more = {**methods, "fleet_head": (0.87, 0.8, [(20, 0.87)])}
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps(build_report("pfl.yaml", {"a0.1-s0": seed_report(0, 0.1, more)}, {})))
+    second.write_text(json.dumps(build_report("pfl.yaml", {"a0.1-s1": seed_report(1, 0.1, methods)}, {})))
+    pooled = combine_reports([str(first), str(second)], str(tmp_path / "all.json"))
+    assert set(pooled["methods"]) == {"fedavg_ft", "ditto"} and len(pooled["plots"]) == 3
+
+
 def test_a_file_that_is_no_report_is_one_line_and_exit_2(tmp_path, capsys):
     from fleet.cli import main
 

@@ -536,7 +536,7 @@ def plot_pfl(report: dict, stem: Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(10, 4))
-    names = list(first["methods"])
+    names = common_methods(report["per_seed"])  # a batch may have run more methods than another
     for i, method in enumerate(names):
         values = [100 * v for rep in report["per_seed"].values() for v in rep["methods"][method]["device_accuracies"]]
         ax.scatter([i + 0.15 * ((j % 5) - 2) / 2 for j in range(len(values))], values, s=12, alpha=0.6)

@@ -90,20 +90,9 @@ def _blocks(values: list[np.ndarray]):
         yield block, rows[:-1], rows[-1]
 
 
-def sorted_rows(values: list[np.ndarray]) -> np.ndarray:
-    """``(n, size)``: ``values`` (n flat or same-shape float arrays) sorted per coordinate, ascending; the
-    same as ``np.sort(np.stack(values).reshape(n, -1), axis=0)``."""
-    out = np.empty((len(values), values[0].size), dtype=values[0].dtype)
-    for block, rows, spare in _blocks(values):
-        sort_rows(rows, spare)
-        for i, row in enumerate(rows):
-            out[i, block] = row
-    return out
-
-
 def trimmed_means(values: list[np.ndarray], cut: int) -> np.ndarray:
     """Per coordinate, the float64 mean of ``values`` less their ``cut`` smallest and ``cut`` largest
-    (``cut >= 1``, ``2 cut < n``), flat: the same values as the middle rows of :func:`sorted_rows`.
+    (``cut >= 1``, ``2 cut < n``), flat: the same values as the middle rows of ``np.sort(axis=0)``.
     Two sorted halves give the ends when each half is at least ``2 cut`` rows (a trim up to a quarter);
     a larger cut sorts every row."""
     n = len(values)

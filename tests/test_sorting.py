@@ -20,7 +20,7 @@ def test_a_size_that_is_not_a_power_of_two_is_refused():
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 16, 17])
-def test_sorted_rows_match_np_sort_with_ties(n):
+def test_sort_rows_matches_np_sort_with_ties(n):
     rng = np.random.default_rng(n)
     values = [rng.integers(-3, 4, size=3 * 1000).astype(np.float32) for _ in range(n)]  # many ties
     values[0][:5] = [np.inf, -np.inf, 1e30, -1e30, 0.0]

@@ -305,3 +305,33 @@ def test_the_server_app_unpacks_flower_replies_into_records_and_keeps_the_checks
         "no 'metrics' MetricRecord",
     ]
     np.testing.assert_allclose(out["a"], 2.0)
+
+
+def test_reply_tensors_are_read_in_place_and_a_payload_that_is_not_a_plain_npy_is_refused():
+    """The server reads a reply's tensors from the message's bytes, without a copy; a truncated payload, an
+    object array (np.load would need pickle) or junk is the device's fault: its reply is refused, named."""
+    import io
+
+    from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
+
+    from server.server_app import unpack
+
+    def with_tensor(array: Array):
+        content = {"arrays": ArrayRecord({"a": array}), "metrics": MetricRecord(device_metrics(10, 1))}
+        return unpack(*flower_reply(11, RecordDict(content)))
+
+    sent = Array(np.arange(6, dtype=np.float32).reshape(2, 3))
+    got = with_tensor(sent).arrays["a"]
+    np.testing.assert_array_equal(got, np.arange(6, dtype=np.float32).reshape(2, 3))
+    assert np.shares_memory(got, np.frombuffer(sent.data, np.uint8))  # a view of the message's bytes, no copy
+    pickled = io.BytesIO()
+    np.save(pickled, np.array([{"x": 1}], dtype=object), allow_pickle=True)
+    bad = {
+        "truncated": sent.data[:-4],
+        "an object array": pickled.getvalue(),
+        "junk": b"not a tensor at all",
+    }
+    for what, data in bad.items():
+        reply = with_tensor(Array(dtype="float32", shape=(2, 3), stype="numpy.ndarray", data=data))
+        assert reply.problem is not None and reply.problem.startswith("tensor 'a' cannot be decoded"), what
+

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fleet.federated.aggregate import error_summary, masked_average
+from fleet.federated.aggregate import error_summary, global_importance, masked_average
 from fleet.federated.config import fleet_config_from_dict
-from fleet.federated.coordinator import Coordinator, ModelNames, PlannedRound
+from fleet.federated.coordinator import Coordinator, ModelNames, PlannedRound, last_step
 from fleet.federated.membership import member
 from fleet.federated.records import EVALUATE, TRAIN, Accuracy, Reply, TrainOrder
 from fleet.federated.state import RoundReplies, ServerState
@@ -335,3 +335,13 @@ def test_reply_tensors_are_read_in_place_and_a_payload_that_is_not_a_plain_npy_i
         reply = with_tensor(Array(dtype="float32", shape=(2, 3), stype="numpy.ndarray", data=data))
         assert reply.problem is not None and reply.problem.startswith("tensor 'a' cannot be decoded"), what
 
+
+def test_global_importance_is_the_squared_step_over_lr_in_float64_and_zero_for_a_tensor_that_did_not_move():
+    rng = np.random.default_rng(0)
+    before = {"a": rng.normal(size=(300, 300)).astype(np.float32), "b": np.ones(4, np.float32)}
+    after = {"a": before["a"] + np.float32(1e-3) * rng.normal(size=(300, 300)).astype(np.float32), "b": before["b"]}
+    steps = last_step(before, after, ["a", "b"])
+    assert list(steps) == ["a"]  # "b" did not move
+    got = global_importance(steps, ["a", "b"], lr=0.01)
+    exact = float(np.sum((after["a"].astype(np.float64) - before["a"]) ** 2)) / 0.01
+    assert got["b"] == 0.0 and abs(got["a"] - exact) <= 1e-6 * exact

@@ -450,8 +450,8 @@ class Coordinator:
                 current, new, state.replies.senders, state.momentum, shared, fed.server_momentum, fed.server_lr
             )
         state.replies.train = [c.reply for c in kept]
-        state.global_importance = global_importance(new, current, shared, self.cfg.train.lr)
         state.last_step = last_step(current, new, self.names.params)
+        state.global_importance = global_importance(state.last_step, shared, self.cfg.train.lr)
         self.arrays = new
 
     def _validate(self, kept: list[Candidate], rejected: list) -> tuple[list[Candidate], list]:

@@ -11,7 +11,7 @@ from fleet.base.errors import ConfigError
 from fleet.engine.experiment import make_model
 from fleet.engine.models import model_meta
 from fleet.engine.trainer import accuracy
-from fleet.federated import keys, tasks
+from fleet.federated import keys, schema, tasks
 from fleet.federated.config import load_fleet_config
 from fleet.federated.personal import personal_names
 from fleet.federated.robust import upload_problem
@@ -230,6 +230,8 @@ def test_a_device_keeps_only_what_the_global_model_will_not_bring_back_and_is_sc
     scored = accuracy(model, dev.data().test, dev.cfg.data.input_size)
     other = {k: v.clone() for k, v in weights.items()}  # a later global model: the score stays its own
     assert tasks.evaluate(dev, other, {keys.RUN_TAG: "t"})[keys.PERSONAL_ACCURACY] == scored == saved.personal_accuracy
+    assert 0 < result.metrics[keys.SCORE_TIME_S] < 60  # evaluation work the train reply reports (scale bench)
+    assert schema.metric_problem(result.metrics, schema.TRAIN) is None
 
 
 def test_a_state_saved_whole_by_an_earlier_version_is_still_scored(tmp_path):

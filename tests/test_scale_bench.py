@@ -95,3 +95,12 @@ def test_read_records_stops_at_a_line_cut_short(tmp_path):
     assert read_records(tmp_path) == []  # a run that wrote no rounds
     (tmp_path / METRICS_FILE).write_text('{"round": 1}\n\n{"round": 2}\n{"round": 3, "dev')
     assert read_records(tmp_path) == [{"round": 1}, {"round": 2}]
+
+
+def test_scoring_the_personalized_model_after_training_counts_as_device_work_and_as_floor_training():
+    """A train reply's score_time_s is evaluation the device did: the overhead ratio divides by it, and the
+    floor's trainers sleep it with their training."""
+    row = {"measured_time_s": 2.0, "score_time_s": 0.5, "eval_time_s": 0.5}
+    records = [{"round_wall_s": 9.0, "round_time_s": 1.0, "devices": [row]}] * 2
+    assert round_figures(records, parallel=1)["overhead_ratio"] == pytest.approx(9.0 / 3.0)
+    assert floor_work(records) == {"train_s": 2.5, "eval_s": 0.5}

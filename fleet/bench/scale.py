@@ -68,7 +68,7 @@ def round_figures(records: list[dict], parallel: int) -> dict[str, Any]:
     """Medians over the rounds after the first (all of them when there is only one); None for a fleet
     that recorded no round."""
     steady = records[1:] or records
-    work = [sum(d.get("measured_time_s", 0.0) + d.get("eval_time_s", 0.0) for d in r["devices"]) for r in steady]
+    work = [sum(device_work(d) for d in r["devices"]) for r in steady]
     ratios = [r["round_wall_s"] / (w / parallel) for r, w in zip(steady, work) if w > 0]
 
     def median(values: list[float]) -> float | None:
@@ -98,12 +98,19 @@ def state_figures(devices_dir: Path) -> dict[str, Any]:
     }
 
 
+def device_work(row: dict) -> float:
+    """A device's own seconds in a round: training, evaluating, and scoring its personalized model as its
+    training ended (evaluation work its train reply carries)."""
+    return sum(row.get(k) or 0.0 for k in ("measured_time_s", "score_time_s", "eval_time_s"))
+
+
 def floor_work(records: list[dict]) -> dict[str, float]:
     """What a floor device sleeps for: the median seconds a fleet device measured over the steady rounds,
-    training and evaluation apart."""
+    training (with the scoring its train reply carries) and evaluation apart."""
     steady = records[1:] or records
-    train = [d["measured_time_s"] for r in steady for d in r["devices"] if d.get("measured_time_s")]
-    evaluate = [d["eval_time_s"] for r in steady for d in r["devices"] if d.get("eval_time_s")]
+    rows = [d for r in steady for d in r["devices"]]
+    train = [d["measured_time_s"] + (d.get("score_time_s") or 0.0) for d in rows if d.get("measured_time_s")]
+    evaluate = [d["eval_time_s"] for d in rows if d.get("eval_time_s")]
     return {
         "train_s": statistics.median(train) if train else 0.0,
         "eval_s": statistics.median(evaluate) if evaluate else 0.0,

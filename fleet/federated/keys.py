@@ -55,6 +55,8 @@ FINETUNE_TIME_S = "finetune-time-s"  # simulated seconds that fine-tuning took o
 # the imports, its data and model): what each message costs it before training or evaluating
 READY_S = "ready-s"
 EVAL_TIME_S = "eval-time-s"  # wall time of the evaluation on the host (the scale bench's overhead ratio)
+# wall time of scoring the personalized model as its training ends: evaluation work a train reply carries
+SCORE_TIME_S = "score-time-s"
 
 # --- operator -> device: a SuperNode's --node-config ---------------------------------------
 NODE_PARTITION_ID = "partition-id"  # which slice of the shared dataset this device trains on (simulation-style)

@@ -137,6 +137,7 @@ class TrainReply:
     memory_added_s: float | None = wire(keys.MEMORY_ADDED_S, None)
     cuda: int | None = wire(keys.CUDA, None)  # 1: trained on a CUDA GPU; None: on the CPU
     ready_s: float | None = wire(keys.READY_S, None)  # its process's start and setup, before training
+    score_time_s: float | None = wire(keys.SCORE_TIME_S, None)  # scoring its personalized model after training
     # measured by the server, not told: wall seconds from sending the train message to pulling this reply (the
     # device's whole real round: its ClientApp's start, both transfers, its compute); None when not measured
     wall_s: float | None = None

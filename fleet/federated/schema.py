@@ -74,6 +74,7 @@ TRAIN = {
     keys.MEMORY_ADDED_S: Field(False),
     keys.CUDA: Field(False, integer=True, lo=1.0, hi=1.0),
     keys.READY_S: Field(False, hi=1e6),
+    keys.SCORE_TIME_S: Field(False, hi=1e6),
 }
 EVALUATE = {
     keys.PARTITION_ID: PARTITION,

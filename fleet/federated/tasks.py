@@ -167,8 +167,10 @@ def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[s
     result = device_round.train(order)
     result.metrics.update({**device.identity(), **ready})
     if result.personalized is not None:  # scored now: the state keeps too little to rebuild it later
+        started = time.perf_counter()
         model.load_state_dict(result.personalized, strict=True)
         result.state.personal_accuracy = accuracy(model, device.data().test, cfg.data.input_size)
+        result.metrics[keys.SCORE_TIME_S] = time.perf_counter() - started
     save_state(state_path, result.state)
     return result
 

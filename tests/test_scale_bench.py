@@ -87,6 +87,9 @@ def test_the_scale_bench_prints_its_figures_for_each_fleet(tmp_path):
         # Flower's floor on the same fleet: its devices slept for what fleet's measured, and it cost some overhead
         assert f["flower_floor_work_s"]["train_s"] > 0 and f["flower_floor_overhead_ratio"] >= 1.0
         assert "flower_floor_error" not in f
+        # and the busy floor: the same work spent spinning on the workers' CPUs
+        assert f["flower_busy_floor_work_s"] == f["flower_floor_work_s"]
+        assert f["flower_busy_floor_overhead_ratio"] >= 1.0 and "flower_busy_floor_error" not in f
     assert (tmp_path / "scale.png").stat().st_size > 1000 and (tmp_path / "scale.json").is_file()
     assert not any((Path(f["run_dir"]) / "devices").exists() for f in report["fleets"])  # state deleted: GBs
 
@@ -104,3 +107,17 @@ def test_scoring_the_personalized_model_after_training_counts_as_device_work_and
     records = [{"round_wall_s": 9.0, "round_time_s": 1.0, "devices": [row]}] * 2
     assert round_figures(records, parallel=1)["overhead_ratio"] == pytest.approx(9.0 / 3.0)
     assert floor_work(records) == {"train_s": 2.5, "eval_s": 0.5}
+
+
+def test_a_busy_floor_device_holds_its_cpu_for_its_work_and_a_sleeping_one_does_not():
+    from flwr.app import ConfigRecord
+
+    from fleet.bench.floor_app import BUSY_KEY, WORK_KEY, work
+
+    def cpu_s(busy: bool) -> float:
+        started = time.process_time()
+        work(ConfigRecord({WORK_KEY: 0.3, BUSY_KEY: busy}))
+        return time.process_time() - started
+
+    assert cpu_s(busy=False) < 0.05
+    assert cpu_s(busy=True) > 0.1  # a whole core for 0.3 s, or at least its share of a loaded one

@@ -5,7 +5,13 @@ own FedAvg sampling ``federation.devices_per_round`` of the fleet each round, fo
 evaluation, and the ClientApp sleeps for the seconds a fleet device measured at the same fleet size, then
 returns the model it got. The model is the fleet's, so every message carries what a FedAvg round would.
 
-The bench writes ``<run_dir>/floor.json`` (``{"train_s": ..., "eval_s": ...}``) before launching. Each round
+**The busy floor.** A sleeping device leaves its core free, and Flower's simulation needs one: its thread that
+hands messages to the workers polls every node every 0.1 s and scans every stored message for each, which at
+1,000 nodes took a quarter of a core (py-spy on the driver of a 1,000:16 fleet). fleet's devices compute, so
+that thread takes its share from them. With ``busy`` the ClientApp spins on its CPU for the same seconds
+instead: Flower's floor with its cores as taken as fleet's.
+
+The bench writes ``<run_dir>/floor.json`` (``{"train_s": ..., "eval_s": ..., "busy": ...}``) before launching. Each round
 the ServerApp appends the fields :func:`fleet.bench.scale.round_figures` reads to ``metrics.jsonl``
 (``round_wall_s`` from sampling the round's trainers to aggregating its evaluations, and each device's
 slept seconds as its ``measured_time_s``/``eval_time_s``), so fleet's overhead ratio and the floor's are the
@@ -30,6 +36,7 @@ from fleet.federated.tracking import METRICS_FILE, SUMMARY_FILE
 
 FLOOR_FILE = "floor.json"
 WORK_KEY = "work-s"  # the seconds a device sleeps for, in each message's config
+BUSY_KEY = "busy"  # floor.json: the devices spin on their CPU for their work instead of sleeping
 
 
 class TimedFedAvg(FedAvg):
@@ -88,8 +95,8 @@ def main(grid: Grid, context: Context) -> None:
         grid,
         ArrayRecord(make_model(cfg.model, 0).state_dict()),
         num_rounds=cfg.federation.rounds,
-        train_config=ConfigRecord({WORK_KEY: work["train_s"]}),
-        evaluate_config=ConfigRecord({WORK_KEY: work["eval_s"]}),
+        train_config=ConfigRecord({WORK_KEY: work["train_s"], BUSY_KEY: bool(work.get(BUSY_KEY))}),
+        evaluate_config=ConfigRecord({WORK_KEY: work["eval_s"], BUSY_KEY: bool(work.get(BUSY_KEY))}),
     )
     (folder / SUMMARY_FILE).write_text(json.dumps({"floor": True, "rounds": cfg.federation.rounds, **work}))
 
@@ -97,16 +104,27 @@ def main(grid: Grid, context: Context) -> None:
 app = ClientApp()
 
 
+def work(config: ConfigRecord) -> None:
+    """Sleep for the seconds, or with ``busy`` spin on the CPU for them, as a computing device holds its core."""
+    seconds = float(config[WORK_KEY])
+    if not config.get(BUSY_KEY, False):
+        time.sleep(seconds)
+        return
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Sleep for a fleet device's training seconds; return the model unchanged."""
-    time.sleep(float(msg.content["config"][WORK_KEY]))
+    """Sleep (or spin) for a fleet device's training seconds; return the model unchanged."""
+    work(msg.content["config"])
     content = RecordDict({"arrays": msg.content["arrays"], "metrics": MetricRecord({"num-examples": 1})})
     return Message(content=content, reply_to=msg)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    """Sleep for a fleet device's evaluation seconds."""
-    time.sleep(float(msg.content["config"][WORK_KEY]))
+    """Sleep (or spin) for a fleet device's evaluation seconds."""
+    work(msg.content["config"])
     return Message(content=RecordDict({"metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from fleet.base.errors import ConfigError
-from fleet.bench.floor_app import FLOOR_FILE
+from fleet.bench.floor_app import BUSY_KEY, FLOOR_FILE
 from fleet.bench.launch import HONEST_APP, Log, MemoryWatch, launch, progress_log, shared_start
 from fleet.federated.config import load_fleet_config, run_dir
 from fleet.federated.device import DEVICES_DIR
@@ -117,20 +117,28 @@ def floor_work(records: list[dict]) -> dict[str, float]:
     }
 
 
-def run_floor(path: str, overrides: dict, work: dict[str, float], timeout_s: float, log: Log) -> dict[str, Any]:
-    """Flower's own floor on the same fleet (:mod:`fleet.bench.floor_app`): its overhead ratio and wall time."""
-    floor_cfg = load_fleet_config(path, {**overrides, "name": f"{overrides['name']}-floor"})
+FLOORS = {False: "flower_floor", True: "flower_busy_floor"}  # busy -> the keys of that floor's figures
+
+
+def run_floor(
+    path: str, overrides: dict, work: dict[str, float], timeout_s: float, log: Log, busy: bool = False
+) -> dict[str, Any]:
+    """Flower's own floor on the same fleet (:mod:`fleet.bench.floor_app`): its overhead ratio and wall time.
+    ``busy``: its devices spin on their CPU for the work instead of sleeping (see the floor app)."""
+    key = FLOORS[busy]
+    floor_cfg = load_fleet_config(path, {**overrides, "name": f"{overrides['name']}-{key.split('_', 1)[1]}"})
     cfg, config_path = prepare(floor_cfg, resume=False, log=log)
-    (run_dir(cfg) / FLOOR_FILE).write_text(json.dumps(work))
-    log(f"--- {cfg.name}: Flower's floor, devices sleep {work['train_s']:.2f}s + {work['eval_s']:.2f}s ---")
+    (run_dir(cfg) / FLOOR_FILE).write_text(json.dumps({**work, BUSY_KEY: busy}))
+    how = "spin" if busy else "sleep"
+    log(f"--- {cfg.name}: Flower's floor, devices {how} {work['train_s']:.2f}s + {work['eval_s']:.2f}s ---")
     error = launch(config_path, FLOOR_CLIENT, timeout_s, log, server_app=FLOOR_SERVER)
     figures = round_figures(read_records(run_dir(cfg)), workers(cfg.simulation.client_cpus))
     out = {
-        "flower_floor_overhead_ratio": figures["overhead_ratio"],
-        "flower_floor_wall_s_per_round": figures["wall_s_per_round"],
-        "flower_floor_work_s": work,
+        f"{key}_overhead_ratio": figures["overhead_ratio"],
+        f"{key}_wall_s_per_round": figures["wall_s_per_round"],
+        f"{key}_work_s": work,
     }
-    return {**out, "flower_floor_error": error} if error is not None else out
+    return {**out, f"{key}_error": error} if error is not None else out
 
 
 def run_size(
@@ -167,7 +175,8 @@ def run_size(
         entry["error"] = error
     shutil.rmtree(run_dir(cfg) / DEVICES_DIR, ignore_errors=True)
     if floor and records:
-        entry.update(run_floor(path, overrides, floor_work(records), timeout_s, log))
+        for busy in FLOORS:
+            entry.update(run_floor(path, overrides, floor_work(records), timeout_s, log, busy))
     return entry
 
 
@@ -211,6 +220,8 @@ def plot_scale(path: Path, fleets: list[dict]) -> Path:
     axes[0].plot(sizes, [f["device_work_s_per_round"] or 0 for f in fleets], marker="s", label="device work s / round")
     floor = [f.get("flower_floor_wall_s_per_round") or 0 for f in fleets]
     axes[0].plot(sizes, floor, marker="^", label="Flower's floor: wall s / round")
+    busy = [f.get("flower_busy_floor_wall_s_per_round") or 0 for f in fleets]
+    axes[0].plot(sizes, busy, marker="v", label="Flower's floor, devices spinning: wall s / round")
     axes[0].set_ylabel("seconds")
     axes[1].plot(sizes, [f["peak_rss_bytes"] / 2**30 for f in fleets], marker="o", label="whole simulation (PSS)")
     for key, label in (("server", "server (driver)"), ("worker", "largest worker")):
@@ -229,12 +240,13 @@ def plot_scale(path: Path, fleets: list[dict]) -> Path:
 
 def scale_table(report: dict[str, Any]) -> str:
     heads = (("devices", 7), ("per rnd", 7), ("wall s/rnd", 10), ("overhead", 8), ("sim s/rnd", 9), ("peak GiB", 8))
-    lines = [" ".join(f"{h:>{w}}" for h, w in (*heads, ("MB/device", 9), ("floor", 5)))]
+    lines = [" ".join(f"{h:>{w}}" for h, w in (*heads, ("MB/device", 9), ("floor", 5), ("busy", 5)))]
     for f in report["fleets"]:
         wall, ratio, sim = f.get("wall_s_per_round"), f.get("overhead_ratio"), f.get("sim_s_per_round")
         lines.append(
             f"{f['devices']:>7} {f['per_round']:>7} {wall or 0:>10.1f} {ratio or 0:>8.2f} {sim or 0:>9.1f} "
             f"{f['peak_rss_bytes'] / 2**30:>8.2f} {f.get('state_bytes_per_device', 0) / 1e6:>9.1f} "
-            f"{f.get('flower_floor_overhead_ratio') or 0:>5.2f}" + (f"  {f['error']}" if f.get("error") else "")
+            f"{f.get('flower_floor_overhead_ratio') or 0:>5.2f} {f.get('flower_busy_floor_overhead_ratio') or 0:>5.2f}"
+            + (f"  {f['error']}" if f.get("error") else "")
         )
     return "\n".join(lines)

@@ -38,12 +38,23 @@ def test_round_figures_leave_out_the_first_round_and_divide_work_by_the_workers(
     assert round_figures([], 2)["wall_s_per_round"] is None
 
 
-def test_a_floor_device_sleeps_for_the_median_work_a_fleet_device_measured_after_the_first_round():
-    def rec(work: list[tuple[float, float]]) -> dict:
-        return {"devices": [{"measured_time_s": t, "eval_time_s": e} for t, e in work]}
+def test_a_floor_device_sleeps_for_the_median_work_its_tier_measured_after_the_first_round():
+    def rec(work: list[tuple[float, float, float]]) -> dict:
+        return {"devices": [{"tier": tier, "measured_time_s": t, "eval_time_s": e} for tier, t, e in work]}
 
-    records = [rec([(9.0, 9.0)]), rec([(1.0, 0.2), (3.0, 0.0)]), rec([(2.0, 0.4), (0.0, 0.3)])]
-    assert floor_work(records) == {"train_s": 2.0, "eval_s": 0.3}  # zeros are devices that did not do that part
+    records = [rec([(1.0, 9.0, 9.0)]), rec([(1.0, 1.0, 0.2), (4.0, 3.0, 0.0)]), rec([(1.0, 2.0, 0.4), (4.0, 0.0, 0.3)])]
+    work = floor_work(records)  # zeros are devices that did not do that part
+    assert (work["train_s"], work["eval_s"]) == (2.0, 0.3)
+    assert work["train_s_by_tier"] == {"1.0": 1.5, "4.0": 3.0}
+    assert work["eval_s_by_tier"] == pytest.approx({"1.0": 0.3, "4.0": 0.3})
+
+
+def test_a_floor_device_works_its_tiers_seconds_and_the_median_for_a_tier_fleet_never_measured():
+    from fleet.bench.floor_app import seconds_for, work_config
+
+    config = work_config({"train_s": 2.0, "eval_s": 0.3, "train_s_by_tier": {"1.0": 1.5, "4.0": 3.0}}, "train")
+    assert [seconds_for(config, t) for t in (1.0, 4.0, 2.0)] == [1.5, 3.0, 2.0]
+    assert seconds_for(work_config({"train_s": 2.0, "eval_s": 0.3}, "eval"), 1.0) == 0.3  # no tiers: the median
 
 
 def test_state_figures_count_bytes_per_device_that_keeps_state(tmp_path):
@@ -87,6 +98,7 @@ def test_the_scale_bench_prints_its_figures_for_each_fleet(tmp_path):
         # Flower's floor on the same fleet: its devices slept for what fleet's measured, and it cost some overhead
         assert f["flower_floor_work_s"]["train_s"] > 0 and f["flower_floor_overhead_ratio"] >= 1.0
         assert "flower_floor_error" not in f
+        assert set(f["flower_floor_work_s"]["train_s_by_tier"]) <= {"1.0", "2.0", "3.0", "4.0"}
         # and the busy floor: the same work spent spinning on the workers' CPUs
         assert f["flower_busy_floor_work_s"] == f["flower_floor_work_s"]
         assert f["flower_busy_floor_overhead_ratio"] >= 1.0 and "flower_busy_floor_error" not in f
@@ -103,10 +115,11 @@ def test_read_records_stops_at_a_line_cut_short(tmp_path):
 def test_scoring_the_personalized_model_after_training_counts_as_device_work_and_as_floor_training():
     """A train reply's score_time_s is evaluation the device did: the overhead ratio divides by it, and the
     floor's trainers sleep it with their training."""
-    row = {"measured_time_s": 2.0, "score_time_s": 0.5, "eval_time_s": 0.5}
+    row = {"tier": 2.0, "measured_time_s": 2.0, "score_time_s": 0.5, "eval_time_s": 0.5}
     records = [{"round_wall_s": 9.0, "round_time_s": 1.0, "devices": [row]}] * 2
     assert round_figures(records, parallel=1)["overhead_ratio"] == pytest.approx(9.0 / 3.0)
-    assert floor_work(records) == {"train_s": 2.5, "eval_s": 0.5}
+    work = floor_work(records)
+    assert (work["train_s"], work["eval_s"], work["train_s_by_tier"]) == (2.5, 0.5, {"2.0": 2.5})
 
 
 def test_a_busy_floor_device_holds_its_cpu_for_its_work_and_a_sleeping_one_does_not():
@@ -116,7 +129,7 @@ def test_a_busy_floor_device_holds_its_cpu_for_its_work_and_a_sleeping_one_does_
 
     def cpu_s(busy: bool) -> float:
         started = time.process_time()
-        work(ConfigRecord({WORK_KEY: 0.3, BUSY_KEY: busy}))
+        assert work(ConfigRecord({WORK_KEY: 0.3, BUSY_KEY: busy})) == 0.3
         return time.process_time() - started
 
     assert cpu_s(busy=False) < 0.05

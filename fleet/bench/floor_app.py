@@ -2,8 +2,11 @@
 
 What a round of Flower's simulation costs when the devices do no work of fleet's: the ServerApp is Flower's
 own FedAvg sampling ``federation.devices_per_round`` of the fleet each round, for training and again for
-evaluation, and the ClientApp sleeps for the seconds a fleet device measured at the same fleet size, then
-returns the model it got. The model is the fleet's, so every message carries what a FedAvg round would.
+evaluation, and the ClientApp sleeps for the seconds fleet's devices of its tier measured at the same fleet size
+(the median over that tier; over all devices for a tier fleet never sampled), then returns the model it got. The
+model is the fleet's, so every message carries what a FedAvg round would. Per tier, because an elastic fleet's
+devices do not work alike (a slow tier trains less): with every device sleeping the same median, the floor's two
+workers would finish together, where fleet's wait for each other's last device.
 
 **The busy floor.** A sleeping device leaves its core free, and Flower's simulation needs one: its thread that
 hands messages to the workers polls every node every 0.1 s and scans every stored message for each, which at
@@ -11,10 +14,10 @@ hands messages to the workers polls every node every 0.1 s and scans every store
 that thread takes its share from them. With ``busy`` the ClientApp spins on its CPU for the same seconds
 instead: Flower's floor with its cores as taken as fleet's.
 
-The bench writes ``<run_dir>/floor.json`` (``{"train_s": ..., "eval_s": ..., "busy": ...}``) before launching. Each round
-the ServerApp appends the fields :func:`fleet.bench.scale.round_figures` reads to ``metrics.jsonl``
-(``round_wall_s`` from sampling the round's trainers to aggregating its evaluations, and each device's
-slept seconds as its ``measured_time_s``/``eval_time_s``), so fleet's overhead ratio and the floor's are the
+The bench writes ``<run_dir>/floor.json`` (:func:`fleet.bench.scale.floor_work`, with ``busy``) before launching.
+Each round the ServerApp appends the fields :func:`fleet.bench.scale.round_figures` reads to ``metrics.jsonl``
+(``round_wall_s`` from sampling the round's trainers to aggregating its evaluations, and the seconds each device
+reported it slept as its ``measured_time_s``/``eval_time_s``), so fleet's overhead ratio and the floor's are the
 same arithmetic over the same kind of record.
 """
 
@@ -32,34 +35,39 @@ from flwr.serverapp.strategy import FedAvg
 
 from fleet.engine.experiment import make_model
 from fleet.federated.config import config_from_run_config, run_dir
+from fleet.federated.device import partition_of, tier_of
 from fleet.federated.tracking import METRICS_FILE, SUMMARY_FILE
 
 FLOOR_FILE = "floor.json"
-WORK_KEY = "work-s"  # the seconds a device sleeps for, in each message's config
+WORK_KEY = "work-s"  # the seconds a device sleeps for, in each message's config (and in its reply, as slept)
 BUSY_KEY = "busy"  # floor.json: the devices spin on their CPU for their work instead of sleeping
+TIERS_KEY, TIER_WORK_KEY = "tiers", "tier-work-s"  # a message's config: each tier's seconds (WORK_KEY: the rest)
 
 
 class TimedFedAvg(FedAvg):
     """FedAvg that writes each round's wall time and its devices' slept seconds to ``metrics``."""
 
-    def __init__(self, metrics: Path, work: dict[str, float], **kwargs) -> None:
+    def __init__(self, metrics: Path, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.metrics, self.work = metrics, work
+        self.metrics = metrics
         self.started: dict[int, float] = {}
-        self.trained: dict[int, int] = {}
+        self.trained: dict[int, list[float]] = {}  # the seconds each trainer of the round reported it worked
 
     def configure_train(self, server_round: int, arrays, config, grid) -> Iterable[Message]:
         self.started[server_round] = time.perf_counter()
-        messages = list(super().configure_train(server_round, arrays, config, grid))
-        self.trained[server_round] = len(messages)
-        return messages
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]):
+        replies = list(replies)
+        self.trained[server_round] = worked(replies)
+        return super().aggregate_train(server_round, replies)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         replies = list(replies)
         out = super().aggregate_evaluate(server_round, replies)
-        trained, evaluated = self.trained.get(server_round, 0), len(replies)
-        devices = [{"measured_time_s": self.work["train_s"], "eval_time_s": 0.0}] * trained
-        devices += [{"measured_time_s": 0.0, "eval_time_s": self.work["eval_s"]}] * evaluated
+        trained = self.trained.get(server_round, [])
+        devices = [{"measured_time_s": s, "eval_time_s": 0.0} for s in trained]
+        devices += [{"measured_time_s": 0.0, "eval_time_s": s} for s in worked(replies)]
         record = {
             "round": server_round,
             "round_wall_s": time.perf_counter() - self.started[server_round],
@@ -68,8 +76,26 @@ class TimedFedAvg(FedAvg):
         }
         with self.metrics.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        print(f"floor round {server_round}: {record['round_wall_s']:.2f}s wall, {trained} trained", flush=True)
+        print(f"floor round {server_round}: {record['round_wall_s']:.2f}s wall, {len(trained)} trained", flush=True)
         return out
+
+
+def worked(replies: list[Message]) -> list[float]:
+    """The seconds each reply's device slept or spun for."""
+    return [float(r.content["metrics"][WORK_KEY]) for r in replies if r.has_content()]
+
+
+def work_config(work: dict, phase: str) -> ConfigRecord:
+    """What a device of ``phase`` ("train" or "eval") works for: the fleet's per-tier medians, else its median."""
+    by_tier = work.get(f"{phase}_s_by_tier") or {}
+    return ConfigRecord(
+        {
+            WORK_KEY: float(work[f"{phase}_s"]),
+            BUSY_KEY: bool(work.get(BUSY_KEY)),
+            TIERS_KEY: [float(t) for t in by_tier],
+            TIER_WORK_KEY: [float(v) for v in by_tier.values()],
+        }
+    )
 
 
 server = ServerApp()
@@ -84,7 +110,6 @@ def main(grid: Grid, context: Context) -> None:
     (folder / METRICS_FILE).write_text("")
     strategy = TimedFedAvg(
         folder / METRICS_FILE,
-        work,
         fraction_train=per_round / devices,
         fraction_evaluate=per_round / devices,
         min_train_nodes=per_round,
@@ -95,8 +120,8 @@ def main(grid: Grid, context: Context) -> None:
         grid,
         ArrayRecord(make_model(cfg.model, 0).state_dict()),
         num_rounds=cfg.federation.rounds,
-        train_config=ConfigRecord({WORK_KEY: work["train_s"], BUSY_KEY: bool(work.get(BUSY_KEY))}),
-        evaluate_config=ConfigRecord({WORK_KEY: work["eval_s"], BUSY_KEY: bool(work.get(BUSY_KEY))}),
+        train_config=work_config(work, "train"),
+        evaluate_config=work_config(work, "eval"),
     )
     (folder / SUMMARY_FILE).write_text(json.dumps({"floor": True, "rounds": cfg.federation.rounds, **work}))
 
@@ -104,27 +129,42 @@ def main(grid: Grid, context: Context) -> None:
 app = ClientApp()
 
 
-def work(config: ConfigRecord) -> None:
-    """Sleep for the seconds, or with ``busy`` spin on the CPU for them, as a computing device holds its core."""
-    seconds = float(config[WORK_KEY])
+def seconds_for(config: ConfigRecord, tier: float) -> float:
+    """This device's seconds: its tier's median when the fleet measured that tier, else the fleet's median."""
+    by_tier = dict(zip(config.get(TIERS_KEY, []), config.get(TIER_WORK_KEY, [])))
+    return float(by_tier.get(tier, config[WORK_KEY]))
+
+
+def work(config: ConfigRecord, tier: float = 1.0) -> float:
+    """Sleep for the device's seconds, or with ``busy`` spin on the CPU for them, as a computing device holds its
+    core; returns them."""
+    seconds = seconds_for(config, tier)
     if not config.get(BUSY_KEY, False):
         time.sleep(seconds)
-        return
+        return seconds
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
+    return seconds
+
+
+def device_tier(context: Context) -> float:
+    """The tier fleet's own device of this node has (devices.tiers in turn by partition, or its class's)."""
+    cfg = config_from_run_config(dict(context.run_config))
+    node_config = dict(context.node_config)
+    return tier_of(cfg, partition_of(cfg, node_config), node_config)
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Sleep (or spin) for a fleet device's training seconds; return the model unchanged."""
-    work(msg.content["config"])
-    content = RecordDict({"arrays": msg.content["arrays"], "metrics": MetricRecord({"num-examples": 1})})
-    return Message(content=content, reply_to=msg)
+    slept = work(msg.content["config"], device_tier(context))
+    metrics = MetricRecord({"num-examples": 1, WORK_KEY: slept})
+    return Message(content=RecordDict({"arrays": msg.content["arrays"], "metrics": metrics}), reply_to=msg)
 
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Sleep (or spin) for a fleet device's evaluation seconds."""
-    work(msg.content["config"])
-    return Message(content=RecordDict({"metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
+    slept = work(msg.content["config"], device_tier(context))
+    return Message(content=RecordDict({"metrics": MetricRecord({"num-examples": 1, WORK_KEY: slept})}), reply_to=msg)

@@ -104,17 +104,31 @@ def device_work(row: dict) -> float:
     return sum(row.get(k) or 0.0 for k in ("measured_time_s", "score_time_s", "eval_time_s"))
 
 
-def floor_work(records: list[dict]) -> dict[str, float]:
-    """What a floor device sleeps for: the median seconds a fleet device measured over the steady rounds,
-    training (with the scoring its train reply carries) and evaluation apart."""
+def floor_work(records: list[dict]) -> dict[str, Any]:
+    """What a floor device sleeps for: the median seconds fleet's devices measured over the steady rounds, training
+    (with the scoring its train reply carries) and evaluation apart; over all devices, and per tier
+    (``train_s_by_tier``, keyed by the tier as text): an elastic fleet's slow tiers train less."""
     steady = records[1:] or records
     rows = [d for r in steady for d in r["devices"]]
-    train = [d["measured_time_s"] + (d.get("score_time_s") or 0.0) for d in rows if d.get("measured_time_s")]
-    evaluate = [d["eval_time_s"] for d in rows if d.get("eval_time_s")]
+    trainers = [d for d in rows if d.get("measured_time_s")]
+    train = [(d.get("tier"), d["measured_time_s"] + (d.get("score_time_s") or 0.0)) for d in trainers]
+    evaluate = [(d.get("tier"), d["eval_time_s"]) for d in rows if d.get("eval_time_s")]
     return {
-        "train_s": statistics.median(train) if train else 0.0,
-        "eval_s": statistics.median(evaluate) if evaluate else 0.0,
+        "train_s": median_of([s for _, s in train]),
+        "eval_s": median_of([s for _, s in evaluate]),
+        "train_s_by_tier": by_tier(train),
+        "eval_s_by_tier": by_tier(evaluate),
     }
+
+
+def median_of(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def by_tier(pairs: list[tuple[float | None, float]]) -> dict[str, float]:
+    """The median seconds per tier (the tier's exact repr as the key, for JSON), of the rows that name one."""
+    tiers = sorted({t for t, _ in pairs if t is not None})
+    return {repr(float(t)): median_of([s for u, s in pairs if u == t]) for t in tiers}
 
 
 FLOORS = {False: "flower_floor", True: "flower_busy_floor"}  # busy -> the keys of that floor's figures

@@ -12,7 +12,8 @@ workers would finish together, where fleet's wait for each other's last device.
 hands messages to the workers polls every node every 0.1 s and scans every stored message for each, which at
 1,000 nodes took a quarter of a core (py-spy on the driver of a 1,000:16 fleet). fleet's devices compute, so
 that thread takes its share from them. With ``busy`` the ClientApp spins on its CPU for the same seconds
-instead: Flower's floor with its cores as taken as fleet's.
+instead: Flower's floor with its cores as taken as fleet's. Measured, the two floors came out level within 0.03 of
+overhead at 8 to 1,000 devices (docs/results.md), so that thread's share does not explain fleet's distance.
 
 The bench writes ``<run_dir>/floor.json`` (:func:`fleet.bench.scale.floor_work`, with ``busy``) before launching.
 Each round the ServerApp appends the fields :func:`fleet.bench.scale.round_figures` reads to ``metrics.jsonl``

@@ -245,3 +245,8 @@ def test_a_model_with_given_weights_holds_them_exactly_and_trains(tmp_path) -> N
     assert model.fc.weight.grad is not None
     with pytest.raises(RuntimeError, match="fc.weight"):
         model_with_weights(cfg, {**weights, "fc.weight": torch.zeros(3, 3)})
+    # copied from one skeleton per process: a second model shares nothing with the first, and the failed load above
+    # left nothing behind in the skeleton
+    other = model_with_weights(cfg, {k: torch.zeros_like(v) for k, v in weights.items()})
+    assert not any(p.data_ptr() == q.data_ptr() for p, q in zip(model.parameters(), other.parameters()))
+    assert torch.count_nonzero(other.fc.weight) == 0 and torch.equal(model.fc.weight, source.fc.weight)

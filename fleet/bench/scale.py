@@ -189,8 +189,9 @@ def run_size(
         entry["error"] = error
     shutil.rmtree(run_dir(cfg) / DEVICES_DIR, ignore_errors=True)
     if floor and records:
+        work = floor_work(records)
         for busy in FLOORS:
-            entry.update(run_floor(path, overrides, floor_work(records), timeout_s, log, busy))
+            entry.update(run_floor(path, overrides, work, timeout_s, log, busy))
     return entry
 
 

@@ -135,7 +135,7 @@ FLOORS = {False: "flower_floor", True: "flower_busy_floor"}  # busy -> the keys 
 
 
 def run_floor(
-    path: str, overrides: dict, work: dict[str, float], timeout_s: float, log: Log, busy: bool = False
+    path: str, overrides: dict, work: dict[str, Any], timeout_s: float, log: Log, busy: bool = False
 ) -> dict[str, Any]:
     """Flower's own floor on the same fleet (:mod:`fleet.bench.floor_app`): its overhead ratio and wall time.
     ``busy``: its devices spin on their CPU for the work instead of sleeping (see the floor app)."""

@@ -70,16 +70,12 @@ def round_figures(records: list[dict], parallel: int) -> dict[str, Any]:
     steady = records[1:] or records
     work = [sum(device_work(d) for d in r["devices"]) for r in steady]
     ratios = [r["round_wall_s"] / (w / parallel) for r, w in zip(steady, work) if w > 0]
-
-    def median(values: list[float]) -> float | None:
-        return statistics.median(values) if values else None
-
     return {
         "first_round_wall_s": records[0]["round_wall_s"] if records else None,
-        "wall_s_per_round": median([r["round_wall_s"] for r in steady]),
-        "overhead_ratio": median(ratios),
-        "sim_s_per_round": median([r["round_time_s"] for r in steady]),
-        "device_work_s_per_round": median(work),
+        "wall_s_per_round": median_of([r["round_wall_s"] for r in steady], None),
+        "overhead_ratio": median_of(ratios, None),
+        "sim_s_per_round": median_of([r["round_time_s"] for r in steady], None),
+        "device_work_s_per_round": median_of(work, None),
     }
 
 
@@ -121,8 +117,9 @@ def floor_work(records: list[dict]) -> dict[str, Any]:
     }
 
 
-def median_of(values: list[float]) -> float:
-    return statistics.median(values) if values else 0.0
+def median_of(values: list[float], empty: float | None = 0.0) -> float | None:
+    """The median, or ``empty`` when there are no values."""
+    return statistics.median(values) if values else empty
 
 
 def by_tier(pairs: list[tuple[float | None, float]]) -> dict[str, float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from fleet.engine.experiment import make_model
 from fleet.engine.models import model_meta
@@ -29,7 +30,7 @@ def test_each_method_records_accuracy_against_the_device_time_it_spent(tmp_path)
     for curve in curves.values():
         times = [p["device_time_s"] for p in curve]
         assert len(curve) == 3 and times[0] == 0 and times == sorted(times) and times[-1] > 0
-        assert all(0 <= p["accuracy"] <= 1 for p in curve)
+        assert all(0 <= p["accuracy"] <= 1 and 0 <= p["distribution_accuracy"] <= 1 for p in curve)
     tier = cfg.devices.tiers[3 % len(cfg.devices.tiers)]
     epoch_full = curves["full"][1]["device_time_s"]
     assert epoch_full == pytest.approx(tier * profile.full_step_time * 3)  # 48 samples: 3 batches of 16
@@ -62,3 +63,40 @@ def test_a_profile_of_another_model_is_refused_before_any_training(tmp_path):
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(FleetError, match="does not match the model: fc.weight has shape"):
         personalize_newcomer(cfg, weights, partition_id=3, profile=profile, epochs=1)
+
+
+class ConstantModel(torch.nn.Module):
+    """Always answers ``label``."""
+
+    def __init__(self, label: int, classes: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.label, self.classes = label, classes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.one_hot(torch.full((len(x),), self.label), self.classes).float() + 0 * self.w
+
+
+def test_the_distribution_accuracy_weights_each_class_by_the_devices_share_of_it():
+    from fleet.data.datasets import ArrayDataset
+    from fleet.federated.newcomer import distribution_accuracy
+
+    labels = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 2])  # unequal counts: a plain accuracy would be 0.3 for class 0
+    test = ArrayDataset(torch.zeros(10, 1, 4, 4, dtype=torch.uint8), labels, 4, (0.5,), (0.5,), "t")
+    mix = torch.tensor([0.7, 0.2, 0.1, 0.0], dtype=torch.float64)
+    assert distribution_accuracy(ConstantModel(0, 4), test, mix, None) == pytest.approx(0.7)
+    assert distribution_accuracy(ConstantModel(2, 4), test, mix, None) == pytest.approx(0.1)
+    # A class the test split lacks counts as wrong, however much of the mix it holds
+    assert distribution_accuracy(ConstantModel(3, 4), test, torch.tensor([0, 0, 0, 1.0]), None) == 0
+
+
+def test_the_distribution_test_is_the_whole_test_split_in_the_devices_domain_and_its_label_mix(tmp_path):
+    from fleet.federated.newcomer import distribution_test
+    from fleet.federated.split import device_data
+
+    cfg = load_fleet_config(TINY, {"output_dir": str(tmp_path), "devices.shift.rotation_deg": 45})
+    data = device_data(cfg, 3)
+    test, mix = distribution_test(cfg, 3, data)
+    assert len(test) > len(data.test) and "domain" in test.name
+    own = torch.bincount(torch.cat([data.train.labels, data.test.labels]), minlength=cfg.model.num_classes)
+    assert mix.sum().item() == pytest.approx(1.0) and torch.equal(mix > 0, own > 0)

@@ -181,6 +181,10 @@ def test_the_pfl_bench_runs_end_to_end_on_a_tiny_fleet(tmp_path, capsys):
         assert 0 <= entry["personalized_accuracy_mean"] <= 1 and entry["bytes_uploaded"] > 0
     assert set(report["new_devices"]) == {"full", "tl", "bn_bias", "elastic"}
     assert all(len(e["curve"]) == 2 and e["device_time_s"] > 0 for e in report["new_devices"].values())
+    assert all(0 <= e["final_distribution_accuracy"] <= 1 for e in report["new_devices"].values())
+    held_out, distribution = report["new_devices_verdict"]
+    assert held_out["figure"] == "final_accuracy" and distribution["figure"] == "final_distribution_accuracy"
+    assert distribution["seeds"] == [seed_tag(1.0, 0)] and distribution["elastic_time_vs_full"] < 1
     assert all(len(r["methods"]["fleet_head"]["device_accuracies"]) == 3 for r in report["per_seed"].values())
     for path in report["plots"]:
         assert (tmp_path / path.split("/")[-1]).stat().st_size > 3000
@@ -248,3 +252,19 @@ def test_a_run_without_new_devices_has_none_to_personalize(tmp_path, capsys):
     assert main(["bench", "pfl", "--newcomers-from", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert f"--newcomers-from: {tmp_path} ran with devices.newcomers 0" in err and "\n" not in err
+
+
+def test_the_new_device_verdict_counts_the_seeds_elastic_beats_tl_and_bn_bias_on():
+    from fleet.bench.pfl import newcomer_verdict
+
+    def seed(full, tl, bn, el):
+        return {
+            m: {"final_accuracy": a, "time_vs_full": t}
+            for m, a, t in (("full", full, 1.0), ("tl", tl, 0.2), ("bn_bias", bn, 0.5), ("elastic", el, 0.54))
+        }
+
+    per_seed = {"s0": seed(0.90, 0.85, 0.86, 0.89), "s1": seed(0.92, 0.93, 0.91, 0.93), "s2": {}}  # s1: a tie
+    v = newcomer_verdict(per_seed)
+    assert v["seeds"] == ["s0", "s1"] and v["seeds_above_tl_and_bn_bias"] == ["s0"]
+    assert v["elastic_vs_full_points"] == pytest.approx(0.0) and v["elastic_time_vs_full"] == pytest.approx(0.54)
+    assert newcomer_verdict(per_seed, "final_distribution_accuracy") is None  # an older report: no such figure

@@ -212,6 +212,7 @@ def seed_figures(summaries: dict[str, dict], alpha: float, seed: int) -> dict[st
     return {"alpha": alpha, "seed": seed, "horizon_s": horizon, "profile": profile, "methods": methods}
 
 
+CURVE_KEYS = ("device_time_s", "accuracy", "distribution_accuracy")  # a new device's point (federated.newcomer)
 NEWCOMER_LR = 1e-3  # a tenth of the fleet's: fine-tuning a trained model on a few hundred images, not training it
 
 
@@ -238,11 +239,12 @@ def newcomer_figures(
     out = {}
     for method in curves[0]:
         mean_curve = [
-            {k: statistics.fmean(c[method][i][k] for c in curves) for k in ("device_time_s", "accuracy")}
+            {k: statistics.fmean(c[method][i][k] for c in curves) for k in CURVE_KEYS}
             for i in range(len(curves[0][method]))
         ]
         out[method] = {
             "final_accuracy": mean_curve[-1]["accuracy"],
+            "final_distribution_accuracy": mean_curve[-1]["distribution_accuracy"],
             "device_time_s": mean_curve[-1]["device_time_s"],
             "curve": mean_curve,
         }
@@ -381,6 +383,7 @@ def build_report(config: str, per_seed: dict[str, dict], newcomers: dict[str, di
         "default_policy": policy_choice(by_alpha),
         "new_devices": combine_newcomers(newcomers),
         "new_devices_per_seed": newcomers,
+        "new_devices_verdict": [newcomer_verdict(newcomers, f) for f in NEWCOMER_FIGURES],
         "per_seed": per_seed,
     }
 
@@ -478,6 +481,7 @@ def newcomers_from(
             )
     report = {"runs": [str(r) for r in runs], "newcomer_lr": lr, "overrides": dict(overrides or {})}
     report["new_devices"] = combine_newcomers(per_run)
+    report["new_devices_verdict"] = [newcomer_verdict(per_run, f) for f in NEWCOMER_FIGURES]
     plot = Path(runs[0]).parent / "new-devices.png"
     report["plot"] = str(plot_new_devices(report["new_devices"], plot))
     return report
@@ -488,17 +492,43 @@ def combine_newcomers(per_seed: dict[int, dict]) -> dict[str, dict]:
     seeds = [s for s in per_seed.values() if s]
     if not seeds:
         return {}
+    keys = [k for k in CURVE_KEYS if all(k in s[m]["curve"][0] for s in seeds for m in s)]  # older reports lack one
     return {
         m: {
             "final_accuracy": statistics.fmean(s[m]["final_accuracy"] for s in seeds),
+            "final_distribution_accuracy": _mean([s[m].get("final_distribution_accuracy") for s in seeds]),
             "device_time_s": statistics.fmean(s[m]["device_time_s"] for s in seeds),
             "time_vs_full": _mean([s[m]["time_vs_full"] for s in seeds]),
             "curve": [  # epoch by epoch, mean over the seeds
-                {k: statistics.fmean(s[m]["curve"][i][k] for s in seeds) for k in ("device_time_s", "accuracy")}
+                {k: statistics.fmean(s[m]["curve"][i][k] for s in seeds) for k in keys}
                 for i in range(min(len(s[m]["curve"]) for s in seeds))
             ],
         }
         for m in seeds[0]
+    }
+
+
+ELASTIC_RIVALS = ("full", "tl", "bn_bias", "elastic")  # the methods the new-device claim compares
+NEWCOMER_FIGURES = ("final_accuracy", "final_distribution_accuracy")  # held-out split; the device's distribution
+
+
+def newcomer_verdict(per_seed: dict[str, dict], figure: str = "final_accuracy") -> dict[str, Any] | None:
+    """ElasticTrainer's claim on the new devices, by ``figure`` (``final_accuracy`` or
+    ``final_distribution_accuracy``): elastic against full training on average, and the seeds on which
+    it ends above both tl and bn_bias."""
+    seeds = {
+        k: s for k, s in per_seed.items() if s and all(s.get(m, {}).get(figure) is not None for m in ELASTIC_RIVALS)
+    }
+    if not seeds:
+        return None
+    above = [k for k, s in seeds.items() if all(s["elastic"][figure] > s[m][figure] for m in ("tl", "bn_bias"))]
+    return {
+        "figure": figure,
+        "elastic_vs_full_points": 100
+        * statistics.fmean(s["elastic"][figure] - s["full"][figure] for s in seeds.values()),
+        "elastic_time_vs_full": _mean([s["elastic"]["time_vs_full"] for s in seeds.values()]),
+        "seeds_above_tl_and_bn_bias": above,
+        "seeds": sorted(seeds),
     }
 
 
@@ -612,6 +642,12 @@ def pfl_table(report: dict) -> str:
         lines.append(f"default policy over the betas: {choice['chosen']} (worst gap {100 * choice['worst_gap']:+.2f})")
     if report["new_devices"]:
         lines.append(newcomers_table(report["new_devices"]))
+    for v in report.get("new_devices_verdict") or []:
+        if v:
+            lines.append(
+                f"elastic by {v['figure']}: {v['elastic_vs_full_points']:+.2f} points from full; above tl and bn_bias"
+                f" on {len(v['seeds_above_tl_and_bn_bias'])} of {len(v['seeds'])} seeds"
+            )
     return "\n".join(lines)
 
 
@@ -619,8 +655,10 @@ def newcomers_table(new_devices: dict) -> str:
     lines = ["new devices, personalizing from fleet's final global model (mean over them and the seeds):"]
     for m, r in new_devices.items():
         ratio = r["time_vs_full"]
+        dist = r.get("final_distribution_accuracy")
         lines.append(
             f"{m:>17} {100 * r['final_accuracy']:>8.2f}% in {r['device_time_s']:.1f}s of device time"
             + ("" if ratio is None else f" ({ratio:.2f}x full's)")
+            + ("" if dist is None else f"; {100 * dist:.2f}% on its distribution")
         )
     return "\n".join(lines)

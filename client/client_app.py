@@ -22,7 +22,9 @@ app = ClientApp()
 
 
 def device_of(context: Context) -> tasks.Device:
-    return tasks.Device.from_configs(config_from_run_config(dict(context.run_config)), context.node_config)
+    run_config = dict(context.run_config)
+    simulated = bool(run_config.get("simulation", False))  # a simulation worker serves many messages
+    return tasks.Device.from_configs(config_from_run_config(run_config), context.node_config, long_lived=simulated)
 
 
 def _reply(msg: Message, device: tasks.Device, metrics: dict, arrays: ArrayRecord | None = None) -> Message:

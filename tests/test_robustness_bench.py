@@ -393,9 +393,9 @@ def test_honest_devices_leave_their_update_for_the_next_rounds_adversaries(devic
 
 def test_data_attacks_train_the_real_device_on_altered_labels(device):
     base = client_app.device_of(device["context"](0))
-    flipped = adv.PoisonedDevice(base.cfg, base.partition_id, base.name, base.node_config, "label_flip")
+    flipped = adv.PoisonedDevice(base.cfg, base.partition_id, base.name, base.node_config, attack="label_flip")
     assert torch.equal(flipped.data().train.labels, 9 - base.data().train.labels)
-    backdoor = adv.PoisonedDevice(base.cfg, base.partition_id, base.name, base.node_config, "backdoor")
+    backdoor = adv.PoisonedDevice(base.cfg, base.partition_id, base.name, base.node_config, attack="backdoor")
     share = float((backdoor.data().train.labels != base.data().train.labels).float().mean())
     assert 0.3 < share <= 0.5  # half triggered as class 0; the ones already of class 0 keep their label
 

@@ -264,7 +264,7 @@ def device_train(msg: Message, context: Context, attack: str | None) -> Message:
     if attack not in DATA_ATTACKS:
         return client_app.train(msg, context)
     base = client_app.device_of(context)
-    device = PoisonedDevice(base.cfg, base.partition_id, base.name, base.node_config, attack)
+    device = PoisonedDevice(base.cfg, base.partition_id, base.name, base.node_config, base.long_lived, attack=attack)
     return client_app.train_device(msg, device)
 
 

@@ -26,6 +26,7 @@ from fleet.federated.classes import bandwidth_of, class_of
 from fleet.federated.config import FleetConfig, run_dir
 from fleet.federated.owned import device_roots
 from fleet.federated.paths import resolve_path
+from fleet.federated.state_lock import reading, write_locked
 from fleet.memory.budgeted import MemoryBudget
 
 DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # safe as a file name and a plot label
@@ -331,15 +332,18 @@ class DeviceState:
         )
 
 
-def save_state(path: Path, state: DeviceState) -> None:
-    """Atomic: a device killed mid-write keeps its previous state."""
-    save_torch(path, state.to_dict())
+def save_state(path: Path, state: DeviceState, *, defer: bool = False) -> None:
+    """Atomic: a device killed mid-write keeps its previous state. With ``defer`` (a long-lived process)
+    the file is written on a thread, under a lock that :func:`load_state` waits for (:mod:`.state_lock`)."""
+    write_locked(path, lambda: save_torch(path, state.to_dict()), defer=defer)
 
 
 def load_state(path: Path, run_tag: str | None = None) -> DeviceState | None:
     """The device's state from earlier rounds of this run (another run's state, or a file that holds no
-    state, is ignored); ``run_tag`` None accepts any run's."""
-    state = DeviceState.from_dict(load_torch(path))
+    state, is ignored); ``run_tag`` None accepts any run's. A write of it under way is waited for."""
+    with reading(path):
+        raw = load_torch(path)
+    state = DeviceState.from_dict(raw)
     if state is not None and run_tag is not None and state.run_tag != run_tag:
         return None
     return state

@@ -61,16 +61,19 @@ class Device:
     partition_id: int | None  # its slice of a shared dataset; None when it reads its own files
     name: str
     node_config: dict[str, Any]
+    # its process serves many messages (a simulation worker), so its state is written after the reply
+    # (fleet.federated.state_lock); a deployed ClientApp process ends with its one message and writes in line
+    long_lived: bool = False
 
     @classmethod
-    def from_configs(cls, cfg: FleetConfig, node_config: Mapping[str, Any]) -> Device:
+    def from_configs(cls, cfg: FleetConfig, node_config: Mapping[str, Any], *, long_lived: bool = False) -> Device:
         node_config = dict(node_config)
         torch.set_num_threads(threads_of(cfg, node_config))
         device = train_device_of(cfg, node_config)
         if device != cfg.train.device:  # every trainer of the device reads train.device
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device=device))
         pid = partition_of(cfg, node_config)
-        return cls(cfg, pid, device_name_of(cfg, node_config, pid), node_config)
+        return cls(cfg, pid, device_name_of(cfg, node_config, pid), node_config, long_lived)
 
     @property
     def state_dir(self) -> Path:
@@ -171,7 +174,7 @@ def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[s
         model.load_state_dict(result.personalized, strict=True)
         result.state.personal_accuracy = accuracy(model, device.data().test, cfg.data.input_size)
         result.metrics[keys.SCORE_TIME_S] = time.perf_counter() - started
-    save_state(state_path, result.state)
+    save_state(state_path, result.state, defer=device.long_lived)
     return result
 
 

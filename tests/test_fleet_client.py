@@ -142,7 +142,7 @@ def test_stale_momentum_is_dropped_for_tensors_that_sat_out():
 
 def test_momentum_saved_in_float16_halves_the_file_and_restores_within_float16s_precision(tmp_path):
     from fleet.base.atomic import load_torch, save_torch
-    from fleet.federated.round import stored_optimizer
+    from fleet.federated.device import stored_optimizer
 
     a, b = torch.nn.Parameter(torch.ones(65536)), torch.nn.Parameter(torch.ones(4))
     opt = torch.optim.SGD([a, b], lr=0.1, momentum=0.9)

@@ -165,30 +165,6 @@ def drop_stale_momentum(
             optimizer.state.pop(p, None)
 
 
-FLOAT16_MAX = 65504.0  # the largest finite float16
-
-
-def stored_optimizer(state: dict, precision: str) -> dict:
-    """The optimizer state as a device saves it between rounds: its float32 buffers in ``precision``
-    (``federation.state_precision``).
-
-    Momentum is the bulk of a device's state, and float16 holds it to about 5e-4 of each value: half the
-    disk for a thousand devices. A buffer beyond float16's range stays float32 rather than turning into
-    infinities. No cast back is needed: ``Optimizer.load_state_dict`` casts every floating buffer to its
-    parameter's dtype."""
-    if precision == "float32":
-        return state
-
-    def small(value: object) -> object:
-        fits = isinstance(value, torch.Tensor) and value.dtype == torch.float32
-        if fits and bool((value.abs() <= FLOAT16_MAX).all()):  # False for inf and NaN too
-            return value.to(torch.float16)
-        return value
-
-    buffers = {k: {name: small(v) for name, v in s.items()} for k, s in state["state"].items()}
-    return {**state, "state": buffers}
-
-
 @dataclass
 class RoundBudget:
     """What this round's local work may cost the device, from the deadline and its uplink."""
@@ -579,7 +555,7 @@ class DeviceRound:
             run_tag=self.state.run_tag,
             round=plan.server_round,
             rounds_trained=self.state.rounds_trained + 1,
-            optimizer=stored_optimizer(trainer.optimizer.state_dict(), self.cfg.federation.state_precision),
+            optimizer=trainer.optimizer.state_dict(),  # cast to federation.state_precision as it is written
             personal=kept,
             importance=[float(v) for v in done.importance.values],
             importance_round=done.importance.probed_round,

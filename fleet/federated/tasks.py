@@ -174,7 +174,7 @@ def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[s
         model.load_state_dict(result.personalized, strict=True)
         result.state.personal_accuracy = accuracy(model, device.data().test, cfg.data.input_size)
         result.metrics[keys.SCORE_TIME_S] = time.perf_counter() - started
-    save_state(state_path, result.state, defer=device.long_lived)
+    save_state(state_path, result.state, precision=cfg.federation.state_precision, defer=device.long_lived)
     return result
 
 

@@ -223,6 +223,8 @@ def test_a_device_keeps_only_what_the_global_model_will_not_bring_back_and_is_sc
     assert set(saved.personal) == set(personal_names(dev.model(dict(weights)), policy))
     model_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     momentum_bytes = sum(s["momentum_buffer"].numel() * 4 for s in saved.optimizer["state"].values())
+    assert dev.cfg.federation.state_precision == "float16"  # cast as the state is written, not in the round
+    assert {s["momentum_buffer"].dtype for s in saved.optimizer["state"].values()} == {torch.float16}
     personal_bytes = sum(t.numel() * t.element_size() for t in saved.personal.values())
     assert path.stat().st_size < momentum_bytes + personal_bytes + model_bytes * 0.05  # no copy of the weights
     model = dev.model(dict(weights))

@@ -6,6 +6,7 @@ crash or a kill mid-write never destroys what was already saved.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import tempfile
@@ -46,6 +47,13 @@ def write_json(path: str | os.PathLike, data: dict) -> Path:
 def save_torch(path: str | os.PathLike, obj: dict) -> Path:
     """Atomic torch.save of a checkpoint or device state."""
     return write_atomic(path, lambda fh: torch.save(obj, fh), binary=True)
+
+
+def torch_bytes(obj: dict) -> bytes:
+    """What :func:`save_torch` would write, as bytes."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
 
 
 def load_torch(path: str | os.PathLike) -> dict | None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fleet.base.atomic import load_torch, save_torch
+from fleet.base.atomic import load_torch, torch_bytes, write_atomic
 from fleet.base.errors import ConfigError
 from fleet.engine.accelerator import resolve_device
 from fleet.engine.device_profile import DeviceProfile
@@ -358,14 +358,12 @@ def stored_optimizer(state: dict, precision: str) -> dict:
 
 def save_state(path: Path, state: DeviceState, *, precision: str = "float32", defer: bool = False) -> None:
     """Atomic: a device killed mid-write keeps its previous state. Its momentum is stored in ``precision``
-    (:func:`stored_optimizer`). With ``defer`` (a long-lived process) the cast and the write run on a
-    thread, under a lock that :func:`load_state` waits for (:mod:`.state_lock`)."""
-
-    def write() -> None:
-        optimizer = None if state.optimizer is None else stored_optimizer(state.optimizer, precision)
-        save_torch(path, {**state.to_dict(), "optimizer": optimizer})
-
-    write_locked(path, write, defer=defer)
+    (:func:`stored_optimizer`). With ``defer`` (a long-lived process) the file is written on a thread,
+    under a lock that :func:`load_state` waits for (:mod:`.state_lock`); the bytes are made here, so
+    that the thread allocates nothing (a malloc arena of its own kept 0.4 GiB a worker)."""
+    optimizer = None if state.optimizer is None else stored_optimizer(state.optimizer, precision)
+    data = torch_bytes({**state.to_dict(), "optimizer": optimizer})
+    write_locked(path, lambda: write_atomic(path, lambda fh: fh.write(data), binary=True), defer=defer)
 
 
 def load_state(path: Path, run_tag: str | None = None) -> DeviceState | None:

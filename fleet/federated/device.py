@@ -360,7 +360,7 @@ def save_state(path: Path, state: DeviceState, *, precision: str = "float32", de
     """Atomic: a device killed mid-write keeps its previous state. Its momentum is stored in ``precision``
     (:func:`stored_optimizer`). With ``defer`` (a long-lived process) the file is written on a thread,
     under a lock that :func:`load_state` waits for (:mod:`.state_lock`); the bytes are made here, so
-    that the thread allocates nothing (a malloc arena of its own kept 0.4 GiB a worker)."""
+    that the thread holds nothing but them (see state_lock's design notes on memory)."""
     optimizer = None if state.optimizer is None else stored_optimizer(state.optimizer, precision)
     data = torch_bytes({**state.to_dict(), "optimizer": optimizer})
     write_locked(path, lambda: write_atomic(path, lambda fh: fh.write(data), binary=True), defer=defer)

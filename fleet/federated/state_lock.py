@@ -15,7 +15,8 @@ Design notes:
 * **One writer thread per process**, fed by a queue, for the process's life, and the bytes made before the
   reply (:func:`fleet.federated.device.save_state`). A thread per write, casting and serializing on its own,
   raised a worker's peak memory in the scale bench from 1.86 to 2.25 GiB at 8 devices; this way it is 1.97
-  (and 0.3-0.5 GiB below a thread per write at 64 to 1,000 devices). The thread is a daemon, and an exiting process waits for its queue.
+  (and 0.3-0.5 GiB below a thread per write at 64 to 1,000 devices). The thread is a daemon, and an
+  exiting process waits for its queue.
 * **A crash.** The write itself is atomic (:func:`fleet.base.atomic.write_atomic`): a process killed
   mid-write leaves the previous state, as before. A write that fails (a full disk) is logged with the
   state's path; the device then trains from its previous state next time.

@@ -397,11 +397,16 @@ class Trainer:
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, data: ArrayDataset, input_size: int | None, batch_size: int = 256) -> float:
-    """Top-1 accuracy of ``model`` (put in eval mode) on ``data``."""
+def predictions(model: nn.Module, data: ArrayDataset, input_size: int | None, batch_size: int = 256) -> torch.Tensor:
+    """``model``'s (put in eval mode) top-1 label for each sample of ``data``, in order, on the CPU."""
     model.eval()
     device = module_device(model)
-    correct = 0
-    for x, y in batches(data, batch_size, shuffle=False, input_size=input_size):
-        correct += int((model(on_device(x, device)).argmax(1) == on_device(y, device)).sum())
+    loader = batches(data, batch_size, shuffle=False, input_size=input_size)
+    out = [model(on_device(x, device)).argmax(1).cpu() for x, _ in loader]
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
+
+
+def accuracy(model: nn.Module, data: ArrayDataset, input_size: int | None, batch_size: int = 256) -> float:
+    """Top-1 accuracy of ``model`` (put in eval mode) on ``data``."""
+    correct = int((predictions(model, data, input_size, batch_size) == data.labels).sum())
     return correct / max(len(data), 1)

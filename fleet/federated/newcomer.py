@@ -26,11 +26,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from fleet.data.datasets import ArrayDataset, batches
+from fleet.data.datasets import ArrayDataset
 from fleet.data.shift import device_shift, shift_dataset
 from fleet.engine.device_profile import DeviceProfile
 from fleet.engine.experiment import check_profile, load_data, model_with_weights
-from fleet.engine.trainer import Trainer
+from fleet.engine.trainer import Trainer, predictions
 from fleet.federated.config import FleetConfig
 from fleet.federated.device import tier_of
 from fleet.federated.split import DeviceData, device_data
@@ -99,18 +99,13 @@ def distribution_test(cfg: FleetConfig, partition_id: int, data: DeviceData) -> 
     return test, counts.double() / counts.sum()
 
 
-@torch.no_grad()
 def distribution_accuracy(
     model: torch.nn.Module, test: ArrayDataset, mix: torch.Tensor, input_size: int | None
 ) -> float:
     """``sum_c mix_c * accuracy_c`` on ``test``: each class's accuracy weighted by its share ``mix`` (a class
     the test split lacks counts as 0, so a mix on it cannot score high by omission)."""
-    model.eval()
-    device = next(model.parameters()).device
-    correct = torch.zeros(len(mix), dtype=torch.float64)
-    for x, y in batches(test, 256, shuffle=False, input_size=input_size):
-        hit = (model(x.to(device)).argmax(1).cpu() == y).double()
-        correct.index_add_(0, y, hit)
+    hits = (predictions(model, test, input_size) == test.labels).double()
+    correct = torch.zeros(len(mix), dtype=torch.float64).index_add_(0, test.labels, hits)
     seen = torch.bincount(test.labels, minlength=len(mix)).double()
     per_class = torch.where(seen > 0, correct / seen.clamp(min=1), torch.zeros_like(seen))
     return float((mix * per_class).sum())

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from fleet.base.errors import ConfigError, FleetError
+from fleet.commands import flower_dispatch
 from fleet.commands.flower_log import FLOWER_LOG, flower_output
 from fleet.federated.config import FleetConfig, load_fleet_config, run_dir
 from fleet.federated.paths import APP_ROOT
@@ -151,6 +152,7 @@ def run_simulation(
         "client_resources": {"num_cpus": cfg.simulation.client_cpus, "num_gpus": cfg.simulation.client_gpus},
         "init_args": ray_init_args(cfg.simulation.ray_address),
     }
+    flower_dispatch.install()  # Flower's dispatch, asking only the nodes with a message waiting
     log_path = run_dir(cfg) / FLOWER_LOG
     context = Context(run_id=run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config=fused)
     with flower_output(log_path, verbose=verbose):

@@ -8,12 +8,12 @@ model is the fleet's, so every message carries what a FedAvg round would. Per ti
 devices do not work alike (a slow tier trains less): with every device sleeping the same median, the floor's two
 workers would finish together, where fleet's wait for each other's last device.
 
-**The busy floor.** A sleeping device leaves its core free, and Flower's simulation needs one: its thread that
-hands messages to the workers polls every node every 0.1 s and scans every stored message for each, which at
-1,000 nodes took a quarter of a core (py-spy on the driver of a 1,000:16 fleet). fleet's devices compute, so
-that thread takes its share from them. With ``busy`` the ClientApp spins on its CPU for the same seconds
-instead: Flower's floor with its cores as taken as fleet's. Measured, the two floors came out level within 0.03 of
-overhead at 8 to 1,000 devices (docs/results.md), so that thread's share does not explain fleet's distance.
+**The busy floor.** A sleeping device leaves its core free to Flower's own threads, and a computing one does not.
+With ``busy`` the ClientApp spins on its CPU for the same seconds instead: Flower's floor with its cores as taken
+as fleet's. It was added when Flower's thread that hands messages to the workers took a quarter to a half of a
+core at 1,000 nodes (it asked every node every 0.1 s); fleet's launcher now asks only the nodes with a message
+waiting (:mod:`fleet.commands.flower_dispatch`), for fleet's runs and both floors alike. Measured before that
+change, the two floors came out level within 0.03 of overhead at 8 to 1,000 devices (docs/results.md).
 
 The bench writes ``<run_dir>/floor.json`` (:func:`fleet.bench.scale.floor_work`, with ``busy``) before launching.
 Each round the ServerApp appends the fields :func:`fleet.bench.scale.round_figures` reads to ``metrics.jsonl``

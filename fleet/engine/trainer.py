@@ -33,7 +33,13 @@ from fleet.engine.accelerator import (
 )
 from fleet.engine.config import TrainConfig
 from fleet.engine.device_profile import DeviceProfile
-from fleet.engine.importance import evaluate_importance, importance_from_update, normalize
+from fleet.engine.importance import (
+    evaluate_importance,
+    momentum_readable,
+    normalize,
+    step_scores,
+    weights_before_step,
+)
 from fleet.engine.methods import group_lasso_penalty, static_mask
 from fleet.engine.models import head_parameter_names, input_channels
 from fleet.engine.policies import SelectionPolicy, select_in_window
@@ -321,11 +327,11 @@ class Trainer:
             if not trained:
                 self.optimizer.state.pop(p, None)
         self.set_mask([True] * len(self.params))
-        before = [p.detach().clone() for p in self.params]
+        readable = self.precision.scaler is None and momentum_readable(self.optimizer)  # a scaler may skip a step
+        before = weights_before_step(self.params, readable)
         first = self.train_step(x, y)
-        update = [p.detach() - b for p, b in zip(self.params, before)]
         second = self._backward(x, y)
-        importance = normalize(importance_from_update([p.grad for p in self.params], update))
+        importance = normalize(step_scores([p.grad for p in self.params], self.params, self.optimizer, before))
         self.reselect(importance=importance, epoch=epoch)  # drops the gradients of tensors left out
         self.precision.step(self.optimizer)
         self.step_count += 1

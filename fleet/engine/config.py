@@ -121,7 +121,9 @@ class PretrainConfig:
     train_per_class: int | None = None  # cap pretraining samples per class; None: all
     epochs: int = 2  # passes over the pretraining data
     lr: float = 0.05  # SGD learning rate of pretraining
-    checkpoint: str | None = None  # where it is cached; None: runs/pretrain-<model>-<dataset>.pt
+    # the vendor's seed; None: train.seed. A bench fixes it so that every personalization seed starts from one model
+    seed: int | None = None
+    checkpoint: str | None = None  # where it is cached; None: <output_dir>/pretrained/<model>-<dataset>-...-r<seed>.pt
 
 
 @dataclass
@@ -193,6 +195,7 @@ RULES: dict[str, tuple[typing.Callable[[Any], bool], str]] = {  # by dotted path
     "pretrain.train_per_class": _OPTIONAL_COUNT,
     "pretrain.epochs": (lambda v: v >= 1, "an integer >= 1"),
     "pretrain.lr": (lambda v: 0 < v < 10, "a number in (0, 10)"),
+    "pretrain.seed": (lambda v: v is None or v >= 0, "an integer >= 0 or null"),
     "methods": (lambda v: len(v) >= 1 and all(m in METHODS for m in v), "a list drawn from " + ", ".join(METHODS)),
     "name": (
         _run_name,

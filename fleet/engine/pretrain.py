@@ -22,15 +22,19 @@ from fleet.engine.models import load_checkpoint_meta, model_meta, save_checkpoin
 from fleet.engine.trainer import Trainer
 
 
+def pretrain_seed(cfg: ExperimentConfig) -> int:
+    """The seed the vendor's model is pretrained with: ``pretrain.seed``, else ``train.seed``."""
+    return cfg.pretrain.seed if cfg.pretrain.seed is not None else cfg.train.seed
+
+
 def checkpoint_path(cfg: ExperimentConfig) -> Path:
+    """Where the pretrained model is cached; its name holds everything that makes it, the seed included
+    (a cache shared by runs of several seeds would otherwise hand each the model of whichever ran first)."""
     if cfg.pretrain.checkpoint:
         return Path(cfg.pretrain.checkpoint)
     classes = "all" if cfg.pretrain.classes is None else "-".join(map(str, cfg.pretrain.classes))
-    return (
-        Path(cfg.output_dir)
-        / "pretrained"
-        / f"{cfg.model.name}-{cfg.data.dataset}-c{classes}-s{cfg.data.input_size}.pt"
-    )
+    name = f"{cfg.model.name}-{cfg.data.dataset}-c{classes}-s{cfg.data.input_size}-r{pretrain_seed(cfg)}.pt"
+    return Path(cfg.output_dir) / "pretrained" / name
 
 
 def pretrain_config(cfg: ExperimentConfig) -> ExperimentConfig:
@@ -43,7 +47,9 @@ def pretrain_config(cfg: ExperimentConfig) -> ExperimentConfig:
         data=dataclasses.replace(  # unshifted: the vendor's data, not this device's camera
             cfg.data, classes=classes, train_per_class=cfg.pretrain.train_per_class, shift=ShiftConfig()
         ),
-        train=dataclasses.replace(cfg.train, method="full", epochs=cfg.pretrain.epochs, lr=cfg.pretrain.lr),
+        train=dataclasses.replace(
+            cfg.train, method="full", epochs=cfg.pretrain.epochs, lr=cfg.pretrain.lr, seed=pretrain_seed(cfg)
+        ),
     )
 
 

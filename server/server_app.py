@@ -9,18 +9,16 @@ in the run config continues from the last checkpoint (fleet.federated.server_run
 
 from __future__ import annotations
 
-import io
 import logging
-import math
 import time
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.common.constant import SType
 from flwr.serverapp import Grid, ServerApp
-from numpy.lib import format as npy
 
 from fleet.base.errors import FleetError
+from fleet.base.npy import npy_view
 from fleet.federated import keys
 from fleet.federated.config import FleetConfig, config_from_run_config
 from fleet.federated.coordinator import Coordinator, PlannedRound, devices_wanted
@@ -30,7 +28,6 @@ from server.mailbox import Mailbox, Sent, from_device
 
 app = ServerApp()
 log = logging.getLogger("fleet.server")
-NPY_HEADERS = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}  # what np.save writes
 MESSAGE_TYPES = {QUERY: MessageType.QUERY, TRAIN: MessageType.TRAIN, EVALUATE: MessageType.EVALUATE}
 
 
@@ -199,17 +196,8 @@ def unpack(sent: Sent, msg: Message) -> Reply:
 
 def array_view(arr: Array) -> np.ndarray:
     """The tensor a reply carries, read in place from the message's bytes (read-only): ``Array.numpy()`` copies
-    every reply's model, 45 MB a ResNet-18, while the server waits to aggregate. The header is read by NumPy's own
-    parser and the length checked; anything but a plain numeric ``.npy`` raises, as ``Array.numpy()`` would."""
+    every reply's model, 45 MB a ResNet-18, while the server waits to aggregate. Anything but a plain numeric
+    ``.npy`` raises, as ``Array.numpy()`` would."""
     if arr.stype != SType.NUMPY:
         raise TypeError(f"serialization type {arr.stype!r} is not {SType.NUMPY!r}")
-    head = io.BytesIO(arr.data)
-    read_header = NPY_HEADERS.get(npy.read_magic(head))
-    if read_header is None:
-        raise TypeError("not a .npy of version 1 or 2")
-    shape, fortran_order, dtype = read_header(head)
-    if dtype.hasobject:
-        raise TypeError("object arrays are not tensors")
-    count = math.prod(shape)
-    values = np.frombuffer(arr.data, dtype=dtype, count=count, offset=head.tell())
-    return values.reshape(shape, order="F" if fortran_order else "C")
+    return npy_view(arr.data)

@@ -336,6 +336,28 @@ def test_reply_tensors_are_read_in_place_and_a_payload_that_is_not_a_plain_npy_i
         assert reply.problem is not None and reply.problem.startswith("tensor 'a' cannot be decoded"), what
 
 
+def test_a_device_takes_the_global_model_out_of_the_message_in_one_writable_copy():
+    """The ClientApp's tensors equal Flower's own ``to_torch_state_dict``, Fortran order included, own their
+    memory (the model trains them in place) and share none with the message; a foreign serialization is refused."""
+    import torch
+    from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+    from client.client_app import global_weights
+
+    arrays = {"w": np.asfortranarray(np.arange(12, dtype=np.float32).reshape(3, 4)), "n": np.array(7, np.int64)}
+    record = ArrayRecord({k: Array(v) for k, v in arrays.items()})
+    _, msg = flower_reply(1, RecordDict({"arrays": record, "config": ConfigRecord({})}))
+    got, flower = global_weights(msg), record.to_torch_state_dict()
+    assert list(got) == ["w", "n"]
+    for name, tensor in got.items():
+        assert torch.equal(tensor, flower[name]) and tensor.dtype == flower[name].dtype
+        assert np.asarray(tensor).flags.writeable
+        assert not np.shares_memory(tensor.numpy(), np.frombuffer(record[name].data, np.uint8))
+    record["x"] = Array(dtype="float32", shape=(1,), stype="torch.Tensor", data=b"1234")
+    with pytest.raises(TypeError, match="tensor 'x': serialization type"):
+        global_weights(msg)
+
+
 def test_global_importance_is_the_squared_step_over_lr_in_float64_and_zero_for_a_tensor_that_did_not_move():
     rng = np.random.default_rng(0)
     before = {"a": rng.normal(size=(300, 300)).astype(np.float32), "b": np.ones(4, np.float32)}

@@ -231,6 +231,24 @@ def test_a_device_caught_pulling_back_is_not_trusted_while_its_updates_stay_over
             assert rejected == [] and s.state.suspects == {}
 
 
+def test_each_replys_update_norms_are_taken_once_and_again_only_after_it_is_scaled(monkeypatch):
+    """The screen and the bound read one set of norms per reply (each a pass over a model's floats); a reply
+    the screen scales down is measured again, so the bound judges what will be averaged."""
+    import fleet.federated.defense as defense
+
+    calls = []
+    monkeypatch.setattr(defense, "update_norms", lambda cur, arrays: calls.append(1) or update_norms(cur, arrays))
+    s = strategy(norm_bound=3.0)
+    new = train(s, 1, [*[honest(n, 1.0) for n in (11, 12, 13, 14)], honest(15, 10.0)])
+    assert len(calls) == 5 + 1 and s.state.replies.defense.scaled == {"pi-15": 10.0}
+    np.testing.assert_allclose(new["w"], 1.0, rtol=1e-6)  # scaled to the others' size: five equal steps
+    rng = np.random.default_rng(3)
+    ref = {"w": np.zeros(50, np.float32)}
+    sent = [{"w": rng.normal(size=50).astype(np.float32)} for _ in range(5)]
+    given = screen_devices(ref, sent, ["w"], norms=update_norms(ref, sent))
+    assert given == screen_devices(ref, sent, ["w"])
+
+
 @pytest.mark.parametrize("senders", [3, 5, 8, 11])
 def test_trimmed_mean_is_the_mean_of_the_sorted_middle_over_many_tensors(senders):
     """Tensors are aggregated on several threads: every one must still come out as its own sorted middle."""

@@ -83,8 +83,14 @@ def parametric_layers(model: nn.Module, example: torch.Tensor) -> LayerOrder:
 
 def tensor_order(model: nn.Module, example: torch.Tensor) -> list[tuple[str, str, nn.Parameter]]:
     """(tensor name, layer name, parameter) for every trainable tensor, input side first."""
+    return tensors_of(parametric_layers(model, example))
+
+
+def tensors_of(layers: LayerOrder) -> list[tuple[str, str, nn.Parameter]]:
+    """:func:`tensor_order` from the layers :func:`parametric_layers` found: a caller that needs both runs
+    the model's forward pass once (a simulated device builds a trainer for every message)."""
     out = []
-    for layer_name, layer in parametric_layers(model, example):
+    for layer_name, layer in layers:
         for pname, p in layer.named_parameters(recurse=False):
             full = f"{layer_name}.{pname}" if layer_name else pname
             out.append((full, layer_name, p))
@@ -429,7 +435,7 @@ def measure_tensor_timings(
         model.to(x.device)
         warmup = max(warmup, CUDA_WARMUP)
     layers = parametric_layers(model, x)
-    order = tensor_order(model, x)
+    order = tensors_of(layers)
     params = [p for _, _, p in order]
 
     amp = precision is not None and precision.amp

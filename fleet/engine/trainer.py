@@ -43,7 +43,7 @@ from fleet.engine.importance import (
 from fleet.engine.methods import group_lasso_penalty, static_mask
 from fleet.engine.models import head_parameter_names, input_channels
 from fleet.engine.policies import SelectionPolicy, select_in_window
-from fleet.engine.profiler import parametric_layers, tensor_order
+from fleet.engine.profiler import parametric_layers, tensors_of
 from fleet.engine.selection import select_tensors, selection_cost
 
 if TYPE_CHECKING:
@@ -126,10 +126,11 @@ class Trainer:
     def __post_init__(self) -> None:
         self._place()
         example = torch.zeros(1, *self._input_shape(), device=self.device)
-        order = tensor_order(self.model, example)
+        layers = parametric_layers(self.model, example)
+        order = tensors_of(layers)
         self.names = [n for n, _, _ in order]
         self.params = [p for _, _, p in order]
-        layer_of = {name: module for name, module in parametric_layers(self.model, example)}
+        layer_of = dict(layers)
         self.layers = [layer_of[layer] for _, layer, _ in order]
         self.optimizer = make_optimizer(self.params, self.config)
         self.generator = torch.Generator().manual_seed(self.config.seed)

@@ -36,6 +36,16 @@ class Candidate:
 
     reply: TrainReply
     arrays: dict[str, np.ndarray]
+    # its update's norm per float tensor (robust.update_norms), once :func:`norms_of` asked; reset when arrays change
+    norms: dict[str, float] | None = None
+
+
+def norms_of(c: Candidate, current: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """A candidate's update norms, taken once: the screen and the bound read the same ones, and each is a full
+    pass over a model's worth of floats (a tenth of a second of every round with 8 replies, taken twice)."""
+    if c.norms is None:
+        c.norms = update_norms(current, [c.arrays])[0]
+    return c.norms
 
 
 Rejected = tuple[Candidate, str]  # a candidate the defense turned away, and why
@@ -144,7 +154,7 @@ def screen(j: Judging, candidates: list[Candidate]) -> tuple[list[Candidate], li
             continue
         if sc is not None and oversized(sc, j.robust):
             # to a typical update's size, not to the bound: inflating an update past the bound buys nothing
-            c.arrays = scale_update(j.current, c.arrays, 1.0 / sc.norm_ratio, j.param_names)
+            c.arrays, c.norms = scale_update(j.current, c.arrays, 1.0 / sc.norm_ratio, j.param_names), None
             j.report.scaled[name] = round(sc.norm_ratio, 3)
         elif sc is not None:
             j.suspects.pop(name, None)  # back to an ordinary size: trusted again
@@ -171,7 +181,8 @@ def worst_first(j: Judging, candidates: list[Candidate]) -> tuple[list[Screen | 
     alive, rejected = list(range(len(candidates))), []
     screens: list[Screen | None] = [None] * len(candidates)
     while True:
-        found = screen_devices(j.current, [candidates[i].arrays for i in alive], j.param_names, size_cap=cap)
+        arrays, norms = [candidates[i].arrays for i in alive], [norms_of(candidates[i], j.current) for i in alive]
+        found = screen_devices(j.current, arrays, j.param_names, size_cap=cap, norms=norms)
         for k, i in enumerate(alive):
             screens[i] = found.get(k)
         failing = {}
@@ -208,7 +219,7 @@ def bound(
     ``typical`` norm of earlier rounds: clipped, or rejected. ``typical`` then learns this round's."""
     if robust.norm_bound is None or not candidates:
         return candidates, []
-    norms = update_norms(current, [c.arrays for c in candidates])  # computed once for the limits and the clips
+    norms = [norms_of(c, current) for c in candidates]  # the limits and the clips read the same ones
     medians = lower_medians(norms)
     if robust.norm_growth is not None:
         medians = {n: min(m, robust.norm_growth * typical.get(n, math.inf)) for n, m in medians.items()}

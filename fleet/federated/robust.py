@@ -123,6 +123,7 @@ def screen_devices(
     names: list[str],
     peers: int = MIN_PEERS,
     size_cap: float = math.inf,
+    norms: list[dict[str, float]] | None = None,
 ) -> dict[int, Screen]:
     """Per device (index into ``arrays``): its update's size and direction against the others'.
 
@@ -144,24 +145,26 @@ def screen_devices(
     One more figure catches attacks that stay inside the honest spread: the *sign skew*, the share
     of its coordinates that rise against the others' share (honest updates rise on about half; ALIE
     and Min-Max fall on nearly all). Colluding attackers can drag the others' median, so a direction
-    that no device can drag is judged apart, in :func:`trend_cosines`."""
+    that no device can drag is judged apart, in :func:`trend_cosines`.
+
+    ``norms``: each device's :func:`update_norms`, when the caller has them (else taken here)."""
     figures: dict[int, list[tuple[float, float, float]]] = {}  # (ratio, pull, skew) per shared tensor
     for name in names:
         senders = [i for i, sent in enumerate(arrays) if name in sent]
         if len(senders) <= peers or current[name].dtype.kind != "f":
             continue
-        norms = np.array([_norm(arrays[i][name], current[name]) for i in senders])
+        sizes = np.array([norms[i][name] if norms else _norm(arrays[i][name], current[name]) for i in senders])
         ref = sampled(current[name])
         deltas = np.stack([sampled(arrays[i][name]) - ref for i in senders])
         rising = rising_share(deltas)
         medians, rising_medians = leave_one_out_medians(deltas), leave_one_out_medians(rising[:, None])[:, 0]
         for j, i in enumerate(senders):
             others = np.delete(np.arange(len(senders)), j)
-            typical = statistics.median_low(norms[others].tolist())
+            typical = statistics.median_low(sizes[others].tolist())
             median = medians[j]
             denom = float(np.linalg.norm(deltas[j])) * float(np.linalg.norm(median))
             if typical > 0 and denom > 0:
-                ratio, cos = float(norms[j]) / typical, float(deltas[j] @ median) / denom
+                ratio, cos = float(sizes[j]) / typical, float(deltas[j] @ median) / denom
                 skew = float(rising[j] - rising_medians[j])
                 figures.setdefault(i, []).append((ratio, min(ratio, size_cap) * cos, skew))
     return {i: _screen(rows) for i, rows in figures.items()}

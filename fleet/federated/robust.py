@@ -205,19 +205,16 @@ def trend_cosines(
     the same way (cosines of 0.1 to 0.8 with the last step, docs/results.md); IPM sends minus the
     honest mean it learned, which is about minus that step, and mask abuse reverses it where nobody
     else can outvote it."""
-    out: dict[int, tuple[float, int]] = {}
-    wanted = [n for n in names if n in trend and current[n].dtype.kind == "f"]
-    for i, sent in enumerate(arrays):
-        cosines = []
-        for name in (n for n in wanted if n in sent):
-            step = sampled(np.asarray(trend[name]))
-            delta = sampled(sent[name]) - sampled(current[name])
-            denom = float(np.linalg.norm(delta)) * float(np.linalg.norm(step))
+    cosines: dict[int, list[float]] = {}
+    for name in (n for n in names if n in trend and current[n].dtype.kind == "f"):
+        step, ref = sampled(np.asarray(trend[name])), sampled(current[name])  # once a tensor, not once a device
+        step_norm = float(np.linalg.norm(step))
+        for i in (i for i, sent in enumerate(arrays) if name in sent):
+            delta = sampled(arrays[i][name]) - ref
+            denom = float(np.linalg.norm(delta)) * step_norm
             if denom > 0:
-                cosines.append(float(delta @ step) / denom)
-        if cosines:
-            out[i] = (statistics.median(cosines), len(cosines))
-    return out
+                cosines.setdefault(i, []).append(float(delta @ step) / denom)
+    return {i: (statistics.median(cs), len(cs)) for i, cs in sorted(cosines.items())}
 
 
 def rising_share(deltas: np.ndarray) -> np.ndarray:

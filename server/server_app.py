@@ -51,8 +51,10 @@ def run_fleet(grid: Grid, cfg: FleetConfig, *, resume: bool, simulated: bool = F
     return run.finish()
 
 
-def run_round(grid: Grid, coord: Coordinator, mailbox: Mailbox, server_round: int) -> dict:
-    """One round: admit, plan, train, evaluate, within the round's whole bound; returns its record."""
+def run_round(grid: Grid, coord: Coordinator, mailbox: Mailbox, server_round: int) -> list[dict]:
+    """One round: admit, plan, train, evaluate, within the round's whole bound; returns the records to write now:
+    its own, unless its evaluation rides on the next round's training (``evaluation.pipelined``), after the last
+    round's, once this round's trainers have scored its model."""
     connected = connected_nodes(grid)
     started = t = coord.open_round(connected)
     eligible = open_membership(grid, coord, mailbox, server_round, connected)
@@ -64,15 +66,17 @@ def run_round(grid: Grid, coord: Coordinator, mailbox: Mailbox, server_round: in
     pulled = mailbox.collect(ids, plan.train_bound_s)
     t = coord.lap("wait_train_s", t)
     replies = take(coord, pulled, server_round, TRAIN, connected_nodes(grid))
+    coord.take_scores(server_round, replies)
     del pulled  # the messages' bytes: each reply holds its own arrays now (a model a device, twice otherwise)
     coord.close_train(plan, replies)
     ask(grid, coord, mailbox, server_round)  # who connected while it trained answers before the next round
     t = coord.lap("aggregate_s", t)
-    if coord.evaluates(server_round):
+    rides = coord.rides(server_round)
+    if coord.evaluates(server_round) and not rides:
         evaluate(grid, coord, mailbox, plan, end)
     record = coord.close_round(plan, started)
     mailbox.forget_old(server_round)
-    return record
+    return coord.release(record, rides)
 
 
 def evaluate(grid: Grid, coord: Coordinator, mailbox: Mailbox, plan: PlannedRound, end: float) -> None:

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,7 +75,7 @@ from fleet.federated.round import compute_steps
 from fleet.federated.server_eval import reference_loss, server_accuracy
 from fleet.federated.split import known_data_sizes
 from fleet.federated.state import RoundReplies, ServerState
-from fleet.federated.tracking import device_rows, round_record, round_time
+from fleet.federated.tracking import device_rows, round_record, round_time, with_evaluation
 from fleet.federated.wall import ServerWork, evaluation_wait, expected_work, learn_work, round_bound
 
 log = logging.getLogger("fleet.server")
@@ -124,11 +124,15 @@ def devices_wanted(cfg: FleetConfig) -> int:
 
 
 def evaluates(cfg: FleetConfig, server_round: int, sim_time_after_s: float) -> bool:
-    """Whether this round evaluates: every ``evaluation.every`` rounds, and always the run's last round
-    (the one at ``rounds``, or the one that takes the simulated clock to ``time_budget_s``)."""
+    """Whether this round evaluates: every ``evaluation.every`` rounds, and always the run's last round."""
+    return last_round(cfg, server_round, sim_time_after_s) or server_round % cfg.evaluation.every == 0
+
+
+def last_round(cfg: FleetConfig, server_round: int, sim_time_after_s: float) -> bool:
+    """Whether no round follows this one: it is the one at ``rounds``, or the one that takes the simulated clock to
+    ``time_budget_s`` (:meth:`fleet.federated.server_run.ServerRun.rounds` stops there)."""
     fed = cfg.federation
-    last = server_round >= fed.rounds or (fed.time_budget_s is not None and sim_time_after_s >= fed.time_budget_s)
-    return last or server_round % cfg.evaluation.every == 0
+    return server_round >= fed.rounds or (fed.time_budget_s is not None and sim_time_after_s >= fed.time_budget_s)
 
 
 def out_of_time(cfg: FleetConfig, state: ServerState) -> bool:
@@ -281,7 +285,7 @@ class Coordinator:
         deadline = self.deadline(online)
         blend = fed.strategy == "fleet" and self.cfg.elastic.blend_beta is not None
         signal = dict(state.global_importance) if blend else {}
-        order = TrainOrder(server_round, fed.strategy, deadline, state.run_tag, signal)
+        order = TrainOrder(server_round, fed.strategy, deadline, state.run_tag, signal, state.held is not None)
         state.replies.sent = self.arrays
         return PlannedRound(server_round, nodes, order, *self.bounds(deadline, nodes))
 
@@ -477,6 +481,38 @@ class Coordinator:
     def evaluates(self, server_round: int) -> bool:
         return evaluates(self.cfg, server_round, self.state.sim_time_s + self.state.replies.round_time_s)
 
+    def rides(self, server_round: int) -> bool:
+        """Whether this round's evaluation rides on the next round's training (``evaluation.pipelined``): it
+        evaluates, and a round follows. Asked, like :meth:`evaluates`, before the round closes."""
+        after = self.state.sim_time_s + self.state.replies.round_time_s
+        return (
+            self.cfg.evaluation.pipelined
+            and self.evaluates(server_round)
+            and not last_round(self.cfg, server_round, after)
+        )
+
+    def take_scores(self, server_round: int, replies: list[Reply]) -> None:
+        """The held record's evaluation, from this round's train replies: each trainer scored the model it
+        received, the held round's. A reply without a score adds none; one with a bad score is named and left out
+        (its update is judged apart, by :meth:`close_train`)."""
+        held = self.state.held
+        if held is None:
+            return
+        scored = [
+            Reply(r.node_id, EVALUATE, held["round"], name=r.name, metrics=received_scores(r.metrics))
+            for r in replies
+            if r.error is None and r.by_device and keys.GLOBAL_ACCURACY in r.metrics
+        ]
+        rows = self.evaluation_rows(held["round"], scored)
+        self.state.held = with_evaluation(held, rows, self.classes, server_round)
+
+    def release(self, record: dict, rides: bool) -> list[dict]:
+        """The records to write now: the held one (scored by this round's trainers, or by none that answered),
+        then this round's, unless its evaluation ``rides`` on the next round's training: then it is held."""
+        out = [] if self.state.held is None else [self.state.held]
+        self.state.held = record if rides else None
+        return out if rides else [*out, record]
+
     def evaluation_nodes(self, server_round: int, connected: Iterable[str] = ()) -> list[str]:
         """A seeded sample (``evaluation.devices``, else all) of the devices that trained without failing, or
         with ``evaluation.all_devices`` of every connected member that is not benched, trained this round or not."""
@@ -487,6 +523,12 @@ class Coordinator:
     def close_evaluate(self, server_round: int, replies: list[Reply]) -> None:
         """Keep the evaluate replies that fit schema.EVALUATE (a line for each that does not) and weigh
         their accuracies into the round's."""
+        rows = self.evaluation_rows(server_round, replies)
+        self.state.replies.evaluation = rows
+        self.state.replies.accuracy = Accuracy.of(rows)
+
+    def evaluation_rows(self, server_round: int, replies: list[Reply]) -> list[EvaluateReply]:
+        """The evaluate replies that fit schema.EVALUATE, typed; a line for each that does not."""
         rows = []
         for reply in replies:
             if reply.error is not None:
@@ -498,8 +540,7 @@ class Coordinator:
                 log.warning("round %d: evaluation from %s failed: %s", server_round, who, reason)
                 continue
             rows.append(EvaluateReply.from_metrics(reply.node_id, self.device_of(reply), reply.metrics))
-        self.state.replies.evaluation = rows
-        self.state.replies.accuracy = Accuracy.of(rows)
+        return rows
 
     def close_round(self, plan: PlannedRound, started: float) -> dict:
         """Score the global model (``evaluation.server_test``), advance the clocks (fine-tuning before
@@ -555,6 +596,16 @@ def work_of(timings: dict[str, float], wall_s: float) -> ServerWork:
     after = sum(timings.get(k, 0.0) for k in AFTER_TRAIN_WAIT)
     before = sum(timings.get(k, 0.0) for k in (*BEFORE_TRAIN_WAIT, *WAIT_LAPS))
     return ServerWork(after_train_s=after, close_s=max(0.0, wall_s - before - after))
+
+
+def received_scores(metrics: Mapping[str, object]) -> dict[str, object]:
+    """A train reply's score of the model it received, as an evaluate reply says it (schema.EVALUATE): its sample
+    weight is its held-out split's size. Its wall time stays with the train reply, in the round it was spent."""
+    out = {keys.NUM_EXAMPLES: metrics.get(keys.TEST_EXAMPLES)}
+    for key in (keys.GLOBAL_ACCURACY, keys.PERSONAL_ACCURACY, keys.PARTITION_ID):
+        if key in metrics:
+            out[key] = metrics[key]
+    return out
 
 
 def _query_problem(reply: Reply) -> str | None:

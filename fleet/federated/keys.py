@@ -21,6 +21,7 @@ DEADLINE_S = "deadline-s"  # the round deadline in seconds; 0: train fully
 RUN_TAG = "run-tag"  # a device's saved state from another run is ignored
 GLOBAL_IMPORTANCE_NAMES = "gi-names"  # the server's global importance signal, per tensor name ...
 GLOBAL_IMPORTANCE_VALUES = "gi-values"  # ... and its values, in the same order
+SCORE_RECEIVED = "score-received"  # score the model received before training it (evaluation.pipelined)
 
 # --- device -> server (ConfigRecord ``DEVICE`` of a query reply) ----------------------------
 DEVICE_NAME = "device-name"  # the name the device goes by in metrics, plots and its state dir
@@ -57,6 +58,9 @@ READY_S = "ready-s"
 EVAL_TIME_S = "eval-time-s"  # wall time of the evaluation on the host (the scale bench's overhead ratio)
 # wall time of scoring the personalized model as its training ends: evaluation work a train reply carries
 SCORE_TIME_S = "score-time-s"
+# a train reply's score of the model it received (evaluation.pipelined): its held-out split's size; the scores are
+# GLOBAL_ACCURACY and PERSONAL_ACCURACY, and EVAL_TIME_S the scoring's wall time
+TEST_EXAMPLES = "test-examples"
 
 # --- operator -> device: a SuperNode's --node-config ---------------------------------------
 NODE_PARTITION_ID = "partition-id"  # which slice of the shared dataset this device trains on (simulation-style)

@@ -63,6 +63,7 @@ class TrainOrder:
     deadline_s: float  # <= 0: no deadline, train fully
     run_tag: str = ""  # a device's saved state from another run is ignored
     global_importance: dict[str, float] = field(default_factory=dict)  # empty: none sent
+    score_received: bool = False  # score the model received before training it: the last round's evaluation
 
     def to_config(self) -> dict[str, Any]:
         config: dict[str, Any] = {
@@ -74,6 +75,8 @@ class TrainOrder:
         if self.global_importance:
             config[keys.GLOBAL_IMPORTANCE_NAMES] = list(self.global_importance)
             config[keys.GLOBAL_IMPORTANCE_VALUES] = [float(v) for v in self.global_importance.values()]
+        if self.score_received:
+            config[keys.SCORE_RECEIVED] = True
         return config
 
     @classmethod
@@ -86,10 +89,11 @@ class TrainOrder:
             deadline_s=float(config.get(keys.DEADLINE_S, 0.0)),
             run_tag=str(config.get(keys.RUN_TAG, "")),
             global_importance=dict(zip(names, (float(v) for v in values))),
+            score_received=bool(config.get(keys.SCORE_RECEIVED, False)),
         )
 
     def for_evaluation(self) -> TrainOrder:
-        return dataclasses.replace(self, global_importance={})
+        return dataclasses.replace(self, global_importance={}, score_received=False)
 
 
 # --- device -> server: as unpacked, then as checked ---------------------------------------------
@@ -138,6 +142,7 @@ class TrainReply:
     cuda: int | None = wire(keys.CUDA, None)  # 1: trained on a CUDA GPU; None: on the CPU
     ready_s: float | None = wire(keys.READY_S, None)  # its process's start and setup, before training
     score_time_s: float | None = wire(keys.SCORE_TIME_S, None)  # scoring its personalized model after training
+    eval_time_s: float | None = wire(keys.EVAL_TIME_S, None)  # scoring the model it received (evaluation.pipelined)
     # measured by the server, not told: wall seconds from sending the train message to pulling this reply (the
     # device's whole real round: its ClientApp's start, both transfers, its compute); None when not measured
     wall_s: float | None = None

@@ -75,6 +75,11 @@ TRAIN = {
     keys.CUDA: Field(False, integer=True, lo=1.0, hi=1.0),
     keys.READY_S: Field(False, hi=1e6),
     keys.SCORE_TIME_S: Field(False, hi=1e6),
+    # its score of the model it received, before training (evaluation.pipelined): the last round's evaluation
+    keys.GLOBAL_ACCURACY: Field(False, hi=1.0),
+    keys.PERSONAL_ACCURACY: Field(False, hi=1.0),
+    keys.TEST_EXAMPLES: Field(False, lo=0.0, lo_open=True),
+    keys.EVAL_TIME_S: Field(False, hi=1e6),
 }
 EVALUATE = {
     keys.PARTITION_ID: PARTITION,

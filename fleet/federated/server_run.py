@@ -83,11 +83,14 @@ class ServerRun:
                 return
             yield server_round
 
-    def keep(self, record: dict) -> None:
-        """A finished round: its metrics line, the checkpoint, the progress line."""
-        self.tracker.add(record)
+    def keep(self, records: list[dict]) -> None:
+        """A finished round: the metrics lines it releases (its own, or the last round's: evaluation.pipelined
+        holds a record until the next round's trainers have scored its model), the checkpoint, the progress lines."""
+        for record in records:
+            self.tracker.add(record)
         save_checkpoint(self.out, self.coordinator.arrays, self.coordinator.state)
-        print(progress_line(record, self.cfg.federation.rounds), flush=True)
+        for record in records:
+            print(progress_line(record, self.cfg.federation.rounds), flush=True)
 
     def finish(self) -> dict:
         """summary.json and the plots; returns the summary."""

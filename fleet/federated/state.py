@@ -79,6 +79,9 @@ class ServerState:
     last_step: dict[str, np.ndarray] = field(default_factory=dict)
     momentum: dict[str, np.ndarray] = field(default_factory=dict)  # federation.server_momentum, per trained tensor
     server_work: ServerWork | None = None  # the server's own seconds around the waits, learned (fleet.federated.wall)
+    # the last round's metrics.jsonl record, written once the next round's trainers have scored its model
+    # (evaluation.pipelined); checkpointed, so a resumed run scores and writes it too
+    held: dict | None = None
     replies: RoundReplies = field(default_factory=RoundReplies)
 
     def finish_round(self, server_round: int, round_time_s: float, wall_s: float) -> None:

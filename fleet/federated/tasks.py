@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from fleet.base.process import process_age_s
+from fleet.data.datasets import ArrayDataset
 from fleet.engine.accelerator import check_memory_budget, resolve_device
 from fleet.engine.device_profile import DeviceProfile
 from fleet.engine.experiment import make_model, model_with_weights
@@ -164,11 +165,12 @@ def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[s
     state = load_state(state_path, order.run_tag) or DeviceState(run_tag=order.run_tag)
     personal = personal_names(model, cfg.personalization.policy)
     overlay_personal(model, personal, state.personal)
+    received = score_received(device, model, state) if order.score_received else {}
     data = device.data().train
     device_round = DeviceRound(cfg, model, profile, data, device.seed, state, memory, personal, device.bandwidth)
     ready = readiness()
     result = device_round.train(order)
-    result.metrics.update({**device.identity(), **ready})
+    result.metrics.update({**device.identity(), **ready, **received})
     if result.personalized is not None:  # scored now: the state keeps too little to rebuild it later
         started = time.perf_counter()
         model.load_state_dict(result.personalized, strict=True)
@@ -176,6 +178,27 @@ def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[s
         result.metrics[keys.SCORE_TIME_S] = time.perf_counter() - started
     save_state(state_path, result.state, precision=cfg.federation.state_precision, defer=device.long_lived)
     return result
+
+
+def score_received(device: Device, model: nn.Module, state: DeviceState) -> dict[str, float | int]:
+    """The last round's evaluation, riding on this round's train message (``evaluation.pipelined``): the model
+    received (with the device's personal tensors) on its held-out split, and its personalized model's score
+    from its last training; the model is left in the mode it came in, to be trained."""
+    started, training = time.perf_counter(), model.training
+    test = device.data().test
+    scores = held_out_scores(model, test, device.cfg.data.input_size, state)
+    model.train(training)
+    return {**scores, keys.TEST_EXAMPLES: len(test), keys.EVAL_TIME_S: time.perf_counter() - started}
+
+
+def held_out_scores(
+    model: nn.Module, test: ArrayDataset, input_size: int | None, state: DeviceState
+) -> dict[str, float]:
+    """The global model's accuracy on the held-out split, and the personalized model's as its last training
+    scored it (a device that never trained is personalized to nothing yet: the global model's)."""
+    global_acc = accuracy(model, test, input_size)
+    personal = global_acc if state.personal_accuracy is None else state.personal_accuracy
+    return {keys.GLOBAL_ACCURACY: global_acc, keys.PERSONAL_ACCURACY: personal}
 
 
 def device_setup(device: Device, model: nn.Module) -> tuple[DeviceProfile, MemoryBudget | None]:
@@ -202,15 +225,13 @@ def evaluate(
     personal = personal_names(model, cfg.personalization.policy)
     overlay_personal(model, personal, state.personal)
     out: dict[str, float | int] = {**device.identity(), **readiness(), keys.NUM_EXAMPLES: len(data.test)}
-    out[keys.GLOBAL_ACCURACY] = global_acc = accuracy(model, data.test, cfg.data.input_size)
+    out.update(held_out_scores(model, data.test, cfg.data.input_size, state))
     if cfg.personalization.finetune_steps and config is not None and keys.SERVER_ROUND in config:
         order = TrainOrder.from_config(config, cfg.federation.strategy)
         profile, memory = device_setup(device, model)
         device_round = DeviceRound(cfg, model, profile, data.train, device.seed, state, memory, personal)
         out[keys.FINETUNE_TIME_S] = device_round.finetune(order)
         out[keys.FINETUNED_ACCURACY] = accuracy(model, data.test, cfg.data.input_size)
-    # scored as its last training round ended; a device that never trained is personalized to nothing yet
-    out[keys.PERSONAL_ACCURACY] = global_acc if state.personal_accuracy is None else state.personal_accuracy
     if (
         state.personal_accuracy is None
         and state.personal is not None

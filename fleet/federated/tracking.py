@@ -61,6 +61,8 @@ def device_rows(
         row = {**(t.row() if t else {}), **(e.row() if e else {}), "device": name}
         if t is not None and e is not None:
             row["train_examples"] = t.num_examples
+            if t.eval_time_s is not None and e.eval_time_s is not None:  # it also scored the model it received
+                row["eval_time_s"] = t.eval_time_s + e.eval_time_s
         class_name = classes.class_name(name)
         if class_name is not None:
             row["class"] = class_name
@@ -72,6 +74,30 @@ def device_rows(
             row["round_speedup"] = t.round_speedup(full_bytes, bandwidth, fixed_s)
         rows.append(row)
     return rows
+
+
+def with_evaluation(record: dict, evaluation: list[EvaluateReply], classes: FleetClasses, scored_in: int) -> dict:
+    """A held round's record (``evaluation.pipelined``) with the evaluation the trainers of round ``scored_in``
+    made of its model: each evaluated device's scores joined to its row (a row of its own if it did not train in
+    the held round), and the round's accuracies as :func:`round_record` weighs them."""
+    rows = {d["device"]: dict(d) for d in record["devices"]}
+    for e in evaluation:
+        name = device_name(e)
+        row = rows.setdefault(name, {})
+        row.update({**e.row(), "device": name})
+        class_name = classes.class_name(name)
+        if class_name is not None:
+            row["class"] = class_name
+    devices = [rows[name] for name in sorted(rows)]
+    accuracy = Accuracy.of(evaluation)
+    return {
+        **record,
+        "global_accuracy": None if accuracy is None else accuracy.global_accuracy,
+        "personal_accuracy": None if accuracy is None else accuracy.personal_accuracy,
+        "personal_accuracy_p10": p10([d["personal_accuracy"] for d in devices if "personal_accuracy" in d]),
+        "evaluated_in_round": scored_in,
+        "devices": devices,
+    }
 
 
 def round_record(

@@ -6,7 +6,8 @@ processes. Per fleet it reports, over the rounds after the first (the first also
 actors and loads the data):
 
 * ``wall_s_per_round``: the server's wall time from sampling a round to its last evaluation
-  reply, aggregation included (median);
+  reply, aggregation included, or to its aggregation when its evaluation rides on the next round's
+  training (``evaluation.pipelined``: the scoring is then that round's work) (median);
 * ``overhead_ratio``: that wall time over the devices' own work, the sampled devices' measured
   training and evaluation seconds divided by the parallel ClientApp workers (median). 1.0 would
   mean the round is nothing but training and evaluation; the rest is messaging, process and

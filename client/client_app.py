@@ -12,14 +12,13 @@ Every reply carries the device's name in a ConfigRecord (MetricRecords hold numb
 
 from __future__ import annotations
 
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SType
 
-from fleet.base.npy import npy_view
 from fleet.federated import keys, tasks
 from fleet.federated.config import config_from_run_config
+from fleet.federated.npy import tensor_from_npy
 
 app = ClientApp()
 
@@ -66,12 +65,12 @@ def evaluate(msg: Message, context: Context) -> Message:
     return _reply(msg, device, tasks.evaluate(device, weights, config))
 
 
-def global_weights(msg: Message) -> dict[str, torch.Tensor]:
-    """The global model a message carries, each tensor copied once out of the message's bytes into the tensor
-    the device's model takes over (``to_torch_state_dict`` copies each twice: 45 MB a message, every message)."""
+def global_weights(msg: Message) -> dict:
+    """The global model a message carries, name -> torch tensor, each copied once out of the message's bytes into
+    the tensor the device's model takes over (``to_torch_state_dict`` copies each twice: 45 MB a message)."""
     weights = {}
     for name, arr in msg.content[keys.ARRAYS].items():
         if arr.stype != SType.NUMPY:
             raise TypeError(f"tensor {name!r}: serialization type {arr.stype!r} is not {SType.NUMPY!r}")
-        weights[name] = torch.from_numpy(npy_view(arr.data).copy())
+        weights[name] = tensor_from_npy(arr.data)
     return weights

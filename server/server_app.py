@@ -18,10 +18,10 @@ from flwr.common.constant import SType
 from flwr.serverapp import Grid, ServerApp
 
 from fleet.base.errors import FleetError
-from fleet.base.npy import npy_view
 from fleet.federated import keys
 from fleet.federated.config import FleetConfig, config_from_run_config
 from fleet.federated.coordinator import Coordinator, PlannedRound, devices_wanted
+from fleet.federated.npy import npy_view
 from fleet.federated.records import EVALUATE, QUERY, TRAIN, Reply, TrainOrder
 from fleet.federated.server_run import ServerRun
 from server.mailbox import Mailbox, Sent, from_device

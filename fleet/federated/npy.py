@@ -3,7 +3,8 @@
 ``Array.numpy()`` hands its bytes to ``np.load``, which copies them in chunks: on a ResNet-18
 that is 45 MB a message, copied once on the server for every reply it only reads, and on a
 device copied twice where one copy is all the model needs. :func:`npy_view` reads the header
-with NumPy's own parser, checks the length, and returns a read-only view of the bytes.
+with NumPy's own parser, checks the length, and returns a read-only view of the bytes; the apps
+check the ``Array``'s serialization type (Flower's) before they hand its bytes here.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import io
 import math
 
 import numpy as np
+import torch
 from numpy.lib import format as npy
 
 HEADERS = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}  # what np.save writes
@@ -30,3 +32,9 @@ def npy_view(data: bytes) -> np.ndarray:
         raise TypeError("object arrays are not tensors")
     values = np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=head.tell())
     return values.reshape(shape, order="F" if fortran_order else "C")
+
+
+def tensor_from_npy(data: bytes) -> torch.Tensor:
+    """The tensor ``data`` holds, in memory of its own (a device's model trains it in place): one copy out of the
+    message's bytes, where ``ArrayRecord.to_torch_state_dict`` makes two."""
+    return torch.from_numpy(npy_view(data).copy())

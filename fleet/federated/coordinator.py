@@ -479,17 +479,17 @@ class Coordinator:
 
     # --- evaluation and the close -----------------------------------------------------------------
     def evaluates(self, server_round: int) -> bool:
-        return evaluates(self.cfg, server_round, self.state.sim_time_s + self.state.replies.round_time_s)
+        return evaluates(self.cfg, server_round, self._sim_time_after())
 
     def rides(self, server_round: int) -> bool:
         """Whether this round's evaluation rides on the next round's training (``evaluation.pipelined``): it
         evaluates, and a round follows. Asked, like :meth:`evaluates`, before the round closes."""
-        after = self.state.sim_time_s + self.state.replies.round_time_s
-        return (
-            self.cfg.evaluation.pipelined
-            and self.evaluates(server_round)
-            and not last_round(self.cfg, server_round, after)
-        )
+        last = last_round(self.cfg, server_round, self._sim_time_after())
+        return self.cfg.evaluation.pipelined and self.evaluates(server_round) and not last
+
+    def _sim_time_after(self) -> float:
+        """The simulated clock once this round's training is counted (before :meth:`close_round` counts it)."""
+        return self.state.sim_time_s + self.state.replies.round_time_s
 
     def take_scores(self, server_round: int, replies: list[Reply]) -> None:
         """The held record's evaluation, from this round's train replies: each trainer scored the model it

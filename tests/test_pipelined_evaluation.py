@@ -28,7 +28,7 @@ from tests.test_coordinator import NODES, config, query, train_reply
 from tests.test_fleet_simulation import TINY, read_metrics, run_fleet
 
 
-def pipelined(tmp_path) -> Coordinator:
+def pipelined() -> Coordinator:
     cfg = config()
     cfg = dataclasses.replace(cfg, evaluation=dataclasses.replace(cfg.evaluation, pipelined=True))
     return Coordinator(cfg, ServerState(run_tag="p"), initial_arrays(cfg))
@@ -56,7 +56,7 @@ def one_round(coord: Coordinator, server_round: int, connected: set[str], replie
 
 
 def test_a_rounds_record_waits_for_the_next_rounds_scores_and_the_last_round_is_not_held(tmp_path, caplog):
-    coord, connected = pipelined(tmp_path), set(NODES)
+    coord, connected = pipelined(), set(NODES)
     released, plan = one_round(coord, 1, connected, lambda plan, sent: [train_reply(n, 1, sent, 0.1) for n in NODES])
     assert released == [] and coord.state.held["round"] == 1 and not plan.order.score_received
     save_checkpoint(tmp_path, coord.arrays, coord.state)  # a resumed run still holds it

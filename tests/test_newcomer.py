@@ -41,6 +41,47 @@ def test_each_method_records_accuracy_against_the_device_time_it_spent(tmp_path)
     assert curves["tl"][-1]["device_time_s"] < elastic - probes < 0.75 * 2 * 2 / 3 * epoch_full  # rho 0.5, its floor
 
 
+def test_batch_orders_average_each_methods_curve_and_the_first_order_is_the_single_one(tmp_path, monkeypatch):
+    """Two batch orders: each method trains twice from the same start, shuffled by two seeds; its curve is the mean
+    of the two, the first is what one order gives, and the second differs from it (else the mean hides nothing)."""
+    import fleet.federated.newcomer as newcomer
+    from fleet.base.errors import ConfigError
+
+    cfg = load_fleet_config(TINY, {"output_dir": str(tmp_path), "devices.shift.rotation_deg": 45})
+    model = make_model(cfg.model, 0)
+    m = cfg.model
+    meta = model_meta(m.name, m.num_classes, m.in_channels, m.small_input)
+    profile = proportional_profile(model, cfg.train.batch_size, cfg.data.input_size, meta=meta)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    run = dict(partition_id=3, profile=profile, epochs=2, methods=("full",), lr=0.05)
+    first = personalize_newcomer(cfg, weights, **run)["full"]
+    seen, curve = [], newcomer.curve
+
+    def recorded(trainer, *args):
+        seen.append((trainer.config.seed, curve(trainer, *args)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(newcomer, "curve", recorded)
+    both = personalize_newcomer(cfg, weights, **run, orders=2)["full"]
+    assert [s for s, _ in seen] == [cfg.train.seed, cfg.train.seed + newcomer.ORDER_SEED_STEP]
+    assert seen[0][1] == first and [p["accuracy"] for p in seen[1][1]] != [p["accuracy"] for p in first]
+    for got, a, b in zip(both, first, seen[1][1], strict=True):
+        assert got == pytest.approx({k: (a[k] + b[k]) / 2 for k in a})
+    with pytest.raises(ConfigError, match="^orders: 0 is not allowed"):
+        personalize_newcomer(cfg, weights, **run, orders=0)
+
+
+def test_a_mean_curve_keeps_the_shared_keys_and_the_shortest_length():
+    from fleet.federated.newcomer import mean_curve
+
+    a = [{"accuracy": 0.2, "device_time_s": 0.0, "distribution_accuracy": 0.1}, {"accuracy": 0.6, "device_time_s": 2.0}]
+    b = [{"accuracy": 0.4, "device_time_s": 0.0}, {"accuracy": 0.8, "device_time_s": 4.0}, {"accuracy": 1.0}]
+    assert mean_curve([a, b]) == [
+        {"accuracy": pytest.approx(0.3), "device_time_s": 0.0},
+        {"accuracy": pytest.approx(0.7), "device_time_s": 3.0},
+    ]
+
+
 def test_newcomers_leave_some_devices_to_take_part_and_the_sample_counts_only_those():
     from fleet.base.errors import ConfigError
     from fleet.federated.prepare import simulated_fleet

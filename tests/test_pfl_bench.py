@@ -197,6 +197,7 @@ def test_the_pfl_bench_runs_end_to_end_on_a_tiny_fleet(tmp_path, capsys):
     assert main([*argv, "--set", "train.interval=1"]) == 0  # fleet-tiny's own interval: nothing changes
     again = json.loads(capsys.readouterr().out)
     assert again["runs"] == [str(fleet_run)] and again["newcomer_lr"] == pytest.approx(1e-3)
+    assert again["batch_orders"] == 1 and report["new_devices"]["full"]["batch_orders"] == 1
     assert again["overrides"] == {"train.interval": 1}
     assert Path(again["plot"]) == tmp_path / "new-devices.png" and Path(again["plot"]).stat().st_size > 3000
     # The same devices, model and lr: the same figures. Not elastic's: on 16 test images its selection can
@@ -217,6 +218,7 @@ def test_the_pfl_bench_runs_end_to_end_on_a_tiny_fleet(tmp_path, capsys):
         (["--newcomers-from", "{tmp}/nowhere"], "--newcomers-from: {tmp}/nowhere holds no finished fleet run"),
         (["--newcomer-lr", "0"], "--newcomer-lr: 0.0 is not allowed; use a number in (0, 10)"),
         (["--newcomer-epochs", "0"], "--newcomer-epochs: 0 is not allowed"),
+        (["--newcomer-orders", "0"], "--newcomer-orders: 0 is not allowed"),
     ],
 )
 def test_bad_newcomer_flags_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
@@ -225,6 +227,23 @@ def test_bad_newcomer_flags_are_one_line_and_exit_2(tmp_path, capsys, argv, mess
     assert main(["bench", "pfl", *(a.format(tmp=tmp_path) for a in argv)]) == 2
     err = capsys.readouterr().err.strip()
     assert message.format(tmp=tmp_path) in err and "\n" not in err
+
+
+def test_newcomer_orders_reach_the_new_devices_from_either_entry(monkeypatch, capsys):
+    """--newcomer-orders is passed on by the bench and by --newcomers-from (each is checked to train that many
+    orders in tests/test_newcomer.py)."""
+    import fleet.bench.pfl as pfl
+    from fleet.cli import main
+
+    got = {}
+    monkeypatch.setattr(pfl, "newcomers_from", lambda *a, **kw: got.update(kw) or {"new_devices": {}})
+    monkeypatch.setattr(pfl, "bench_pfl", lambda *a, **kw: got.update(kw) or {})
+    monkeypatch.setattr(pfl, "newcomers_table", lambda report: "")
+    monkeypatch.setattr(pfl, "pfl_table", lambda report: "")
+    assert main(["bench", "pfl", "--newcomers-from", "runs/x", "--newcomer-orders", "3"]) == 0
+    assert got.pop("orders") == 3
+    assert main(["bench", "pfl", "--newcomer-orders", "2"]) == 0
+    assert got["newcomer_orders"] == 2
 
 
 @pytest.mark.parametrize("newcomers", [None, 0])

@@ -51,7 +51,7 @@ from fleet.bench.regimes import run_profile
 from fleet.engine.device_profile import DeviceProfile
 from fleet.federated.config import load_fleet_config, run_dir
 from fleet.federated.device import DEVICES_DIR
-from fleet.federated.newcomer import personalize_newcomer
+from fleet.federated.newcomer import mean_curve, personalize_newcomer
 from fleet.federated.prepare import prepare
 from fleet.federated.state import CHECKPOINT_FILE, load_checkpoint
 from fleet.federated.tracking import SUMMARY_FILE, p10, read_records
@@ -212,15 +212,20 @@ def seed_figures(summaries: dict[str, dict], alpha: float, seed: int) -> dict[st
     return {"alpha": alpha, "seed": seed, "horizon_s": horizon, "profile": profile, "methods": methods}
 
 
-CURVE_KEYS = ("device_time_s", "accuracy", "distribution_accuracy")  # a new device's point (federated.newcomer)
 NEWCOMER_LR = 1e-3  # a tenth of the fleet's: fine-tuning a trained model on a few hundred images, not training it
 
 
 def newcomer_figures(
-    run: Path, epochs: int, log, lr: float = NEWCOMER_LR, overrides: dict[str, Any] | None = None
+    run: Path,
+    epochs: int,
+    log,
+    lr: float = NEWCOMER_LR,
+    overrides: dict[str, Any] | None = None,
+    orders: int = 1,
 ) -> dict[str, Any]:
     """The newcomers personalize from the final global model of the run in ``run`` (its config, with
-    ``overrides``): per method, the mean over them of the final accuracy and device time, and the mean curve."""
+    ``overrides``), each method in ``orders`` batch orders: per method, the mean over them of the final
+    accuracy and device time, and the mean curve."""
     cfg = load_fleet_config(run / "fleet-config.yaml", overrides)
     try:
         loaded = load_checkpoint(run)
@@ -235,18 +240,16 @@ def newcomer_figures(
     curves = []
     for pid in range(cfg.devices.taking_part, cfg.devices.num_devices):
         log(f"--- new device {pid} personalizes from {run.name} ---")
-        curves.append(personalize_newcomer(cfg, model, pid, profile, epochs=epochs, lr=lr))
+        curves.append(personalize_newcomer(cfg, model, pid, profile, epochs=epochs, lr=lr, orders=orders))
     out = {}
     for method in curves[0]:
-        mean_curve = [
-            {k: statistics.fmean(c[method][i][k] for c in curves) for k in CURVE_KEYS}
-            for i in range(len(curves[0][method]))
-        ]
+        mean = mean_curve([c[method] for c in curves])
         out[method] = {
-            "final_accuracy": mean_curve[-1]["accuracy"],
-            "final_distribution_accuracy": mean_curve[-1]["distribution_accuracy"],
-            "device_time_s": mean_curve[-1]["device_time_s"],
-            "curve": mean_curve,
+            "final_accuracy": mean[-1]["accuracy"],
+            "final_distribution_accuracy": mean[-1]["distribution_accuracy"],
+            "device_time_s": mean[-1]["device_time_s"],
+            "batch_orders": orders,
+            "curve": mean,
         }
     full = out.get("full")
     for entry in out.values():
@@ -403,6 +406,7 @@ def bench_pfl(
     finetune_steps: int = 10,
     newcomer_epochs: int = 5,
     newcomer_lr: float = NEWCOMER_LR,
+    newcomer_orders: int = 1,
     quiet: bool = False,
     reuse: bool = False,
 ) -> dict[str, Any]:
@@ -419,7 +423,8 @@ def bench_pfl(
         key = seed_tag(base.devices.alpha, seed)
         per_seed[key] = seed_figures(summaries, base.devices.alpha, seed)
         source = summaries[newcomer_source(summaries)]
-        newcomers[key] = newcomer_figures(Path(source["run_dir"]), newcomer_epochs, log, newcomer_lr)
+        run = Path(source["run_dir"])
+        newcomers[key] = newcomer_figures(run, newcomer_epochs, log, newcomer_lr, orders=newcomer_orders)
     out = Path(base.output_dir) / f"{base.name}-a{base.devices.alpha:g}-pfl.json"
     return write_report(build_report(path, per_seed, newcomers), out)
 
@@ -461,6 +466,7 @@ def newcomers_from(
     lr: float = NEWCOMER_LR,
     overrides: dict[str, Any] | None = None,
     quiet: bool = False,
+    orders: int = 1,
 ) -> dict[str, Any]:
     """The new devices of finished runs (e.g. each seed's ``<name>-sN-fleet``) personalize again from
     their final global models, without running the fleets again; ``overrides`` change the runs' configs
@@ -473,13 +479,18 @@ def newcomers_from(
             raise ConfigError(
                 f"--newcomers-from: {run} holds no finished fleet run; give a run folder with {CHECKPOINT_FILE}"
             )
-        per_run[i] = newcomer_figures(path, epochs, log, lr, overrides)
+        per_run[i] = newcomer_figures(path, epochs, log, lr, overrides, orders)
         if not per_run[i]:
             raise ConfigError(
                 f"--newcomers-from: {run} ran with devices.newcomers 0, so it has no new devices to personalize; "
                 "give a run made with newcomers"
             )
-    report = {"runs": [str(r) for r in runs], "newcomer_lr": lr, "overrides": dict(overrides or {})}
+    report = {
+        "runs": [str(r) for r in runs],
+        "newcomer_lr": lr,
+        "overrides": dict(overrides or {}),
+        "batch_orders": orders,
+    }
     report["new_devices"] = combine_newcomers(per_run)
     report["new_devices_verdict"] = [newcomer_verdict(per_run, f) for f in NEWCOMER_FIGURES]
     plot = Path(runs[0]).parent / "new-devices.png"
@@ -492,17 +503,14 @@ def combine_newcomers(per_seed: dict[int, dict]) -> dict[str, dict]:
     seeds = [s for s in per_seed.values() if s]
     if not seeds:
         return {}
-    keys = [k for k in CURVE_KEYS if all(k in s[m]["curve"][0] for s in seeds for m in s)]  # older reports lack one
     return {
         m: {
             "final_accuracy": statistics.fmean(s[m]["final_accuracy"] for s in seeds),
             "final_distribution_accuracy": _mean([s[m].get("final_distribution_accuracy") for s in seeds]),
             "device_time_s": statistics.fmean(s[m]["device_time_s"] for s in seeds),
             "time_vs_full": _mean([s[m]["time_vs_full"] for s in seeds]),
-            "curve": [  # epoch by epoch, mean over the seeds
-                {k: statistics.fmean(s[m]["curve"][i][k] for s in seeds) for k in keys}
-                for i in range(min(len(s[m]["curve"]) for s in seeds))
-            ],
+            "batch_orders": min(s[m].get("batch_orders", 1) for s in seeds),  # the fewest a seed ran; older: one
+            "curve": mean_curve([s[m]["curve"] for s in seeds]),  # epoch by epoch; older reports lack a key
         }
         for m in seeds[0]
     }

@@ -27,6 +27,13 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         "--newcomer-lr", type=float, help="the new devices' learning rate (default: 0.001, a tenth of the fleet's)"
     )
     p.add_argument(
+        "--newcomer-orders",
+        type=int,
+        default=1,
+        help="batch orders each new device trains each method in, its curve their mean (on a few hundred images "
+        "one order moves a method's accuracy as much as the methods differ)",
+    )
+    p.add_argument(
         "--newcomers-from",
         nargs="+",
         metavar="RUN_DIR",
@@ -57,13 +64,15 @@ def run_pfl(args: argparse.Namespace) -> int:
     from fleet.commands.common import require_counts, set_overrides
     from fleet.engine.config import parse_override
 
-    require_counts(args, "newcomer_epochs")
+    require_counts(args, "newcomer_epochs", "newcomer_orders")
     lr = NEWCOMER_LR if args.newcomer_lr is None else args.newcomer_lr
     if not 0 < lr < 10:
         raise ConfigError(f"--newcomer-lr: {lr} is not allowed; use a number in (0, 10), e.g. {NEWCOMER_LR}")
     if args.newcomers_from:
         overrides = dict(parse_override(s) for s in args.set)
-        report = newcomers_from(args.newcomers_from, args.newcomer_epochs, lr, overrides, args.json)
+        report = newcomers_from(
+            args.newcomers_from, args.newcomer_epochs, lr, overrides, args.json, orders=args.newcomer_orders
+        )
         print(json.dumps(report, indent=2) if args.json else newcomers_table(report["new_devices"]))
         return 0
     if args.combine:
@@ -78,6 +87,7 @@ def run_pfl(args: argparse.Namespace) -> int:
         finetune_steps=args.finetune_steps,
         newcomer_epochs=args.newcomer_epochs,
         newcomer_lr=lr,
+        newcomer_orders=args.newcomer_orders,
         quiet=args.json,
         reuse=args.reuse,
     )

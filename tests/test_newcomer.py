@@ -16,13 +16,18 @@ from tests.conftest import proportional_profile
 TINY = "simulations/fleet-tiny.yaml"
 
 
-def test_each_method_records_accuracy_against_the_device_time_it_spent(tmp_path):
+def tiny_start(tmp_path):
+    """fleet-tiny with a rotation shift, a fresh model's weights and a profile of it: a new device's start."""
     cfg = load_fleet_config(TINY, {"output_dir": str(tmp_path), "devices.shift.rotation_deg": 45})
     model = make_model(cfg.model, 0)
     m = cfg.model
     meta = model_meta(m.name, m.num_classes, m.in_channels, m.small_input)
     profile = proportional_profile(model, cfg.train.batch_size, cfg.data.input_size, meta=meta)
-    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    return cfg, {k: v.clone() for k, v in model.state_dict().items()}, profile
+
+
+def test_each_method_records_accuracy_against_the_device_time_it_spent(tmp_path):
+    cfg, weights, profile = tiny_start(tmp_path)
     curves = personalize_newcomer(cfg, weights, partition_id=3, profile=profile, epochs=2)
     assert set(curves) == {"full", "tl", "bn_bias", "elastic"}
     starts = {c[0]["accuracy"] for c in curves.values()}
@@ -47,12 +52,7 @@ def test_batch_orders_average_each_methods_curve_and_the_first_order_is_the_sing
     import fleet.federated.newcomer as newcomer
     from fleet.base.errors import ConfigError
 
-    cfg = load_fleet_config(TINY, {"output_dir": str(tmp_path), "devices.shift.rotation_deg": 45})
-    model = make_model(cfg.model, 0)
-    m = cfg.model
-    meta = model_meta(m.name, m.num_classes, m.in_channels, m.small_input)
-    profile = proportional_profile(model, cfg.train.batch_size, cfg.data.input_size, meta=meta)
-    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg, weights, profile = tiny_start(tmp_path)
     run = dict(partition_id=3, profile=profile, epochs=2, methods=("full",), lr=0.05)
     first = personalize_newcomer(cfg, weights, **run)["full"]
     seen, curve = [], newcomer.curve

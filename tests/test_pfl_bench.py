@@ -198,6 +198,7 @@ def test_the_pfl_bench_runs_end_to_end_on_a_tiny_fleet(tmp_path, capsys):
     again = json.loads(capsys.readouterr().out)
     assert again["runs"] == [str(fleet_run)] and again["newcomer_lr"] == pytest.approx(1e-3)
     assert again["batch_orders"] == 1 and report["new_devices"]["full"]["batch_orders"] == 1
+    assert again["new_devices_per_run"]["0"]["tl"]["final_accuracy"] == again["new_devices"]["tl"]["final_accuracy"]
     assert again["overrides"] == {"train.interval": 1}
     assert Path(again["plot"]) == tmp_path / "new-devices.png" and Path(again["plot"]).stat().st_size > 3000
     # The same devices, model and lr: the same figures. Not elastic's: on 16 test images its selection can

@@ -492,6 +492,7 @@ def newcomers_from(
         "batch_orders": orders,
     }
     report["new_devices"] = combine_newcomers(per_run)
+    report["new_devices_per_run"] = per_run  # keyed by the run's place in ``runs``, as the verdict's seeds are
     report["new_devices_verdict"] = [newcomer_verdict(per_run, f) for f in NEWCOMER_FIGURES]
     plot = Path(runs[0]).parent / "new-devices.png"
     report["plot"] = str(plot_new_devices(report["new_devices"], plot))

@@ -20,7 +20,7 @@ Two accuracies per point:
 
 Batch orders. Each epoch shuffles the device's data, and on a few hundred images the order alone
 moves a method's final accuracy by as much as the methods differ (seed 4 of ``fleet bench pfl``:
-elastic 0.67 below tl held-out in one order, level in another). With ``orders`` above 1 each
+elastic 4.3 points below tl held-out in one order, 0.67 in another). With ``orders`` above 1 each
 method trains once per order, from the same start, and its curve is the mean over them: the
 figure of the method on this device, not of one shuffle.
 """

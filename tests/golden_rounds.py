@@ -9,6 +9,12 @@ clock, and per device its selection (tensors, trained fraction, rho, predicted t
     python tests/golden_rounds.py --write    # record tests/data/golden-rounds.json
     python tests/golden_rounds.py            # compare a fresh run with it (exit 1 on a difference)
 
+Training's floats depend on the numeric libraries' builds (torch's kernels, numpy's sums), so a
+recording holds only under the dependency set it was made with: ``requirements.lock``, which
+``scripts/install.sh`` installs. The recording names the versions it was made under, and a
+difference under other versions says so first. Replies are aggregated in device-name order, so
+the arrival order of the simulation's replies does not enter.
+
 ``tests/test_golden_rounds.py`` runs the comparison.
 """
 
@@ -44,6 +50,7 @@ PINNED = {"federation.state_precision": "float32"}
 ROUND_KEYS = ("deadline_s", "round_time_s", "sim_time_s", "global_accuracy", "personal_accuracy", "bytes_uploaded")
 DEVICE_KEYS = ("selected", "trained_fraction", "rho", "predicted_time_s", "bytes_uploaded", "global_accuracy")
 TOLERANCE = 1e-6  # accuracies and seconds: float sums in another order may move the last bits, nothing more
+NUMERIC = ("torch", "numpy")  # the libraries whose builds decide a round's floats
 
 
 def write_profile(path: Path) -> None:
@@ -92,6 +99,23 @@ def differences(expected: object, got: object, where: str = "") -> list[str]:
     return [] if expected == got else [f"{where}: {got!r} != {expected!r}"]
 
 
+def environment() -> dict[str, str]:
+    """The numeric libraries' versions (torch's includes its build, e.g. +cu130)."""
+    from importlib.metadata import version
+
+    import torch
+
+    return {"torch": torch.__version__, "numpy": version("numpy")}
+
+
+def environment_note(recorded: dict[str, str]) -> str | None:
+    """One line when this environment is not the recording's, else None."""
+    here = environment()
+    if recorded == here:
+        return None
+    return f"recorded under {recorded}, running under {here}: install with scripts/install.sh (requirements.lock)"
+
+
 def run_all() -> dict[str, list[dict]]:
     with tempfile.TemporaryDirectory() as tmp:
         profile = Path(tmp) / "profile.yaml"
@@ -106,11 +130,13 @@ def main() -> int:
     got = run_all()
     if args.write:
         GOLDEN.parent.mkdir(parents=True, exist_ok=True)
-        GOLDEN.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+        GOLDEN.write_text(json.dumps({"environment": environment(), "runs": got}, indent=1, sort_keys=True) + "\n")
         print(f"wrote {GOLDEN}")
         return 0
-    diffs = differences(json.loads(GOLDEN.read_text()), got)
-    print("\n".join(diffs[:40]) or "same rounds as recorded")
+    recorded = json.loads(GOLDEN.read_text())
+    diffs = differences(recorded["runs"], got)
+    note = environment_note(recorded["environment"]) if diffs else None
+    print("\n".join(([note] if note else []) + diffs[:40]) or "same rounds as recorded")
     return 1 if diffs else 0
 
 

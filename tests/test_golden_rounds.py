@@ -9,20 +9,44 @@ round moved into the Flower-free coordinator.
 from __future__ import annotations
 
 import json
+import platform
 
-from tests.golden_rounds import GOLDEN, RUNS, differences, run_all
+import pytest
+
+from tests.golden_rounds import GOLDEN, NUMERIC, RUNS, differences, environment_note, run_all
+
+LOCKED = platform.machine() == "x86_64"  # requirements.lock pins torch for x86_64; aarch64 takes its own pair
 
 
 def test_seeded_fleets_make_the_recorded_rounds():
-    expected = json.loads(GOLDEN.read_text())
+    recorded = json.loads(GOLDEN.read_text())
+    note = environment_note(recorded["environment"])
+    if note and not LOCKED:
+        pytest.skip(f"floats differ by build off x86_64: {note}")
+    expected = recorded["runs"]
     assert set(expected) == set(RUNS)
     diffs = differences(expected, run_all())
-    assert not diffs, "\n".join(diffs[:20])
+    assert not diffs, "\n".join(([note] if note else []) + diffs[:20])
+
+
+@pytest.mark.skipif(not LOCKED, reason="requirements.lock pins torch for x86_64 only")
+def test_the_recording_names_the_locked_numeric_libraries():
+    """The recording was made under requirements.lock's torch and numpy, and this suite runs under them."""
+    recorded = json.loads(GOLDEN.read_text())["environment"]
+    assert set(recorded) == set(NUMERIC)
+    lock = dict(
+        line.split(";")[0].strip().split("==")
+        for line in (GOLDEN.parents[2] / "requirements.lock").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    assert recorded["numpy"] == lock["numpy"] and recorded["torch"].split("+")[0] == lock["torch"]
+    assert environment_note(recorded) is None, environment_note(recorded)
+    assert "running under" in environment_note({**recorded, "numpy": "0.0"})
 
 
 def test_the_comparison_notices_a_changed_selection():
-    expected = json.loads(GOLDEN.read_text())
-    changed = json.loads(GOLDEN.read_text())
+    expected = json.loads(GOLDEN.read_text())["runs"]
+    changed = json.loads(GOLDEN.read_text())["runs"]
     device = next(iter(changed["naive-tight"][1]["devices"].values()))
     device["selected"] += 1
     changed["ditto"][0]["global_accuracy"] += 1e-3

@@ -381,7 +381,9 @@ class Coordinator:
                     "round %d: device %s missed the round (%s); went on without it", plan.server_round, name, reason
                 )
         got.answered = sorted({str(r.node_id) for r in replies if r.error is None})
-        candidates = [c for c in (self._check(plan.server_round, r) for r in replies) if c is not None]
+        # by device name, not arrival: float sums then run in one order, whichever reply came first
+        ordered = sorted(replies, key=lambda r: (self.device_of(r) or "", str(r.node_id)))
+        candidates = [c for c in (self._check(plan.server_round, r) for r in ordered) if c is not None]
         self._aggregate(plan.server_round, candidates)
         got.round_time_s = round_time(got.train, self.classes.bandwidth, self.fixed_s)
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from fleet.engine.config import ExperimentConfig, load_config, parse_override
+if TYPE_CHECKING:  # the engine pulls in torch: imported when a command runs, so `fleet device runtime` stays light
+    from fleet.engine.config import ExperimentConfig
 
 # flag -> config field it overrides
 CONFIG_FLAGS = {
@@ -64,6 +66,8 @@ def add_config_args(parser: argparse.ArgumentParser, *, default_config: str | No
 
 
 def config_from_args(args: argparse.Namespace) -> ExperimentConfig:
+    from fleet.engine.config import load_config, parse_override
+
     overrides = dict(parse_override(s) for s in args.set)
     for flag, path in CONFIG_FLAGS.items():
         value = getattr(args, flag, None)
@@ -90,6 +94,8 @@ def require_counts(args: argparse.Namespace, *flags: str) -> None:
 
 def set_overrides(args: argparse.Namespace) -> dict:
     """A bench's ``--set FIELD=VALUE`` overrides, plus ``--output-dir`` when given."""
+    from fleet.engine.config import parse_override
+
     overrides = dict(parse_override(s) for s in args.set)
     if args.output_dir is not None:
         overrides["output_dir"] = args.output_dir

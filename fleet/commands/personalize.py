@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from fleet.commands.common import add_config_args, config_from_args
-from fleet.engine.config import ExperimentConfig
+
+if TYPE_CHECKING:  # the engine pulls in torch: imported when the command runs
+    from fleet.engine.config import ExperimentConfig
 
 DEFAULT_CONFIG = "simulations/personalize.yaml"
 

@@ -22,3 +22,16 @@ def process_age_s() -> float | None:
         return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
     except (OSError, ValueError, IndexError, AttributeError):
         return None
+
+
+# Set by ``fleet device runtime`` in each task's process: the seconds Flower spent pulling the task's message
+# (its arrays) before the app ran, a transfer rather than start-up. Flower's own flwr-clientapp does not say.
+PULL_ENV = "FLEET_TASK_PULL_S"
+
+
+def task_pull_s() -> float:
+    """Seconds this process spent receiving its message before the app ran, where the runtime measured it."""
+    try:
+        return max(0.0, float(os.environ.get(PULL_ENV, "0")))
+    except ValueError:
+        return 0.0

@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fleet.commands import device_runtime
+
 if TYPE_CHECKING:  # the reader pulls in torch; the CLI imports it only when the command runs
     from fleet.data.folders import OwnedData
 
@@ -24,6 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--set", action="append", default=[], metavar="FIELD=VALUE", help="override a field, e.g. train.seed=1"
     )
     check.set_defaults(func=run_check)
+    device_runtime.register(device_sub)
 
 
 def run_check(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         ("strategy", "federation.strategy"),
         ("output_dir", "output_dir"),
         ("ray_address", "simulation.ray_address"),
+        ("runtime", "testbed.runtime"),
     ):
         value = getattr(args, flag, None)
         if value is not None:

@@ -21,6 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-dir")
     p.add_argument("--rounds", type=int)
     p.add_argument("--strategy", help="fleet, naive, fedavg or ditto")
+    add_runtime_flag(p)
     for kind, form, what in (
         ("kill", "NAME@ROUND", "kill a device as that round starts (it stays down)"),
         ("freeze", "NAME@ROUND:SECONDS", "freeze a device for that long as that round starts"),
@@ -28,6 +29,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     ):
         p.add_argument(f"--{kind}", action="append", default=[], metavar=form, help=what)
     p.set_defaults(func=run)
+
+
+def add_runtime_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--runtime",
+        choices=("warm", "subprocess"),
+        help="how each device serves messages (testbed.runtime): warm, forked from `fleet device runtime` "
+        "(default), or subprocess, Flower's fresh flwr-clientapp per message",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,6 +66,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--target", type=float, default=0.95, help="target = this fraction of FedAvg's final accuracy")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_runtime_flag(p)
     p.set_defaults(func=run_bench)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fleet.base.process import process_age_s
+from fleet.base.process import process_age_s, task_pull_s
 from fleet.data.datasets import ArrayDataset
 from fleet.engine.accelerator import check_memory_budget, resolve_device
 from fleet.engine.device_profile import DeviceProfile
@@ -148,11 +148,12 @@ _HANDLED = [0]  # messages this process has handled: a deployed ClientApp handle
 
 def readiness() -> dict[str, float]:
     """``ready_s``, the process's age as its work starts, on the first message it handles: for a deployed
-    device, that message's start, imports and setup (fleet.base.process); later messages of a long-lived
-    simulation worker would report its lifetime, so they report nothing."""
+    device, that message's start, imports and setup (fleet.base.process), less the message's own download
+    where the runtime timed it (``fleet device runtime``); later messages of a long-lived simulation worker
+    would report its lifetime, so they report nothing."""
     _HANDLED[0] += 1
     age = process_age_s() if _HANDLED[0] == 1 else None
-    return {} if age is None else {keys.READY_S: age}
+    return {} if age is None else {keys.READY_S: max(0.0, age - task_pull_s())}
 
 
 def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> RoundResult:

@@ -55,6 +55,9 @@ class TestbedClassConfig:
         return max(1, int(self.cpu)) if self.cpu is not None else 1
 
 
+RUNTIMES = ("warm", "subprocess")  # testbed.runtime's values
+
+
 @dataclass
 class TestbedConfig:
     """Emulated devices for `fleet testbed`: real SuperNodes with their own CPU, memory and links."""
@@ -67,10 +70,15 @@ class TestbedConfig:
     # activation budget. Measured: simulations/testbed.yaml's devices peaked at 1,224-1,376 MB (page cache included)
     runtime_mb: float = 1200.0
     timeout_s: float = 3600.0  # the whole testbed run's bound in wall seconds; past it everything is stopped
+    # how a device serves Flower's messages: "warm", a `fleet device runtime` beside the SuperNode forks each task
+    # from a process that has imported torch and Flower once (the default wherever a device runs: docs/pi.md);
+    # "subprocess", Flower's own SuperExec starting a fresh flwr-clientapp per message, to compare against
+    runtime: str = "warm"
 
     RULES: ClassVar[dict[str, Rule]] = {
         "runtime_mb": (lambda v: v >= 0, "a number of MB >= 0"),
         "timeout_s": (lambda v: v > 0, "a number of seconds > 0"),
+        "runtime": (lambda v: v in RUNTIMES, " or ".join(RUNTIMES)),
     }
 
     @property

@@ -182,7 +182,12 @@ class Testbed:
             "--node-config",
             device.node_config(self.cfg.testbed.runtime_mb),
         ]
-        device.proc = self._spawn(device.name, device.cgroup.join_command() + device.link.exec_prefix() + node)
+        warm = self.cfg.testbed.runtime == "warm"
+        inside = device.cgroup.join_command() + device.link.exec_prefix()  # its cgroup, then its namespace
+        device.proc = self._spawn(device.name, inside + node + (["--isolation", "process"] if warm else []))
+        if warm:  # the device's runtime serves the SuperNode's Runtime API on the namespace's own loopback
+            runtime = [str(BIN / "fleet"), "device", "runtime", "--insecure", "--parent-pid", str(device.proc.pid)]
+            self._spawn(f"{device.name}-runtime", inside + runtime)
 
     def submit(self, config_path: Path) -> None:
         """``flwr run`` the app with ``config_path`` from the server's namespace."""

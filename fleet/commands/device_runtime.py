@@ -1,0 +1,190 @@
+"""``fleet device runtime``: a warm process that serves a SuperNode's tasks without a fresh interpreter each.
+
+Flower's SuperNode starts a new ``flwr-clientapp`` process for every message (its SuperExec's subprocess
+executor), and that process ends after its one message. A device therefore pays Python's start and the
+import of torch, torchvision and flwr on every message: about 3 CPU-seconds on this project's development
+machine, 20 seconds of a Raspberry Pi-class core, before any of its own work.
+
+This command is that SuperExec with one change: its executor forks each task from a warm process instead of
+starting a new program. It runs beside ``flower-supernode --isolation process``, polls the SuperNode's
+Runtime API for tasks (Flower's own loop, ``run_superexec``), and hands each task, with Flower's per-task
+token, to a child forked from a Python standard-library fork server that has imported the heavy libraries
+once. The child then does exactly what ``flwr-clientapp`` does (``run_clientapp``): pulls the message, installs
+the FAB, loads the ClientApp from it, runs it and pushes the reply.
+
+Design notes:
+
+* **Fork server, not fork of the poller.** The poller holds threads and HTTP connections; forking a threaded
+  process can inherit a held lock. ``multiprocessing``'s fork server is a separate single-threaded process that
+  only imports (``PRELOAD``) and forks, and is restarted if it dies.
+* **The app's own code is never preloaded.** The child drops every module of the app's packages
+  (``APP_PACKAGES``) before loading the ClientApp, so each task imports fleet from its run's FAB, as
+  ``flwr-clientapp`` would: a new app version is picked up by the next task.
+* **A child is only a task.** A child that crashes, is OOM-killed or hangs ends alone; Flower's task heartbeat
+  tells the SuperNode, and the server counts the device as missed with its reason. The children are forked in
+  the daemon's cgroup, so their memory counts within the device's limit.
+* **Flower internals.** It uses flwr's ``run_superexec``, its ``Executor`` protocol and ``run_clientapp``
+  (pinned: pyproject.toml); ``tests/test_device_runtime.py`` names the missing one if they change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fleet.base.process import PULL_ENV
+
+# What every task imports: loaded once in the fork server (torch alone is most of a ClientApp's start).
+PRELOAD = ("numpy", "yaml", "torch", "torchvision", "PIL.Image", "flwr.app", "flwr.supernode.runtime.run_clientapp")
+APP_PACKAGES = ("fleet", "client", "server")  # the FAB's packages (pyproject's fab-include): loaded per task
+POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"  # Flower's SuperExec reads its poll interval from here
+log = logging.getLogger("fleet.device_runtime")
+
+
+def serve_task(spec: Any) -> None:
+    """One task in a child of the fork server: ``flwr-clientapp``'s work, on the preloaded libraries."""
+    for name in [m for m in sys.modules if m.split(".")[0] in APP_PACKAGES]:
+        del sys.modules[name]  # the FAB's copy of fleet is imported by the ClientApp, not the daemon's
+    if spec.suppress_output:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+    from flwr.supernode.runtime import run_clientapp as flower_task
+
+    pull = flower_task.pull_task_input
+
+    def timed_pull(client: Any) -> Any:
+        """Flower's pull of the task's message, timed: a download, which ``ready_s`` then leaves out."""
+        started = time.perf_counter()
+        got = pull(client)
+        os.environ[PULL_ENV] = f"{time.perf_counter() - started:.6f}"
+        return got
+
+    flower_task.pull_task_input = timed_pull
+    certificates = None
+    if not spec.insecure and spec.root_certificates_path is not None:
+        certificates = Path(spec.root_certificates_path).read_bytes()
+    flower_task.run_clientapp(
+        runtime_api_address=spec.runtime_api_address,
+        token=spec.token,
+        insecure=spec.insecure,
+        certificates=certificates,
+        parent_pid=spec.parent_pid,
+        runtime_dependency_install=spec.runtime_dependency_install,
+    )
+
+
+@dataclass
+class ForkExecutor:
+    """Flower's SuperExec ``Executor`` protocol, launching each task as a child of a warm fork server."""
+
+    context: Any = field(default_factory=lambda: multiprocessing.get_context("forkserver"))
+    children: dict[int, Any] = field(default_factory=dict)  # task id -> its child process
+
+    def start(self) -> ForkExecutor:
+        """The fork server up and its imports done now, so the first task finds it warm."""
+        self.context.set_forkserver_preload(list(PRELOAD))
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+        return self
+
+    def get_eligible_capacity(self, supported_task_types: set, **_: Any) -> tuple[set, set[str]]:
+        return supported_task_types, set()  # a fork has no capacity gate, like Flower's subprocess executor
+
+    def wait_for_capacity(self, *_: Any, **__: Any) -> None:
+        return None
+
+    def launch(self, spec: Any) -> Any:
+        from flwr.supercore.superexec.executor.types import LaunchResult
+
+        try:
+            child = self.context.Process(target=serve_task, args=(spec,), name=f"task-{spec.task_id}")
+            child.start()
+        except OSError as exc:  # the fork failed (out of memory, too many processes): Flower's expiry applies
+            return LaunchResult.failed(f"could not fork the task: {exc}")
+        self.children[spec.task_id] = child
+        return LaunchResult.accepted()
+
+    def reconcile(self) -> None:
+        """Reap finished children; one line for a child that died by a signal (a crash, the OOM killer)."""
+        for task_id, child in list(self.children.items()):
+            if child.is_alive():
+                continue
+            child.join()
+            if child.exitcode is not None and child.exitcode < 0:
+                log.warning("task %d: its process was killed by signal %d", task_id, -child.exitcode)
+            del self.children[task_id]
+
+    def close(self) -> None:
+        """Children end with the daemon (Flower's parent monitor in each); reap what has ended."""
+        self.reconcile()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Flower's SuperExec loop with the fork executor in place of its subprocess one."""
+    from flwr.supercore.auth import load_superexec_auth_secret
+    from flwr.supercore.superexec import run_superexec as superexec
+
+    from fleet.base.errors import FleetError
+
+    try:
+        secret = load_superexec_auth_secret(args.superexec_auth_secret_file)
+    except ValueError as exc:
+        raise FleetError(f"--superexec-auth-secret-file: {exc}") from None
+    if args.root_certificates is not None and not Path(args.root_certificates).is_file():
+        raise FleetError(f"--root-certificates: no file at {args.root_certificates}")
+    os.environ[POLL_ENV] = str(args.poll_s)
+    executor = ForkExecutor().start()
+    superexec.get_executor = lambda *_, **__: executor  # the one seam: which executor the loop launches with
+    print(f"fleet device runtime: serving {args.runtime_api_address} (pid {os.getpid()})", flush=True)
+    superexec.run_superexec(
+        runtime_api_address=args.runtime_api_address,
+        insecure=args.insecure,
+        root_certificates_path=args.root_certificates,
+        superexec_auth_secret=secret,
+        parent_pid=args.parent_pid,
+    )
+    return 0
+
+
+def poll_seconds(text: str) -> float:
+    """--poll-s: a number of seconds Flower's SuperExec accepts (0.01 to 60)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (e.g. 0.2)") from None
+    if not 0.01 <= value <= 60:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"{text} is outside 0.01 to 60 seconds")
+    return value
+
+
+def register(device_sub: argparse._SubParsersAction) -> None:
+    p = device_sub.add_parser(
+        "runtime",
+        help="serve a SuperNode's tasks from a warm process (beside flower-supernode --isolation process)",
+    )
+    p.add_argument(
+        "--runtime-api-address",
+        default="127.0.0.1:9094",
+        help="the SuperNode's Runtime API (flower-supernode --runtime-api-address; default %(default)s)",
+    )
+    tls = p.add_mutually_exclusive_group(required=True)
+    tls.add_argument("--insecure", action="store_true", help="the Runtime API without TLS (it listens on loopback)")
+    tls.add_argument("--root-certificates", help="the CA that signed the Runtime API's certificate")
+    p.add_argument("--superexec-auth-secret-file", help="the secret the SuperNode checks SuperExec requests with")
+    p.add_argument("--parent-pid", type=int, help="exit when this process (e.g. the SuperNode) exits")
+    p.add_argument(
+        "--poll-s",
+        type=poll_seconds,
+        default=0.2,
+        help="seconds between task polls: Flower's default of 1 s delays every message by half of it on average",
+    )
+    p.set_defaults(func=run)

@@ -1,0 +1,192 @@
+"""``fleet device runtime``: a SuperNode's tasks served by children of a warm fork server.
+
+The fast tests pin the Flower internals the runtime stands on (each failure names the missing function in one
+line) and its flags. The slow one runs a real deployment on loopback: a SuperLink, two SuperNodes in
+``--isolation process`` each with its runtime, two rounds; then a task's child is killed mid-task and a
+runtime is restarted, and the next rounds still count every device or name why it missed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fleet.base.process import PULL_ENV, task_pull_s
+from fleet.commands import device_runtime
+from tests.test_deploy_loopback import BIN, Loopback, free_port, tiny_deploy_config, wait_port
+
+# module -> the names the runtime uses from it, with the parameters it passes
+FLOWER_API = {
+    "flwr.supercore.superexec.run_superexec": {
+        "get_executor": (),
+        "run_superexec": ("runtime_api_address", "insecure", "root_certificates_path", "superexec_auth_secret"),
+    },
+    "flwr.supernode.runtime.run_clientapp": {
+        "run_clientapp": ("runtime_api_address", "token", "insecure", "certificates", "parent_pid"),
+        "pull_task_input": ("client",),
+    },
+    "flwr.supercore.superexec.executor.types": {"LaunchResult": (), "ExecutionSpec": ()},
+    "flwr.supercore.auth": {"load_superexec_auth_secret": ("secret_file",)},
+}
+SPEC_FIELDS = ("runtime_api_address", "token", "insecure", "root_certificates_path", "parent_pid", "suppress_output")
+
+
+def test_the_flower_internals_the_runtime_uses_are_there():
+    import importlib
+
+    for module_name, names in FLOWER_API.items():
+        module = importlib.import_module(module_name)
+        for name, params in names.items():
+            assert hasattr(module, name), f"flwr changed: {module_name}.{name} is gone (fleet device runtime uses it)"
+            missing = set(params) - set(inspect.signature(getattr(module, name)).parameters)
+            assert not missing, f"flwr changed: {module_name}.{name} no longer takes {sorted(missing)}"
+    from flwr.supercore.superexec.executor.types import ExecutionSpec
+
+    missing = set(SPEC_FIELDS) - set(ExecutionSpec.__dataclass_fields__)
+    assert not missing, f"flwr changed: ExecutionSpec no longer has {sorted(missing)}"
+
+
+def test_the_executor_answers_flowers_protocol():
+    from flwr.supercore.superexec.executor.types import Executor
+
+    for method in ("get_eligible_capacity", "wait_for_capacity", "launch", "reconcile", "close"):
+        assert callable(getattr(device_runtime.ForkExecutor, method)), method
+        assert method in Executor.__dict__, f"flwr changed: Executor.{method} is gone"
+    # the app's packages are the FAB's, never preloaded: a new app version is imported by the next task
+    assert not set(device_runtime.APP_PACKAGES) & {m.split(".")[0] for m in device_runtime.PRELOAD}
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "nan", "61", "soon"])
+def test_a_bad_poll_interval_is_one_line_and_exit_2(bad):
+    done = subprocess.run(
+        [str(BIN / "fleet"), "device", "runtime", "--insecure", "--poll-s", bad], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "--poll-s" in done.stderr.splitlines()[-1], done.stderr
+
+
+def test_a_missing_certificate_or_secret_is_one_line_and_exit_2(tmp_path):
+    for flags in (["--root-certificates", str(tmp_path / "ca.crt")], ["--superexec-auth-secret-file", "/nonexistent"]):
+        cmd = [str(BIN / "fleet"), "device", "runtime", *(flags if "--root" in flags[0] else ["--insecure", *flags])]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.strip().splitlines()[-1].startswith(f"error: {flags[0]}"), done.stderr
+
+
+def test_ready_s_leaves_out_the_messages_download(monkeypatch):
+    monkeypatch.setenv(PULL_ENV, "1.5")
+    assert task_pull_s() == 1.5
+    for bad in ("-3", "x", "nan"):
+        monkeypatch.setenv(PULL_ENV, bad)
+        assert task_pull_s() == 0.0
+    monkeypatch.delenv(PULL_ENV)
+    assert task_pull_s() == 0.0
+
+
+class WarmLoopback(Loopback):
+    """Loopback's SuperNodes in ``--isolation process``, each served by its own ``fleet device runtime``."""
+
+    def start_warm_node(self, i: int, node_config: str) -> tuple[subprocess.Popen, subprocess.Popen]:
+        port = free_port()
+        args = [str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}"]
+        node = self.start(
+            f"supernode{i}", [*args, "--port", str(port), "--node-config", node_config, "--isolation", "process"]
+        )
+        wait_port(port, node, self.logs[f"supernode{i}"])
+        return node, self.start_runtime(i, port, node.pid)
+
+    def start_runtime(self, i: int, port: int, parent: int, name: str | None = None) -> subprocess.Popen:
+        cmd = [str(BIN / "fleet"), "device", "runtime", "--insecure", "--runtime-api-address", f"127.0.0.1:{port}"]
+        return self.start(name or f"runtime{i}", [*cmd, "--parent-pid", str(parent)])
+
+
+def task_children(runtime: subprocess.Popen) -> list[int]:
+    """The runtime's task processes: the fork server's children (the runtime's grandchildren)."""
+
+    def children(pid: int) -> list[int]:
+        path = Path(f"/proc/{pid}/task/{pid}/children")
+        return [int(p) for p in path.read_text().split()] if path.is_file() else []
+
+    return [g for c in children(runtime.pid) for g in children(c)]
+
+
+@pytest.mark.slow
+def test_warm_devices_train_every_round_and_survive_a_killed_task_and_a_restarted_runtime(tmp_path):
+    link = WarmLoopback(tmp_path, False)
+    config_path, profile = tiny_deploy_config(tmp_path, link.env)
+    cfg = config_path.read_text().replace("rounds: 2", "rounds: 4")
+    config_path.write_text(cfg)
+    try:
+        link.start_link()
+        nodes = []
+        for i in range(2):
+            own = f"partition-id={i} tier={i + 1} profile='{profile}' state-dir='{tmp_path / f'device{i}'}'"
+            nodes.append(link.start_warm_node(i, own))
+        restart_runtime(link, *nodes[1])
+        link.submit(config_path)
+        metrics = tmp_path / "runs" / "deploy" / "metrics.jsonl"
+        killed = kill_a_task(nodes[0][1], metrics)
+        link.wait_finished()
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    finally:
+        link.stop()
+    assert [r["round"] for r in records] == [1, 2, 3, 4], records
+    for r in records:
+        rows = {d["device"]: d for d in r["devices"]}
+        missed = r.get("missed", [])
+        assert set(rows) | set(missed) == {"device-0", "device-1"}, r  # counted, or missed with its reason
+        assert all(r["miss_reasons"][m] for m in missed), r
+        assert r["round_wall_s"] <= r["round_bound_s"], r
+        for d in rows.values():
+            assert d["ready_s"] < 2.0, d  # forked warm: no interpreter, no torch import, the download left out
+    assert killed, "no task child was found to kill"
+    assert all(not r["missed"] for r in records[:2]), records  # the restarted runtime served from the first round
+    assert sum(len(r["missed"]) for r in records[2:]) <= 1, records  # the killed task costs at most its round
+    assert any({"device-0", "device-1"} <= {d["device"] for d in r["devices"]} for r in records[3:]), records
+    assert not leftovers(link.home), "processes of the deployment outlived it"
+
+
+def leftovers(home: Path) -> list[int]:
+    """Processes still running with this deployment's FLWR_HOME: a runtime, its fork server or a task."""
+    mark = f"FLWR_HOME={home}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and mark in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+        except OSError:
+            pass
+    return found
+
+
+def restart_runtime(link: WarmLoopback, node: subprocess.Popen, runtime: subprocess.Popen) -> subprocess.Popen:
+    """A device's runtime killed with its fork server and started again; its SuperNode stays."""
+    os.killpg(runtime.pid, signal.SIGTERM)
+    runtime.wait(timeout=30)
+    port = int(node.args[node.args.index("--port") + 1])
+    return link.start_runtime(1, port, node.pid, name="runtime1-restarted")
+
+
+def kill_a_task(runtime: subprocess.Popen, metrics: Path, timeout: float = 600) -> list[int]:
+    """Once two rounds are recorded, the first task child found under ``runtime`` killed while it runs."""
+    end = time.time() + timeout
+    while time.time() < end and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 2):
+        time.sleep(0.2)
+    killed: list[int] = []
+    while time.time() < end and not killed:
+        for pid in task_children(runtime):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        time.sleep(0.05)
+    return killed
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-m", "slow", "-x", "-q"]))

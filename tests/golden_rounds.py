@@ -101,11 +101,9 @@ def differences(expected: object, got: object, where: str = "") -> list[str]:
 
 def environment() -> dict[str, str]:
     """The numeric libraries' versions (torch's includes its build, e.g. +cu130)."""
-    from importlib.metadata import version
+    import importlib
 
-    import torch
-
-    return {"torch": torch.__version__, "numpy": version("numpy")}
+    return {name: importlib.import_module(name).__version__ for name in NUMERIC}
 
 
 def environment_note(recorded: dict[str, str]) -> str | None:

@@ -72,12 +72,14 @@ def test_a_bad_poll_interval_is_one_line_and_exit_2(bad):
     assert done.returncode == 2 and "--poll-s" in done.stderr.splitlines()[-1], done.stderr
 
 
-def test_a_missing_certificate_or_secret_is_one_line_and_exit_2(tmp_path):
-    for flags in (["--root-certificates", str(tmp_path / "ca.crt")], ["--superexec-auth-secret-file", "/nonexistent"]):
-        cmd = [str(BIN / "fleet"), "device", "runtime", *(flags if "--root" in flags[0] else ["--insecure", *flags])]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-        assert done.stderr.strip().splitlines()[-1].startswith(f"error: {flags[0]}"), done.stderr
+@pytest.mark.parametrize(
+    "flags",
+    [["--root-certificates", "/nonexistent/ca.crt"], ["--insecure", "--superexec-auth-secret-file", "/nonexistent"]],
+)
+def test_a_missing_certificate_or_secret_is_one_line_and_exit_2(flags):
+    done = subprocess.run([str(BIN / "fleet"), "device", "runtime", *flags], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(f"error: {flags[-2]}"), done.stderr
 
 
 def test_ready_s_leaves_out_the_messages_download(monkeypatch):

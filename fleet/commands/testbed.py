@@ -34,9 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def add_runtime_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--runtime",
-        choices=("warm", "subprocess"),
-        help="how each device serves messages (testbed.runtime): warm, forked from `fleet device runtime` "
-        "(default), or subprocess, Flower's fresh flwr-clientapp per message",
+        help="how each device serves messages (testbed.runtime, checked there): warm, forked from "
+        "`fleet device runtime` (default), or subprocess, Flower's fresh flwr-clientapp per message",
     )
 
 

@@ -35,6 +35,7 @@ FLOWER_API = {
     },
     "flwr.supercore.superexec.executor.types": {"LaunchResult": (), "ExecutionSpec": ()},
     "flwr.supercore.auth": {"load_superexec_auth_secret": ("secret_file",)},
+    "flwr.supercore.address": {"parse_address": ("address",)},
 }
 SPEC_FIELDS = ("runtime_api_address", "token", "insecure", "root_certificates_path", "parent_pid", "suppress_output")
 
@@ -72,11 +73,16 @@ def test_a_bad_poll_interval_is_one_line_and_exit_2(bad):
     assert done.returncode == 2 and "--poll-s" in done.stderr.splitlines()[-1], done.stderr
 
 
-@pytest.mark.parametrize(
-    "flags",
-    [["--root-certificates", "/nonexistent/ca.crt"], ["--insecure", "--superexec-auth-secret-file", "/nonexistent"]],
-)
-def test_a_missing_certificate_or_secret_is_one_line_and_exit_2(flags):
+BAD_FLAGS = [  # each names a file that is not there, or an address that can never work
+    ["--root-certificates", "/nonexistent/ca.crt"],
+    ["--insecure", "--superexec-auth-secret-file", "/nonexistent"],
+    ["--insecure", "--runtime-api-address", "nonsense"],
+    ["--insecure", "--runtime-api-address", "127.0.0.1:99999"],
+]
+
+
+@pytest.mark.parametrize("flags", BAD_FLAGS)
+def test_a_missing_file_or_a_malformed_address_is_one_line_and_exit_2(flags):
     done = subprocess.run([str(BIN / "fleet"), "device", "runtime", *flags], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith(f"error: {flags[-2]}"), done.stderr

@@ -130,11 +130,17 @@ class ForkExecutor:
 
 def run(args: argparse.Namespace) -> int:
     """Flower's SuperExec loop with the fork executor in place of its subprocess one."""
+    from flwr.supercore.address import parse_address
     from flwr.supercore.auth import load_superexec_auth_secret
     from flwr.supercore.superexec import run_superexec as superexec
 
     from fleet.base.errors import FleetError
 
+    if parse_address(args.runtime_api_address) is None:  # unreachable is retried; malformed can never work
+        raise FleetError(
+            f"--runtime-api-address: {args.runtime_api_address!r} is not HOST:PORT; use the SuperNode's, "
+            "e.g. 127.0.0.1:9094"
+        )
     try:
         secret = load_superexec_auth_secret(args.superexec_auth_secret_file)
     except ValueError as exc:

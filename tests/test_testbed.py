@@ -21,7 +21,7 @@ from fleet.base.errors import ConfigError
 from fleet.engine.device_profile import DeviceProfile
 from fleet.federated.config import fleet_config_from_dict, load_fleet_config
 from fleet.testbed import cgroup, network
-from fleet.testbed.calibrate import measure_full_step, search_quota
+from fleet.testbed.calibrate import MIN_CPU, measure_full_step, search_quota
 from fleet.testbed.run import Fault, class_round_times, run_testbed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,6 +177,8 @@ def test_a_three_device_testbed_runs_fedavg_and_fleet_within_real_limits(tmp_pat
     out = capsys.readouterr().out
     assert "round   1/2" in out and "testbed: round 2: kill free-1" in out
     calibrated = re.search(r"testbed: class slow calibrated to .*: ([0-9.]+) core \(full step (\d+) ms here", out)
-    assert calibrated and 0.12 <= float(calibrated[1]) <= 0.4, out  # a quarter core, as it was measured under
+    # at most the quarter core it was measured under (with noise); less where the shared host slowed the device
+    # while it profiled (CI once found 0.091 core: a 2.1 s step at 0.25 core, 0.42 s here when quiet)
+    assert calibrated and MIN_CPU <= float(calibrated[1]) <= 0.4, out
     assert abs(int(calibrated[2]) / (1000 * slow_step) - 1) <= 0.1
     assert not leftovers(), leftovers()

@@ -21,6 +21,7 @@ import pytest
 
 from fleet.base.process import PULL_ENV, task_pull_s
 from fleet.commands import device_runtime
+from fleet.federated.tracking import read_progress
 from tests.test_deploy_loopback import BIN, Loopback, free_port, tiny_deploy_config, wait_port
 
 # module -> the names the runtime uses from it, with the parameters it passes
@@ -183,9 +184,9 @@ def restart_runtime(link: WarmLoopback, node: subprocess.Popen, runtime: subproc
 
 
 def kill_a_task(runtime: subprocess.Popen, metrics: Path, timeout: float = 600) -> list[int]:
-    """Once two rounds are recorded, the first task child found under ``runtime`` killed while it runs."""
+    """Once two rounds have closed, the first task child found under ``runtime`` killed while it runs."""
     end = time.time() + timeout
-    while time.time() < end and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 2):
+    while time.time() < end and read_progress(metrics.parent)[0] < 2:
         time.sleep(0.2)
     killed: list[int] = []
     while time.time() < end and not killed:

@@ -28,6 +28,7 @@ import pytest
 import yaml
 
 from fleet.data.datasets import load_dataset
+from fleet.federated.tracking import read_progress, read_records
 from tests.test_deploy_loopback import ROOT, Loopback, measure_profile, run_status, wait_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -102,29 +103,18 @@ def start_device(link: Loopback, tmp_path: Path, profile: Path, device: str, log
     return node
 
 
-def read_records(run: Path) -> list[dict]:
-    """metrics.jsonl's complete lines; a line the server is writing right now is left for the next read."""
-    path = run / "metrics.jsonl"
-    records: list[dict] = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return records
-
-
 def link_tail(link: Loopback) -> str:
     return link.logs["superlink"].read_text()[-3000:]
 
 
 def wait_round(link: Loopback, run: Path, n: int, timeout: float = ROUND_WAIT_S) -> None:
-    """Blocks until round ``n``'s line is in metrics.jsonl: the test changes the fleet between rounds.
+    """Blocks until round ``n`` has closed (its line in metrics.jsonl may wait on the next round's scores):
+    the test changes the fleet between rounds.
     Polls the file often (acting late would shift the change into the next round) and `flwr ls`
     rarely, to fail at once when the run ended early instead of waiting out ``timeout``."""
     deadline, status_at = time.time() + timeout, time.time() + 10
     while time.time() < deadline:
-        if any(r.get("round", 0) >= n for r in read_records(run)):
+        if read_progress(run)[0] >= n:
             return
         if time.time() >= status_at:
             runs = run_status(link.env)["runs"]
@@ -132,7 +122,7 @@ def wait_round(link: Loopback, run: Path, n: int, timeout: float = ROUND_WAIT_S)
                 pytest.fail(f"run ended before round {n}: {runs[0]}\n{link_tail(link)}")
             status_at = time.time() + 10
         time.sleep(0.25)
-    pytest.fail(f"round {n} not in metrics.jsonl after {timeout}s\n{link_tail(link)}")
+    pytest.fail(f"round {n} not closed after {timeout}s\n{link_tail(link)}")
 
 
 def drive(link: Loopback, tmp_path: Path, config_path: Path, profile: Path, nodes: dict[str, subprocess.Popen]) -> None:

@@ -20,6 +20,7 @@ from fleet.base.errors import ConfigError
 from fleet.engine.experiment import make_model
 from fleet.federated import keys, tasks
 from fleet.federated.config import load_fleet_config
+from fleet.federated.config import pipelined as pipelined_rule
 from fleet.federated.coordinator import Coordinator
 from fleet.federated.records import QUERY, TRAIN, TrainOrder
 from fleet.federated.server_run import initial_arrays
@@ -126,6 +127,20 @@ def test_a_pipelined_score_cannot_cover_every_member_nor_a_fine_tuned_model():
         load_fleet_config(TINY, {"evaluation.pipelined": True, "evaluation.all_devices": True})
     with pytest.raises(ConfigError, match="evaluation.pipelined: a device scores the model it received"):
         load_fleet_config(TINY, {"evaluation.pipelined": True, "personalization.finetune_steps": 2})
+
+
+def test_by_default_deployed_rounds_ride_and_simulated_ones_and_every_member_scores_do_not():
+    cfg = config()
+    assert cfg.evaluation.pipelined is None and not pipelined_rule(cfg, simulated=True) and pipelined_rule(cfg, False)
+    deployed = Coordinator(cfg, ServerState(run_tag="d"), initial_arrays(cfg))
+    simulated = Coordinator(cfg, ServerState(run_tag="s"), initial_arrays(cfg), simulated=True)
+    assert deployed.rides(1) and not simulated.rides(1) and not deployed.rides(cfg.federation.rounds)
+    for field, value in (("evaluation.all_devices", True), ("personalization.finetune_steps", 2)):
+        assert not pipelined_rule(load_fleet_config(TINY, {field: value}), simulated=False), field
+    off = load_fleet_config(TINY, {"evaluation.pipelined": False})
+    assert not pipelined_rule(off, simulated=False) and pipelined_rule(
+        dataclasses.replace(off, evaluation=dataclasses.replace(off.evaluation, pipelined=True)), simulated=True
+    )
 
 
 def test_flowers_simulation_evaluates_in_a_wave_only_after_the_last_round(tmp_path):

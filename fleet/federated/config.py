@@ -315,8 +315,12 @@ class EvaluationConfig:
     # score each round's global model on the next round's trainers, in their train message, before they train:
     # no evaluation wave, and no second download of the model a round (45 MB to each evaluated device for a
     # ResNet-18). The round's record is written once those scores are in; the run's last round still evaluates
-    # in a wave of its own. The trainers of the next round score it, whatever evaluation.devices says
-    pipelined: bool = False
+    # in a wave of its own. The trainers of the next round score it, whatever evaluation.devices says. null: on
+    # where devices are deployed (each message costs a device its start and a download), off in simulation (a
+    # wave costs a simulated device nothing it does not model) and wherever every member is scored
+    # (evaluation.all_devices) or fine-tunes first (personalization.finetune_steps), which a score riding on
+    # training cannot give
+    pipelined: bool | None = None
 
     RULES: Rules = {
         "every": (lambda v: v >= 1, "an integer >= 1 (rounds)"),
@@ -455,6 +459,14 @@ def _check_rules(cfg: FleetConfig) -> None:
             f"model.num_classes={cfg.model.num_classes}; "
             "use labels of the model's classes"
         )
+
+
+def pipelined(cfg: FleetConfig, simulated: bool) -> bool:
+    """Whether a round's evaluation rides on the next round's training: evaluation.pipelined, or where it is
+    null, whether the devices are deployed and can give what a riding score gives."""
+    if cfg.evaluation.pipelined is not None:
+        return cfg.evaluation.pipelined
+    return not (simulated or cfg.evaluation.all_devices or cfg.personalization.finetune_steps)
 
 
 def _check_pipelined(cfg: FleetConfig) -> None:

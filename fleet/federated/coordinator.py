@@ -42,7 +42,7 @@ from fleet.federated.aggregate import (
     weight_problem,
 )
 from fleet.federated.classes import FleetClasses
-from fleet.federated.config import FleetConfig
+from fleet.federated.config import FleetConfig, pipelined
 from fleet.federated.defense import Candidate, Judging, defend, loss_problems, sample_cap
 from fleet.federated.device import DEVICE_NAME
 from fleet.federated.membership import (
@@ -487,7 +487,7 @@ class Coordinator:
         """Whether this round's evaluation rides on the next round's training (``evaluation.pipelined``): it
         evaluates, and a round follows. Asked, like :meth:`evaluates`, before the round closes."""
         last = last_round(self.cfg, server_round, self._sim_time_after())
-        return self.cfg.evaluation.pipelined and self.evaluates(server_round) and not last
+        return pipelined(self.cfg, self.simulated) and self.evaluates(server_round) and not last
 
     def _sim_time_after(self) -> float:
         """The simulated clock once this round's training is counted (before :meth:`close_round` counts it)."""

@@ -22,7 +22,7 @@ from fleet.federated.coordinator import Coordinator, out_of_time
 from fleet.federated.device import simulated_names
 from fleet.federated.server_eval import reference_set, server_test_set
 from fleet.federated.state import ServerState, check_resumable, keep_previous_run, load_checkpoint, save_checkpoint
-from fleet.federated.tracking import Tracker, plot_run, progress_line
+from fleet.federated.tracking import Tracker, plot_run, progress_line, write_progress
 
 
 def initial_arrays(cfg: FleetConfig) -> dict[str, np.ndarray]:
@@ -89,6 +89,7 @@ class ServerRun:
         for record in records:
             self.tracker.add(record)
         save_checkpoint(self.out, self.coordinator.arrays, self.coordinator.state)
+        write_progress(self.out, self.coordinator.state)
         for record in records:
             print(progress_line(record, self.cfg.federation.rounds), flush=True)
 

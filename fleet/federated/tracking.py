@@ -21,6 +21,9 @@ from fleet.federated.state import ServerState
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+# the last closed round and the run's wall seconds then: metrics.jsonl holds a round's line back until the next
+# round's trainers have scored its model (evaluation.pipelined), so what acts between rounds reads this
+PROGRESS_FILE = "progress.json"
 
 
 def round_time(
@@ -152,6 +155,19 @@ def read_records(run: Path) -> list[dict]:
         except json.JSONDecodeError:
             break
     return records
+
+
+def write_progress(run: Path, state: ServerState) -> None:
+    write_json(run / PROGRESS_FILE, {"round": state.round, "wall_time_s": state.wall_time_s})
+
+
+def read_progress(run: Path) -> tuple[int, float]:
+    """The last closed round and the run's wall seconds at its close; (0, 0.0) before the first closes."""
+    try:
+        progress = json.loads((run / PROGRESS_FILE).read_text())
+        return int(progress["round"]), float(progress["wall_time_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0, 0.0
 
 
 def trained_rows(records: list[dict]) -> dict[str, list[dict]]:

@@ -31,7 +31,7 @@ from fleet.federated.config import FleetConfig, run_dir
 from fleet.federated.paths import APP_ROOT
 from fleet.federated.state import keep_previous_run
 from fleet.federated.testbed_config import TestbedClassConfig
-from fleet.federated.tracking import SUMMARY_FILE, read_records
+from fleet.federated.tracking import SUMMARY_FILE, read_progress, read_records
 from fleet.testbed import cgroup, network
 from fleet.testbed.calibrate import calibrate_classes
 from fleet.testbed.data import class_names, write_device_trees
@@ -340,7 +340,8 @@ def watch(tb: Testbed, out: Path, faults: list[Fault], log: Log, stop_after_s: f
         for rec in fresh[len(records) :]:
             log(progress_line(rec, cfg.federation.rounds, time.monotonic() - started, classes))
         records = fresh
-        while pending and pending[0].round <= len(records) + 1:
+        closed, _ = read_progress(out)  # not len(records): a pipelined round's line waits on the next round
+        while pending and pending[0].round <= closed + 1:
             fault = pending.pop(0)
             thaw.update(apply_fault(tb, fault, log))
         for name, when in list(thaw.items()):

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,10 @@ FLOWER_API = {
     "flwr.supernode.runtime.run_clientapp": {
         "run_clientapp": ("runtime_api_address", "token", "insecure", "certificates", "parent_pid"),
         "pull_task_input": ("client",),
+        "push_message": ("client", "message", "context"),
+        "push_task_output": ("client", "context", "sub_status", "details"),
     },
+    "flwr.app.error": {"Error": ("code", "reason")},
     "flwr.supercore.superexec.executor.types": {"LaunchResult": (), "ExecutionSpec": ()},
     "flwr.supercore.auth": {"load_superexec_auth_secret": ("secret_file",)},
     "flwr.supercore.address": {"parse_address": ("address",)},
@@ -54,6 +58,49 @@ def test_the_flower_internals_the_runtime_uses_are_there():
 
     missing = set(SPEC_FIELDS) - set(ExecutionSpec.__dataclass_fields__)
     assert not missing, f"flwr changed: ExecutionSpec no longer has {sorted(missing)}"
+    from flwr.common.constant import ErrorCode
+
+    assert hasattr(ErrorCode, "CLIENT_APP_CRASHED"), "flwr changed: ErrorCode.CLIENT_APP_CRASHED is gone"
+
+
+def fake_task(pull_fails: bool = False) -> tuple[types.SimpleNamespace, list]:
+    """Flower's task steps as the child sees them, recording what reaches the SuperNode."""
+    calls: list = []
+
+    def pull(client):
+        if pull_fails:
+            raise RuntimeError("no message")
+        return "message", "context", "run", "fab"
+
+    return types.SimpleNamespace(
+        pull_task_input=pull,
+        push_message=lambda client, message, context: calls.append(("reply", message)),
+        push_task_output=lambda client, context, sub_status, details: calls.append(("status", sub_status)),
+    ), calls
+
+
+def test_a_task_stopped_before_its_reply_still_replies_so_the_supernode_serves_on(monkeypatch):
+    monkeypatch.setenv(PULL_ENV, "0")  # restored afterwards: the fake pull sets it as a task's would
+    monkeypatch.setattr("flwr.app.Message", lambda error, reply_to: ("error", error.code, error.reason, reply_to))
+    task, calls = fake_task()
+    device_runtime.owe_reply(task)
+    assert task.pull_task_input("client")[0] == "message" and float(os.environ[PULL_ENV]) >= 0
+    task.push_task_output("client", "context", "failed", "Task stopped.")  # a signal's exit: no reply went out
+    (kind, reply), status = calls
+    assert kind == "reply" and reply[0] == "error" and reply[3] == "message" and status == ("status", "failed")
+    assert "runtime stopped this task before it replied (Task stopped.)" in reply[2]
+    task, calls = fake_task()
+    device_runtime.owe_reply(task)
+    task.pull_task_input("client")
+    task.push_message("client", "the reply", "context")
+    task.push_task_output("client", "context", "completed", "")
+    assert calls == [("reply", "the reply"), ("status", "completed")]  # a task that replied owes nothing more
+    task, calls = fake_task(pull_fails=True)
+    device_runtime.owe_reply(task)
+    with pytest.raises(RuntimeError):
+        task.pull_task_input("client")
+    task.push_task_output("client", None, "failed", "unknown")
+    assert calls == []  # never pulled: left to Flower's heartbeat expiry, which hands it to the next runtime
 
 
 def test_the_executor_answers_flowers_protocol():
@@ -130,7 +177,7 @@ def task_children(runtime: subprocess.Popen) -> list[int]:
 def test_warm_devices_train_every_round_and_survive_a_killed_task_and_a_restarted_runtime(tmp_path):
     link = WarmLoopback(tmp_path, False)
     config_path, profile = tiny_deploy_config(tmp_path, link.env)
-    cfg = config_path.read_text().replace("rounds: 2", "rounds: 4")
+    cfg = config_path.read_text().replace("rounds: 2", "rounds: 5")
     config_path.write_text(cfg)
     try:
         link.start_link()
@@ -138,15 +185,16 @@ def test_warm_devices_train_every_round_and_survive_a_killed_task_and_a_restarte
         for i in range(2):
             own = f"partition-id={i} tier={i + 1} profile='{profile}' state-dir='{tmp_path / f'device{i}'}'"
             nodes.append(link.start_warm_node(i, own))
-        restart_runtime(link, *nodes[1])
+        nodes[1] = (nodes[1][0], restart_runtime(link, *nodes[1]))
         link.submit(config_path)
         metrics = tmp_path / "runs" / "deploy" / "metrics.jsonl"
         killed = kill_a_task(nodes[0][1], metrics)
+        stopped = restart_mid_task(link, *nodes[1], metrics)
         link.wait_finished()
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
     finally:
         link.stop()
-    assert [r["round"] for r in records] == [1, 2, 3, 4], records
+    assert [r["round"] for r in records] == [1, 2, 3, 4, 5], records
     for r in records:
         rows = {d["device"]: d for d in r["devices"]}
         missed = r.get("missed", [])
@@ -157,8 +205,11 @@ def test_warm_devices_train_every_round_and_survive_a_killed_task_and_a_restarte
             assert d["ready_s"] < 2.0, d  # forked warm: no interpreter, no torch import, the download left out
     assert killed, "no task child was found to kill"
     assert all(not r["missed"] for r in records[:2]), records  # the restarted runtime served from the first round
-    assert sum(len(r["missed"]) for r in records[2:]) <= 1, records  # the killed task costs at most its round
-    assert any({"device-0", "device-1"} <= {d["device"] for d in r["devices"]} for r in records[3:]), records
+    assert sum(len(r["missed"]) for r in records[2:]) <= 2, records  # each stopped task costs at most its round
+    assert stopped, "no task child of the second runtime was found to stop"
+    reasons = [why for r in records for name, why in r["miss_reasons"].items() if name == "device-1"]
+    assert all("runtime stopped this task" in why or "no reply" in why for why in reasons), reasons
+    assert {"device-0", "device-1"} <= set(trained(records[-1])), records[-1]  # both serve on, to the last round
     assert not leftovers(link.home), "processes of the deployment outlived it"
 
 
@@ -175,12 +226,32 @@ def leftovers(home: Path) -> list[int]:
     return found
 
 
-def restart_runtime(link: WarmLoopback, node: subprocess.Popen, runtime: subprocess.Popen) -> subprocess.Popen:
-    """A device's runtime killed with its fork server and started again; its SuperNode stays."""
+def restart_runtime(
+    link: WarmLoopback, node: subprocess.Popen, runtime: subprocess.Popen, name: str = "runtime1-restarted"
+) -> subprocess.Popen:
+    """A device's runtime stopped with its fork server and children and started again; its SuperNode stays."""
     os.killpg(runtime.pid, signal.SIGTERM)
     runtime.wait(timeout=30)
     port = int(node.args[node.args.index("--port") + 1])
-    return link.start_runtime(1, port, node.pid, name="runtime1-restarted")
+    return link.start_runtime(1, port, node.pid, name=name)
+
+
+def trained(record: dict) -> set[str]:
+    return {d["device"] for d in record["devices"] if "speedup" in d}
+
+
+def restart_mid_task(
+    link: WarmLoopback, node: subprocess.Popen, runtime: subprocess.Popen, metrics: Path, timeout: float = 600
+) -> bool:
+    """Once three rounds have closed, the runtime restarted as its service's would be (SIGTERM to its whole
+    group) while a task child of it runs; whether one was running then."""
+    end = time.time() + timeout
+    while time.time() < end and (read_progress(metrics.parent)[0] < 3 or not task_children(runtime)):
+        time.sleep(0.05)
+    if not task_children(runtime):
+        return False
+    restart_runtime(link, node, runtime, name="runtime1-restarted-mid-task")
+    return True
 
 
 def kill_a_task(runtime: subprocess.Popen, metrics: Path, timeout: float = 600) -> list[int]:

@@ -23,6 +23,14 @@ Design notes:
 * **A child is only a task.** A child that crashes, is OOM-killed or hangs ends alone; Flower's task heartbeat
   tells the SuperNode, and the server counts the device as missed with its reason. The children are forked in
   the daemon's cgroup, so their memory counts within the device's limit.
+* **A stopped task still replies.** Flower's SuperNode serves one message at a time and waits for its reply
+  before it pulls the next. A ``flwr-clientapp`` stopped by a signal (SIGTERM when its service restarts,
+  SIGINT from Flower's parent monitor when the runtime above it dies) reports its task failed but sends no
+  reply, and the SuperNode then waits forever: the device is lost to the run. So here a task that ends without
+  its reply sends an error reply naming why first (the server counts the device as missed, with that reason),
+  and one stopped before it pulled its message reports nothing, so that Flower's heartbeat expiry hands the
+  task back to the next runtime. A child killed outright (SIGKILL, the OOM killer) is Flower's expiry case:
+  an error reply once its heartbeat lapses.
 * **Flower internals.** It uses flwr's ``run_superexec``, its ``Executor`` protocol and ``run_clientapp``
   (pinned: pyproject.toml); ``tests/test_device_runtime.py`` names the missing one if they change.
 """
@@ -58,16 +66,7 @@ def serve_task(spec: Any) -> None:
         os.dup2(devnull, 2)
     from flwr.supernode.runtime import run_clientapp as flower_task
 
-    pull = flower_task.pull_task_input
-
-    def timed_pull(client: Any) -> Any:
-        """Flower's pull of the task's message, timed: a download, which ``ready_s`` then leaves out."""
-        started = time.perf_counter()
-        got = pull(client)
-        os.environ[PULL_ENV] = f"{time.perf_counter() - started:.6f}"
-        return got
-
-    flower_task.pull_task_input = timed_pull
+    owe_reply(flower_task)
     certificates = None
     if not spec.insecure and spec.root_certificates_path is not None:
         certificates = Path(spec.root_certificates_path).read_bytes()
@@ -79,6 +78,45 @@ def serve_task(spec: Any) -> None:
         parent_pid=spec.parent_pid,
         runtime_dependency_install=spec.runtime_dependency_install,
     )
+
+
+STOPPED = "the device's runtime stopped this task before it replied ({details}); the device serves the next one"
+
+
+def owe_reply(flower_task: Any) -> None:
+    """Flower's task steps wrapped in this child: its pull timed (``ready_s`` leaves the download out), and a
+    task that ends without its reply made to send one (design note: a stopped task still replies)."""
+    from flwr.app import Message
+    from flwr.app.error import Error
+    from flwr.common.constant import ErrorCode
+
+    pull, push, output = flower_task.pull_task_input, flower_task.push_message, flower_task.push_task_output
+    task: dict[str, Any] = {}  # the message once pulled; whether its reply went out
+
+    def timed_pull(client: Any) -> Any:
+        started = time.perf_counter()
+        got = pull(client)
+        os.environ[PULL_ENV] = f"{time.perf_counter() - started:.6f}"
+        task["message"] = got[0]
+        return got
+
+    def noted_push(client: Any, message: Any, context: Any) -> None:
+        push(client, message, context)
+        task["replied"] = True
+
+    def owed_output(client: Any, context: Any, sub_status: str, details: str) -> None:
+        if not task.get("replied"):
+            if "message" not in task:
+                return  # not pulled: left to Flower's heartbeat expiry, which hands the task to the next runtime
+            error = Error(ErrorCode.CLIENT_APP_CRASHED, STOPPED.format(details=details))
+            try:
+                noted_push(client, Message(error, reply_to=task["message"]), context)
+            except Exception as exc:  # noqa: BLE001 - the SuperNode still learns of the end from the task's status
+                log.warning("could not send the stopped task's error reply: %s", exc)
+        output(client, context, sub_status, details)
+
+    flower_task.pull_task_input, flower_task.push_message = timed_pull, noted_push
+    flower_task.push_task_output = owed_output
 
 
 @dataclass

@@ -170,11 +170,13 @@ class TrainReply:
         return (fixed_s + self.full_time_s + full_bytes / bandwidth) / used if used > 0 else 0.0
 
     def row(self) -> dict[str, Any]:
-        """Its part of the device's metrics.jsonl row (its sample weight is ``train_examples`` there)."""
+        """Its part of the device's metrics.jsonl row: its sample weight is ``train_examples`` (whether or not
+        the round's own evaluation scored it: a pipelined round's is joined to the row later)."""
         return {
             "node_id": self.node_id,
             "device": self.device,
             **as_row(self, ("num_examples",)),
+            "train_examples": self.num_examples,
             "speedup": self.speedup,
             **({"wall_s": self.wall_s} if self.wall_s is not None else {}),
         }

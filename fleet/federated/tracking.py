@@ -62,10 +62,8 @@ def device_rows(
     for name in sorted(trained.keys() | evaluated.keys()):
         t, e = trained.get(name), evaluated.get(name)
         row = {**(t.row() if t else {}), **(e.row() if e else {}), "device": name}
-        if t is not None and e is not None:
-            row["train_examples"] = t.num_examples
-            if t.eval_time_s is not None and e.eval_time_s is not None:  # it also scored the model it received
-                row["eval_time_s"] = t.eval_time_s + e.eval_time_s
+        if t is not None and e is not None and t.eval_time_s is not None and e.eval_time_s is not None:
+            row["eval_time_s"] = t.eval_time_s + e.eval_time_s  # it also scored the model it received
         class_name = classes.class_name(name)
         if class_name is not None:
             row["class"] = class_name

@@ -60,7 +60,7 @@ def run_round(grid: Grid, coord: Coordinator, mailbox: Mailbox, server_round: in
     eligible = open_membership(grid, coord, mailbox, server_round, connected)
     plan = coord.plan_round(server_round, eligible, connected)
     t = coord.lap("open_s", t)
-    ids = mailbox.push(messages(plan.nodes, TRAIN, coord.arrays, plan.order), TRAIN, server_round)
+    ids = mailbox.push(messages(plan.nodes, TRAIN, coord.outgoing(), plan.order), TRAIN, server_round)
     t = coord.lap("push_train_s", t)
     end = coord.fix_bound(plan, started)
     pulled = mailbox.collect(ids, plan.train_bound_s)
@@ -83,7 +83,7 @@ def evaluate(grid: Grid, coord: Coordinator, mailbox: Mailbox, plan: PlannedRoun
     """The evaluation phase, its wait cut to what is left of the round's bound."""
     t, server_round = time.perf_counter(), plan.server_round
     nodes, order = coord.evaluation_nodes(server_round, connected_nodes(grid)), plan.order.for_evaluation()
-    ids = mailbox.push(messages(nodes, EVALUATE, coord.arrays, order), EVALUATE, server_round)
+    ids = mailbox.push(messages(nodes, EVALUATE, coord.outgoing(), order), EVALUATE, server_round)
     t = coord.lap("push_eval_s", t)
     pulled = mailbox.collect(ids, coord.evaluation_wait(plan, end))
     t = coord.lap("wait_eval_s", t)

@@ -44,9 +44,10 @@ RUNS: dict[str, dict[str, object]] = {
     "ditto": {"federation.strategy": "ditto"},
 }
 ROUNDS = 3
-# recorded before device momentum was saved in float16 (its rounding moves every round after the first, by design:
-# docs/state-precision-result.json); the rest of what a round decides must still be exactly the recording's
-PINNED = {"federation.state_precision": "float32"}
+# recorded before device momentum was saved in float16 and before transfers were float16 (their rounding moves
+# every round after the first, by design: docs/state-precision-result.json, docs/results.md "Compact transfers");
+# the rest of what a round decides must still be exactly the recording's
+PINNED = {"federation.state_precision": "float32", "federation.transfer": "float32"}
 ROUND_KEYS = ("deadline_s", "round_time_s", "sim_time_s", "global_accuracy", "personal_accuracy", "bytes_uploaded")
 DEVICE_KEYS = ("selected", "trained_fraction", "rho", "predicted_time_s", "bytes_uploaded", "global_accuracy")
 TOLERANCE = 1e-6  # accuracies and seconds: float sums in another order may move the last bits, nothing more

@@ -32,7 +32,10 @@ BANDWIDTH = 12.5e6  # devices.bandwidth_bytes_per_s (its default): one uplink fo
 
 
 def config() -> FleetConfig:
-    return load_fleet_config(ROOT / "simulations/fleet-tiny.yaml", {"devices.num_devices": 5, "federation.rounds": 3})
+    """Five devices, three rounds; uploads in float32, so the averages below are exact (float16's are tested in
+    tests/test_transfer.py)."""
+    sets = {"devices.num_devices": 5, "federation.rounds": 3, "federation.transfer": "float32"}
+    return load_fleet_config(ROOT / "simulations/fleet-tiny.yaml", sets)
 
 
 def query(node: str, name: str, full_time_s: float) -> Reply:
@@ -187,7 +190,8 @@ def test_the_evaluation_and_the_device_rows(fleet):
     full_bytes = fleet["coord"].full_bytes
     expected = (2.0 + full_bytes / BANDWIDTH) / (1.0 + uploaded / BANDWIDTH)
     assert d0["round_speedup"] == pytest.approx(expected)
-    assert "test_examples" not in d3 and "train_examples" not in d3 and d3["speedup"] == 8.0 / 3.0
+    # trained, not scored this round: its sample weight, no test split
+    assert "test_examples" not in d3 and d3["train_examples"] == 40 and d3["speedup"] == 8.0 / 3.0
     for key in ("num_examples", "num-examples", "bytes-uploaded"):
         assert key not in d0  # one spelling in metrics.jsonl: the field's
 

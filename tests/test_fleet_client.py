@@ -20,6 +20,7 @@ from fleet.federated.device import device_memory, memory_budget_of
 from fleet.federated.records import TrainOrder
 from fleet.federated.round import DeviceRound, RoundResult, drop_stale_momentum, rho_floor, step_budget
 from fleet.federated.split import device_data, fleet_indices
+from fleet.federated.transfer import wire_bytes
 from tests.conftest import proportional_profile
 
 TINY = "simulations/fleet-tiny.yaml"
@@ -181,7 +182,9 @@ def test_a_round_uploads_only_trained_tensors(setup):
     params = {n for n, _ in model.named_parameters()}
     trained = [n for n in res.arrays if n in params]
     assert 0 < m["selected"] < m["num-tensors"] and len(trained) == m["selected"]
-    assert m["bytes-uploaded"] == sum(a.numel() * 4 for a in res.arrays.values())
+    # in the fleet's transfer dtype (float16 by default): two bytes a value, counted as sent
+    assert all(a.dtype == torch.float16 for a in res.arrays.values() if a.is_floating_point())
+    assert m["bytes-uploaded"] == sum(a.numel() * 2 for a in res.arrays.values() if a.is_floating_point())
     # the importance probe (about two full steps) is paid out of the deadline, not on top of it
     assert m["predicted-time-s"] <= deadline + 1e-9
     assert m["rho"] < 0.5
@@ -240,7 +243,8 @@ def test_deadline_with_upload_covers_compute_and_upload(setup):
     cfg, profile = setup
     fed = cfg.federation
     model = make_model(cfg.model, 0)
-    total_bytes = sum(v.numel() * v.element_size() for v in model.state_dict().values() if v.is_floating_point())
+    floats = [v for v in model.state_dict().values() if v.is_floating_point()]
+    total_bytes = sum(wire_bytes(v, fed.transfer) for v in floats)  # as they cross: float16 by default
     deadline = fed.local_steps * profile.full_step_time + total_bytes / cfg.devices.bandwidth_bytes_per_s
     data = device_data(cfg, 1).train
     fast = train_round(cfg, model, profile, data, TrainOrder(1, "fleet", deadline)).metrics

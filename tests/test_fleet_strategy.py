@@ -58,9 +58,11 @@ def coordinator(
     robust: dict[str, Any] | None = None,
     **sections: dict[str, Any],
 ) -> Coordinator:
-    """Plain masked mean and no norm bound unless told otherwise: these tests are about masking, not the defense."""
+    """Plain masked mean and no norm bound unless told otherwise: these tests are about masking, not the defense;
+    uploads in float32, so the averages are exact (float16's are tests/test_transfer.py's)."""
     robust = {"aggregation": "mean", "norm_bound": None, **(robust or {})}
-    cfg = fleet_config_from_dict({"robust": robust, **sections})
+    federation = {"transfer": "float32", **sections.pop("federation", {})}
+    cfg = fleet_config_from_dict({"robust": robust, "federation": federation, **sections})
     arrays = {k: v.copy() for k, v in global_arrays.items()}
     c = Coordinator(cfg, ServerState(), arrays, names=ModelNames(params or list(global_arrays)))
     c.state.roster = {"12": member("pi-12", 1.0)}

@@ -10,6 +10,7 @@ from fleet.base.errors import ConfigError
 from fleet.federated import keys, tasks
 from fleet.federated.config import load_fleet_config
 from fleet.federated.local_methods import Apfl, ala_merge, learn_ala
+from fleet.federated.transfer import wire_bytes
 from tests.test_personal import TINY, device, round_config
 
 
@@ -112,7 +113,8 @@ def test_a_fedala_device_merges_the_global_model_into_its_own_from_its_second_ro
 
 def test_an_apfl_device_keeps_its_personal_model_and_alpha_and_is_scored_on_the_mix(tmp_path):
     _, weights = device(tmp_path, "none")
-    apfl = method_device(tmp_path, "apfl", **{"personalization.apfl_alpha": 0.5})
+    # float32 uploads: the mix below is checked against the exact upload (float16's rounding is 5e-4)
+    apfl = method_device(tmp_path, "apfl", **{"personalization.apfl_alpha": 0.5, "federation.transfer": "float32"})
     result = tasks.train(apfl, fresh(weights), round_config(1))
     kept = result.state.method_state
     alpha = kept["alpha"]
@@ -145,10 +147,11 @@ def test_dittos_own_personal_selection_trains_more_within_the_same_deadline(tmp_
         dev = method_device(
             tmp_path / choice,
             "ditto",
-            **{"personalization.personal_selection": choice, "devices.bandwidth_bytes_per_s": 2e7},
+            **{"personalization.personal_selection": choice, "devices.bandwidth_bytes_per_s": 1e7},
         )
         profile, steps = dev.profile(), dev.cfg.federation.local_steps
-        upload = sum(v.numel() * 4 for v in weights.values() if v.is_floating_point()) / 2e7
+        shared = [v for v in weights.values() if v.is_floating_point()]
+        upload = sum(wire_bytes(v, dev.cfg.federation.transfer) for v in shared) / 1e7  # float16: 2 bytes a value
         deadline = 0.5 * (2 * steps * profile.full_step_time + upload)
         result = tasks.train(dev, fresh(weights), {**round_config(1), keys.DEADLINE_S: deadline})
         assert result.metrics[keys.PREDICTED_TIME_S] + upload * result.metrics[keys.TRAINED_FRACTION] <= deadline * 1.05

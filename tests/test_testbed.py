@@ -20,6 +20,8 @@ import yaml
 from fleet.base.errors import ConfigError
 from fleet.engine.device_profile import DeviceProfile
 from fleet.federated.config import fleet_config_from_dict, load_fleet_config
+from fleet.federated.coordinator import shared_bytes
+from fleet.federated.server_run import initial_arrays
 from fleet.testbed import cgroup, network
 from fleet.testbed.calibrate import MIN_CPU, measure_full_step, search_quota
 from fleet.testbed.run import Fault, class_round_times, run_testbed
@@ -164,6 +166,14 @@ def test_a_three_device_testbed_runs_fedavg_and_fleet_within_real_limits(tmp_pat
     for rec in records:
         slow = next(d for d in rec["devices"] if d["device"] == "slow-0")
         assert slow["wall_s"] >= 0.9 * slow["bytes_uploaded"] * 8 / (UPLINK_MBPS * 1e6), slow
+    # compact transfers, as the link counted them: FedAvg uploads the whole model in each of its 2 rounds and
+    # downloads it 3 times (2 train messages, the last round's evaluation), each at most half of float32's
+    # bytes, Flower's framing included; and no less than the payload the server counted
+    float32 = shared_bytes(initial_arrays(load_fleet_config(config)), frozenset(), "float32")
+    sent, received = fedavg.traffic["slow-0"]
+    payload = sum(d["bytes_uploaded"] for r in records for d in r["devices"] if d["device"] == "slow-0")
+    assert payload <= sent <= 0.5 * 2 * float32 * 1.05, (payload, sent, float32)
+    assert 0.5 * 3 * float32 <= received <= 0.5 * 3 * float32 * 1.05, (received, float32)
     # fleet, the slow class calibrated to the slow device's profile, and a healthy device killed as round 2
     # starts: that round costs at most its bound
     kill = [Fault("kill", "free-1", 2)]

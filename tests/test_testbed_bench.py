@@ -50,7 +50,7 @@ def fake_run(tmp_path: Path, walls: list[tuple[float, float, float]], accuracy: 
             }
         )
     classes = {"pi-0": PI, "pi-1": PI, "board-0": BOARD}
-    return TestbedRun(records, None, {"pi-0": (900.0, 0)}, classes, tmp_path)
+    return TestbedRun(records, None, {"pi-0": (900.0, 0)}, {"pi-0": (0, 0)}, classes, tmp_path)
 
 
 def test_a_method_is_judged_on_its_rounds_within_the_budget(tmp_path):
@@ -98,7 +98,7 @@ def test_a_memory_limited_device_whose_reply_was_rejected_still_trained_that_rou
         {"round": 2, "sampled": ["pi-0"], "missed": [], "rejections": [{"device": "pi-0"}], "devices": []},
         {"round": 3, "sampled": ["pi-0"], "missed": ["pi-0"], "rejections": [], "devices": []},
     ]
-    run = TestbedRun(records, None, {"pi-0": (1201.5, 0)}, {"pi-0": small}, tmp_path)
+    run = TestbedRun(records, None, {"pi-0": (1201.5, 0)}, {"pi-0": (0, 0)}, {"pi-0": small}, tmp_path)
     entry = memory_entries({"fleet": run})["pi-0"]["fleet"]
     assert (entry["rounds"], entry["rounds_trained"], entry["rejected"], entry["oom_kills"]) == (3, 2, 1, 0)
     assert entry["cgroup_peak_mb"] == 1201.5 and entry["memory_mb"] == 1202

@@ -79,6 +79,7 @@ def device_entries(run: TestbedRun, records: list[dict], download_bytes: int) ->
         if not rows:
             continue
         peak, kills = run.memory.get(name, (None, 0))
+        sent, received = run.traffic.get(name, (None, None))
         out[name] = {
             "class": cls.name,
             "rounds": len(rows),
@@ -89,6 +90,8 @@ def device_entries(run: TestbedRun, records: list[dict], download_bytes: int) ->
             "download_s": 8 * download_bytes / (cls.downlink_mbps * 1e6),
             "trained_fraction": statistics.fmean(d["trained_fraction"] for d in rows),
             "bytes_uploaded": sum(d["bytes_uploaded"] for d in rows),
+            "link_bytes_sent": sent,  # what its link carried up over the whole run, Flower's framing included
+            "link_bytes_received": received,  # ... and down
             "memory_peak_mb": peak,
             "oom_kills": kills,
         }
@@ -101,7 +104,7 @@ def download_bytes(cfg: FleetConfig) -> int:
     from fleet.federated.coordinator import shared_bytes
     from fleet.federated.server_run import initial_arrays
 
-    return shared_bytes(initial_arrays(cfg), frozenset())
+    return shared_bytes(initial_arrays(cfg), frozenset(), cfg.federation.transfer)
 
 
 def method_entry(run: TestbedRun, budget_s: float | None, target: float | None, down: int) -> dict:

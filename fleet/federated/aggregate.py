@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fleet.federated import keys
+from fleet.federated.transfer import wire_dtype
 
 
 @dataclass
@@ -58,16 +59,18 @@ def weight_problem(weight: object) -> str | None:
     return None
 
 
-def tensor_problem(name: str, values: np.ndarray, global_arrays: Mapping[str, np.ndarray]) -> str | None:
-    """Why one uploaded tensor (as decoded: its real shape and dtype, not the ones its
-    envelope claims) cannot be averaged into ``global_arrays``, or None."""
+def tensor_problem(name: str, values: np.ndarray, global_arrays: Mapping[str, np.ndarray], transfer: str) -> str | None:
+    """Why one uploaded tensor (as read: its real shape and dtype, not the ones its envelope claims)
+    cannot be averaged into ``global_arrays``, or None. It must have crossed in the fleet's transfer dtype
+    (``federation.transfer``): anything wider is bytes the round did not budget for."""
     if name not in global_arrays:
         return f"unknown tensor {name!r}"
     ref = global_arrays[name]
     if tuple(values.shape) != tuple(ref.shape):
         return f"tensor {name!r} has shape {tuple(values.shape)}, the model has {tuple(ref.shape)}"
-    if values.dtype != ref.dtype:
-        return f"tensor {name!r} has dtype {values.dtype}, the model has {ref.dtype}"
+    expected = wire_dtype(ref.dtype, transfer)
+    if values.dtype != expected:
+        return f"tensor {name!r} has dtype {values.dtype}, the fleet sends {expected} (federation.transfer)"
     if values.dtype.kind == "f" and not np.isfinite(values).all():
         return f"tensor {name!r} holds non-finite values"
     return None

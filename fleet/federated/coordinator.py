@@ -76,6 +76,7 @@ from fleet.federated.server_eval import reference_loss, server_accuracy
 from fleet.federated.split import known_data_sizes
 from fleet.federated.state import RoundReplies, ServerState
 from fleet.federated.tracking import device_rows, round_record, round_time, with_evaluation
+from fleet.federated.transfer import decode, encode, wire_bytes
 from fleet.federated.wall import ServerWork, evaluation_wait, expected_work, learn_work, round_bound
 
 log = logging.getLogger("fleet.server")
@@ -113,9 +114,9 @@ class PlannedRound:
         return self.order.deadline_s
 
 
-def shared_bytes(arrays: dict[str, np.ndarray], personal: frozenset[str]) -> int:
-    """Bytes of a full upload: every float tensor but the personal ones, which never leave a device."""
-    return sum(a.nbytes for name, a in arrays.items() if a.dtype.kind == "f" and name not in personal)
+def shared_bytes(arrays: dict[str, np.ndarray], personal: frozenset[str], transfer: str) -> int:
+    """Bytes of a full upload on the wire: every float tensor but the personal ones, which never leave a device."""
+    return sum(wire_bytes(a, transfer) for name, a in arrays.items() if a.dtype.kind == "f" and name not in personal)
 
 
 def devices_wanted(cfg: FleetConfig) -> int:
@@ -175,8 +176,9 @@ class Coordinator:
         self.classes = classes or FleetClasses(cfg, {})  # simulated device classes: online, uplink, class name
         self.simulated = simulated  # simulated devices share this machine: wall time says nothing of the deadline
         self.sample_caps = known_data_sizes(cfg) if simulated else {}  # a simulation knows every device's data
-        self.full_bytes = shared_bytes(arrays, self.names.personal)
-        self.download_bytes = shared_bytes(arrays, frozenset())  # each train message carries the whole model
+        self.full_bytes = shared_bytes(arrays, self.names.personal, cfg.federation.transfer)
+        # each train message carries the whole model
+        self.download_bytes = shared_bytes(arrays, frozenset(), cfg.federation.transfer)
         self.server_test = server_test  # evaluation.server_test: the global model is also scored on this
         self.reference: ArrayDataset | None = None  # robust.validate: the server's own clean data replies are judged on
         self.refusals: dict[str, str] = {}  # node -> the last reason it was refused (logged once)
@@ -289,6 +291,10 @@ class Coordinator:
         state.replies.sent = self.arrays
         return PlannedRound(server_round, nodes, order, *self.bounds(deadline, nodes))
 
+    def outgoing(self) -> dict[str, np.ndarray]:
+        """The global model as it crosses the network to the devices (``federation.transfer``)."""
+        return encode(self.arrays, self.cfg.federation.transfer)
+
     def online(self, server_round: int, nodes: list[str]) -> list[str]:
         """The nodes online now. When every one is off its trace, the simulated clock moves on to the first
         coming back: idle time a real fleet would spend waiting, where a clock that stood still would wait
@@ -398,11 +404,11 @@ class Coordinator:
         weight = min(told, sample_cap(self.cfg.robust, self.sample_caps, name))
         if weight < told:
             self.state.replies.defense.capped.append(name)
-        counted = int(sum(a.nbytes for a in reply.arrays.values()))  # counted here, not told
+        counted = int(sum(a.nbytes for a in reply.arrays.values()))  # counted here, as they came, not told
         checked = TrainReply.from_metrics(
             reply.node_id, name, reply.metrics, num_examples=weight, bytes_uploaded=counted, wall_s=reply.wall_s
         )
-        return Candidate(self._clamp_times(checked), reply.arrays)
+        return Candidate(self._clamp_times(checked), decode(reply.arrays, self.state.replies.sent))
 
     def _train_problem(self, reply: Reply) -> str | None:
         """Why a train reply cannot be aggregated, or None: the device failed, the message is malformed,
@@ -411,7 +417,7 @@ class Coordinator:
             return f"device failed: {error_summary(reply.error)}"
         problem = reply.problem or weight_problem(reply.metrics.get(keys.NUM_EXAMPLES))
         for name, values in reply.arrays.items():
-            problem = problem or tensor_problem(name, values, self.state.replies.sent)
+            problem = problem or tensor_problem(name, values, self.state.replies.sent, self.cfg.federation.transfer)
         problem = problem or schema.metric_problem(reply.metrics, schema.TRAIN)
         names = self.names
         return problem or upload_problem(reply.arrays, reply.metrics[keys.SELECTED], names.params, names.personal)

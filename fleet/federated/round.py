@@ -52,6 +52,7 @@ from fleet.federated.local_methods import (
     models_of,
 )
 from fleet.federated.records import TrainOrder, speedup
+from fleet.federated.transfer import encode_tensors, wire_bytes
 from fleet.memory.budgeted import MemoryBudget
 
 PERSONAL_SEED_OFFSET = 7919  # Ditto's personal model draws its batches apart from the shared update's
@@ -137,9 +138,9 @@ def step_budget(cfg: FleetConfig, profile: DeviceProfile, work_budget_s: float, 
     return max(per_step, floor)
 
 
-def tensor_upload_s(params: list[torch.Tensor], bandwidth_bytes_per_s: float) -> list[float]:
-    """Seconds to upload each trainable tensor over the device's uplink."""
-    return [p.numel() * p.element_size() / bandwidth_bytes_per_s for p in params]
+def tensor_upload_s(params: list[torch.Tensor], bandwidth_bytes_per_s: float, transfer: str) -> list[float]:
+    """Seconds to upload each trainable tensor over the device's uplink, in the fleet's transfer dtype."""
+    return [wire_bytes(p, transfer) / bandwidth_bytes_per_s for p in params]
 
 
 def float_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -189,17 +190,21 @@ class RoundBudget:
 
 
 def round_budget(
-    trainer: Trainer, work: LocalWork, bandwidth_bytes_per_s: float, personal: frozenset[str] = frozenset()
+    trainer: Trainer,
+    work: LocalWork,
+    bandwidth_bytes_per_s: float,
+    transfer: str,
+    personal: frozenset[str] = frozenset(),
 ) -> RoundBudget:
     """What ``work`` may cost on this device, over its uplink. A personal tensor costs compute like any
     other but no upload: it never leaves the device."""
     full = work.full_time_s(trainer.profile)
     if not work.with_upload:
         return RoundBudget(work.deadline_s, full, [0.0] * len(trainer.names), 0.0)
-    buffers = sum(b.numel() * b.element_size() for n, b in float_buffers(trainer.model).items() if n not in personal)
-    bandwidth = bandwidth_bytes_per_s
-    upload = [0.0 if n in personal else s for n, s in zip(trainer.names, tensor_upload_s(trainer.params, bandwidth))]
-    return RoundBudget(work.deadline_s, full, upload, buffers / bandwidth)
+    buffers = sum(wire_bytes(b, transfer) for n, b in float_buffers(trainer.model).items() if n not in personal)
+    seconds = tensor_upload_s(trainer.params, bandwidth_bytes_per_s, transfer)
+    upload = [0.0 if n in personal else s for n, s in zip(trainer.names, seconds)]
+    return RoundBudget(work.deadline_s, full, upload, buffers / bandwidth_bytes_per_s)
 
 
 def round_seed(cfg: FleetConfig, server_round: int, device_seed: int) -> int:
@@ -330,14 +335,14 @@ def train_steps(
     return losses
 
 
-def upload(trainer: Trainer, steps: int, personal: frozenset[str]) -> dict[str, torch.Tensor]:
-    """What the reply carries: the trained shared tensors and, after any step, the norm statistics
-    (every forward pass in training mode moves them); never a personal tensor."""
+def upload(trainer: Trainer, steps: int, personal: frozenset[str], transfer: str) -> dict[str, torch.Tensor]:
+    """What the reply carries, in the fleet's transfer dtype: the trained shared tensors and, after any step,
+    the norm statistics (every forward pass in training mode moves them); never a personal tensor."""
     trained = zip(trainer.names, trainer.params, trainer.mask)
     arrays = {n: host_copy(p) for n, p, m in trained if m and n not in personal}
     if steps:
         arrays.update({n: host_copy(b) for n, b in float_buffers(trainer.model).items() if n not in personal})
-    return arrays
+    return encode_tensors(arrays, transfer)
 
 
 def weights_of(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -406,7 +411,7 @@ class DeviceRound:
         the device's activation budget, and the time the plan adds counts against the deadline: when it
         would overrun, the selection is made again with that much less."""
         done = self._train_models(plan)
-        arrays = upload(done.trainer, done.steps, self.personal)
+        arrays = upload(done.trainer, done.steps, self.personal, self.cfg.federation.transfer)
         work = round_work(self.cfg, plan)
         metrics = round_metrics(done, work, len(self.data), arrays, self.personal)
         if self.memory is not None:
@@ -433,7 +438,7 @@ class DeviceRound:
         trainer = round_trainer(cfg, self.model, self.profile, self.memory, seed)
         restore_momentum(trainer, self.state)
         started = time.perf_counter()
-        budget = round_budget(trainer, work, self.uplink, self.personal).less(before.device_s)
+        budget = round_budget(trainer, work, self.uplink, cfg.federation.transfer, self.personal).less(before.device_s)
         last = Importance(list(self.state.importance), self.state.importance_round)
         probe_cost, importance = select_for_round(cfg, trainer, self.data, plan, work, budget, last)
         if method == "fedrep":
@@ -575,7 +580,7 @@ class DeviceRound:
         trainer = round_trainer(
             cfg, self.model, self.profile, self.memory, round_seed(cfg, plan.server_round, self.device_seed)
         )
-        budget = round_budget(trainer, work, self.uplink, self.personal)
+        budget = round_budget(trainer, work, self.uplink, cfg.federation.transfer, self.personal)
         if not budget.trains_fully:
             last = self.state.importance
             importance = list(last) if len(last) == len(trainer.names) else [1.0] * len(trainer.names)

@@ -17,6 +17,7 @@ Design notes:
 from __future__ import annotations
 
 import ipaddress
+import json
 import subprocess
 from dataclasses import dataclass
 
@@ -86,8 +87,18 @@ class Link:
             self.remove()
             raise
 
+    @property
+    def device_end(self) -> str:
+        return f"ftb{self.index}d"
+
+    def traffic(self) -> tuple[int, int]:
+        """Bytes the device's end of its link has sent (its uplink) and received (its downlink): what crossed
+        the emulated network, Flower's framing and gRPC included."""
+        stats = json.loads(run("ip", "-j", "-s", "link", "show", "dev", self.device_end, ns=self.ns))[0]["stats64"]
+        return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
+
     def _create(self) -> Link:
-        server_end, device_end = f"ftb{self.index}s", f"ftb{self.index}d"
+        server_end, device_end = f"ftb{self.index}s", self.device_end
         run("ip", "netns", "add", self.ns)
         run("ip", "link", "set", "lo", "up", ns=self.ns)
         run(

@@ -381,6 +381,7 @@ class TestbedRun:
     records: list[dict]  # metrics.jsonl, a line per round
     summary: dict | None  # summary.json; None when the run was stopped at a wall-clock budget
     memory: dict[str, tuple[float, int]]  # device -> (its cgroup's memory peak in MB, its OOM kills)
+    traffic: dict[str, tuple[int, int]]  # device -> bytes its link carried (up, down), Flower's framing included
     classes: dict[str, TestbedClassConfig]  # device -> its class, as it ran (a calibrated class with its quota)
     run_dir: Path
 
@@ -411,15 +412,25 @@ def run_testbed(
         log(f"testbed: {len(tb.devices) - len(joining)} devices started ({', '.join(_limits(tb))}); submitting")
         tb.submit(config_path)
         records = watch(tb, run_dir(cfg), faults, log, stop_after_s)
-        memory = {}
-        for device in tb.devices:
-            if device.cgroup is not None:
-                memory[device.name] = peak, kills = device.cgroup.memory_peak_mb(), device.cgroup.oom_kills()
-                log(f"testbed: {device.name}: memory peak {peak:.0f} MB, {kills} OOM kills")
+        memory, traffic = device_costs(tb, log)
         classes = {d.name: d.cls for d in tb.devices}
     summary_path = run_dir(cfg) / SUMMARY_FILE
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
-    return TestbedRun(records, summary, memory, classes, run_dir(cfg))
+    return TestbedRun(records, summary, memory, traffic, classes, run_dir(cfg))
+
+
+def device_costs(tb: Testbed, log: Log) -> tuple[dict[str, tuple[float, int]], dict[str, tuple[int, int]]]:
+    """Each started device's memory peak and OOM kills, and the bytes its link carried each way, printed."""
+    memory, traffic = {}, {}
+    for device in tb.devices:
+        if device.cgroup is not None:
+            memory[device.name] = peak, kills = device.cgroup.memory_peak_mb(), device.cgroup.oom_kills()
+            traffic[device.name] = up, down = device.link.traffic()
+            log(
+                f"testbed: {device.name}: memory peak {peak:.0f} MB, {kills} OOM kills; "
+                f"sent {up / 1e6:.1f} MB, received {down / 1e6:.1f} MB"
+            )
+    return memory, traffic
 
 
 def _limits(tb: Testbed) -> list[str]:

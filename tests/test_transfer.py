@@ -1,0 +1,74 @@
+"""Compact transfers (``federation.transfer``): a model's float tensors cross the network in float16 by
+default, are checked in that dtype and counted as they came, and are decoded to the model's dtype once, at
+the boundary, before anything averages them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from fleet.federated.coordinator import Coordinator
+from fleet.federated.records import QUERY, TRAIN
+from fleet.federated.server_run import initial_arrays
+from fleet.federated.state import ServerState
+from fleet.federated.transfer import decode, encode, encode_tensors, wire_bytes, wire_dtype
+from tests.test_coordinator import FULL_TIMES, NODES, TRAINED, config, query, train_reply
+
+
+def test_floats_cross_in_the_transfer_dtype_and_integers_as_they_are():
+    model = {"w": np.linspace(-1, 1, 1000, dtype=np.float32), "n": np.array(7, dtype=np.int64)}
+    sent = encode(model, "float16")
+    assert sent["w"].dtype == np.float16 and sent["n"].dtype == np.int64 and sent["n"] == 7
+    assert wire_bytes(sent["w"], "float16") == wire_bytes(model["w"], "float16") == 2000
+    assert wire_bytes(model["n"], "float16") == 8 and wire_bytes(model["w"], "float32") == 4000
+    back = decode(sent, model)
+    assert back["w"].dtype == np.float32 and np.abs(back["w"] - model["w"]).max() <= 2**-11
+    assert encode(model, "float32")["w"] is model["w"]  # float32 is sent as it is: no copy
+    tensors = encode_tensors({"w": torch.ones(3), "n": torch.tensor(2)}, "float16")
+    assert tensors["w"].dtype == torch.float16 and tensors["n"].dtype == torch.int64
+    assert wire_bytes(torch.ones(3), "float16") == 6 and wire_dtype(np.dtype("int64"), "float16") == np.int64
+
+
+def float16_fleet() -> tuple[Coordinator, set[str]]:
+    cfg = config()
+    cfg = dataclasses.replace(cfg, federation=dataclasses.replace(cfg.federation, transfer="float16"))
+    coord, connected = Coordinator(cfg, ServerState(run_tag="f16"), initial_arrays(cfg)), set(NODES)
+    coord.open_round(connected)
+    coord.take(1, QUERY, [query(n, f"device-{i}", t) for i, (n, t) in enumerate(zip(NODES, FULL_TIMES))], connected)
+    return coord, connected
+
+
+def test_a_float16_upload_is_counted_as_it_came_and_averaged_in_the_models_dtype():
+    coord, connected = float16_fleet()
+    plan = coord.plan_round(1, coord.eligible(connected), connected)
+    sent = coord.arrays
+    assert all(a.dtype == np.float16 for a in coord.outgoing().values() if a.dtype.kind == "f")
+    assert coord.full_bytes == sum(a.size * 2 for a in sent.values() if a.dtype.kind == "f")  # the deadline's price
+    replies = [train_reply(n, 1, sent, 0.1) for n in NODES[:2]]
+    for r in replies:
+        r.arrays = encode(r.arrays, "float16")  # as a device sends them
+    coord.close_train(plan, coord.take(1, TRAIN, replies, connected))
+    assert not coord.state.replies.rejections, coord.state.replies.rejections
+    counted = [r.bytes_uploaded for r in coord.state.replies.train]
+    assert counted == [sum(sent[n].size * 2 for n in TRAINED)] * 2, counted
+    for name in TRAINED:
+        assert coord.arrays[name].dtype == np.float32
+        np.testing.assert_allclose(coord.arrays[name], sent[name] + 0.1, atol=2**-11)  # float16's step below 1
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_an_upload_wider_than_the_transfer_dtype_is_rejected_naming_it(dtype):
+    coord, connected = float16_fleet()
+    plan = coord.plan_round(1, coord.eligible(connected), connected)
+    honest = train_reply(NODES[0], 1, coord.arrays, 0.1)
+    honest.arrays = encode(honest.arrays, "float16")
+    wide = train_reply(NODES[1], 1, coord.arrays, 0.1)  # twice (or four times) the bytes the round priced
+    wide.arrays = {n: a.astype(dtype) for n, a in wide.arrays.items()}
+    coord.close_train(plan, coord.take(1, TRAIN, [honest, wide], connected))
+    (rejection,) = coord.state.replies.rejections
+    assert rejection.device == "device-1", rejection
+    assert f"has dtype {np.dtype(dtype)}, the fleet sends float16" in rejection.reason, rejection

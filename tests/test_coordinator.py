@@ -32,8 +32,8 @@ BANDWIDTH = 12.5e6  # devices.bandwidth_bytes_per_s (its default): one uplink fo
 
 
 def config() -> FleetConfig:
-    """Five devices, three rounds; uploads in float32, so the averages below are exact (float16's are tested in
-    tests/test_transfer.py)."""
+    """Five devices, three rounds; uploads in float32 (whatever the default), so the averages below are exact
+    (float16's are tested in tests/test_transfer.py)."""
     sets = {"devices.num_devices": 5, "federation.rounds": 3, "federation.transfer": "float32"}
     return load_fleet_config(ROOT / "simulations/fleet-tiny.yaml", sets)
 

@@ -90,11 +90,14 @@ def device(tmp_path_factory):
 
 def poisoned(device, attack: str, seed: int = 0) -> Message:
     gen = torch.Generator().manual_seed(seed)
-    return adv.poison_train_reply(attack, device["train_msg"], device["honest"], gen)
+    return adv.poison_train_reply(
+        attack, device["train_msg"], device["honest"], gen, transfer=device["cfg"].federation.transfer
+    )
 
 
-def tensors(msg: Message) -> dict[str, torch.Tensor]:
-    return msg.content[keys.ARRAYS].to_torch_state_dict()
+def values(device, reply: Message) -> dict[str, torch.Tensor]:
+    """The values a train reply's upload stands for (in float16 transfers it carries changes)."""
+    return adv.uploaded_values(device["train_msg"], reply, device["cfg"].federation.transfer)[0]
 
 
 def metrics(msg: Message) -> dict:
@@ -102,7 +105,7 @@ def metrics(msg: Message) -> dict:
 
 
 def test_honest_reply_uploads_a_trained_subset(device):
-    sent, full = tensors(device["honest"]), device["state_dict"]
+    sent, full = values(device, device["honest"]), device["state_dict"]
     assert 0 < metrics(device["honest"])[keys.SELECTED] < metrics(device["honest"])[keys.NUM_TENSORS]
     assert set(sent) < set(full)  # so all_tensors below uploads more than an honest device
     assert any(k.endswith(adv.RUNNING_VAR) for k in sent)  # norm statistics always travel
@@ -119,7 +122,7 @@ def test_every_attack_is_a_reply_to_the_same_message_from_the_same_device(device
 
 @pytest.mark.parametrize(("attack", "scale"), [("sign_flip", -10.0), ("scaled_update", 1e3)])
 def test_update_attacks_scale_the_honest_update(device, attack, scale):
-    honest, bad, glob = tensors(device["honest"]), tensors(poisoned(device, attack)), device["state_dict"]
+    honest, bad, glob = values(device, device["honest"]), values(device, poisoned(device, attack)), device["state_dict"]
     assert set(bad) == set(honest)
     moved = 0
     for name, t in honest.items():
@@ -128,8 +131,9 @@ def test_update_attacks_scale_the_honest_update(device, attack, scale):
             continue
         honest_update = t.double() - glob[name].double()
         bad_update = bad[name].double() - glob[name].double()
-        eps = torch.finfo(bad[name].dtype).eps  # the upload's own rounding (float16 by default: federation.transfer)
-        tol = eps * (1 + glob[name].double().abs().max().item() + abs(scale) * honest_update.abs().max().item())
+        # the upload's own rounding: at worst float16's (federation.transfer) of the change, float32's of the weight
+        change = abs(scale) * honest_update.abs().max().item()
+        tol = 2**-10 * change + 1e-6 * (1 + glob[name].double().abs().max().item())
         assert torch.allclose(bad_update, scale * honest_update, atol=tol), name
         moved += int(honest_update.abs().max() > 0)
     assert moved > 0
@@ -139,12 +143,12 @@ def test_update_attacks_scale_the_honest_update(device, attack, scale):
 def test_huge_samples_claims_1e12_and_sends_the_honest_weights(device):
     bad = poisoned(device, "huge_samples")
     assert metrics(bad)[keys.NUM_EXAMPLES] == 10**12
-    honest = tensors(device["honest"])
-    assert all(torch.equal(t, honest[k]) for k, t in tensors(bad).items())
+    honest = values(device, device["honest"])
+    assert all(torch.equal(t, honest[k]) for k, t in values(device, bad).items())
 
 
 def test_random_weights_replaces_every_float_tensor_with_noise_of_its_scale(device):
-    honest, bad = tensors(device["honest"]), tensors(poisoned(device, "random_weights"))
+    honest, bad = values(device, device["honest"]), values(device, poisoned(device, "random_weights"))
     assert set(bad) == set(honest)
     for name, t in honest.items():
         assert bad[name].dtype == t.dtype and bad[name].shape == t.shape
@@ -152,12 +156,12 @@ def test_random_weights_replaces_every_float_tensor_with_noise_of_its_scale(devi
             assert not torch.allclose(bad[name], t)
             ratio = adv.scale_of(bad[name]) / adv.scale_of(t)
             assert 0.8 < ratio < 1.2, name
-    again = tensors(poisoned(device, "random_weights"))  # the same seed: the same noise
+    again = values(device, poisoned(device, "random_weights"))  # the same seed: the same noise
     assert all(torch.equal(again[k], bad[k]) for k in bad)
 
 
 def test_bn_poison_sets_running_var_negative_and_running_mean_huge(device):
-    honest, bad = tensors(device["honest"]), tensors(poisoned(device, "bn_poison"))
+    honest, bad = values(device, device["honest"]), values(device, poisoned(device, "bn_poison"))
     assert set(bad) == set(honest)
     poisoned_names = [k for k in bad if adv.is_norm_statistic(k)]
     assert poisoned_names
@@ -177,8 +181,8 @@ def test_metric_poison_lies_in_train_and_evaluate_metrics(device):
     assert got[keys.BYTES_UPLOADED] == -(10**12) and got[keys.TRAINED_FRACTION] == 7.0
     assert math.isnan(got[keys.LOSS])
     assert got[keys.NUM_EXAMPLES] == metrics(device["honest"])[keys.NUM_EXAMPLES]
-    honest = tensors(device["honest"])
-    assert all(torch.equal(t, honest[k]) for k, t in tensors(bad).items())
+    honest = values(device, device["honest"])
+    assert all(torch.equal(t, honest[k]) for k, t in values(device, bad).items())
     ev = adv.poison_evaluate_reply("metric_poison", device["eval_msg"], device["honest_eval"])
     assert ev.metadata.reply_to_message_id == device["eval_msg"].metadata.message_id
     assert metrics(ev)[keys.GLOBAL_ACCURACY] == 1e6 and math.isnan(metrics(ev)[keys.PERSONAL_ACCURACY])
@@ -189,8 +193,8 @@ def test_metric_poison_lies_in_train_and_evaluate_metrics(device):
 
 def test_all_tensors_uploads_every_state_dict_key_near_the_received_model(device):
     bad = poisoned(device, "all_tensors")
-    sent, glob = tensors(bad), device["state_dict"]
-    assert set(sent) == set(glob) and len(sent) > len(tensors(device["honest"]))
+    sent, glob = values(device, bad), device["state_dict"]
+    assert set(sent) == set(glob) and len(sent) > len(values(device, device["honest"]))
     for name, g in glob.items():
         assert sent[name].dtype == g.dtype and sent[name].shape == g.shape
         if g.is_floating_point():
@@ -334,7 +338,9 @@ def test_bench_end_to_end_prints_one_json_object(tmp_path):
 def spied(device) -> list[adv.attacks.Update]:
     """Two honest updates seen a round earlier: the device's own, and one that trained only the
     first half of its tensors, scaled (so tensors differ in how many devices trained them)."""
-    own = adv.own_update(tensors(device["honest"]), device["state_dict"], set(adv.trainable_names(device["train_msg"])))
+    own = adv.own_update(
+        values(device, device["honest"]), device["state_dict"], set(adv.trainable_names(device["train_msg"]))
+    )
     half = dict(list(own.items())[: len(own) // 2])
     return [own, {n: 2 * u for n, u in half.items()}]
 
@@ -347,8 +353,9 @@ def test_an_adaptive_attacker_that_knows_nothing_yet_sends_its_honest_reply(devi
 def test_alie_replaces_the_trained_tensors_and_keeps_the_statistics(device):
     honest = spied(device)
     gen = torch.Generator().manual_seed(0)
-    reply = adv.poison_train_reply("alie", device["train_msg"], device["honest"], gen, honest)
-    bad, glob, sent = tensors(reply), device["state_dict"], tensors(device["honest"])
+    transfer = device["cfg"].federation.transfer
+    reply = adv.poison_train_reply("alie", device["train_msg"], device["honest"], gen, honest, transfer=transfer)
+    bad, glob, sent = values(device, reply), device["state_dict"], values(device, device["honest"])
     assert set(bad) == set(sent) and metrics(reply)[keys.SELECTED] == metrics(device["honest"])[keys.SELECTED]
     own = adv.own_update(sent, glob, set(adv.trainable_names(device["train_msg"])))
     expected = adv.attacks.alie(own, honest)
@@ -364,10 +371,11 @@ def test_mask_abuse_claims_the_rarest_tensors_and_passes_the_upload_check(device
 
     honest = spied(device)
     gen = torch.Generator().manual_seed(0)
-    reply = adv.poison_train_reply("mask_abuse", device["train_msg"], device["honest"], gen, honest)
-    bad, names = tensors(reply), adv.trainable_names(device["train_msg"])
+    transfer = device["cfg"].federation.transfer
+    reply = adv.poison_train_reply("mask_abuse", device["train_msg"], device["honest"], gen, honest, transfer=transfer)
+    bad, names = values(device, reply), adv.trainable_names(device["train_msg"])
     half = set(honest[1])
-    assert bad and set(bad) == {n for n in tensors(device["honest"]) if n in names and n not in half}
+    assert bad and set(bad) == {n for n in values(device, device["honest"]) if n in names and n not in half}
     arrays = {n: t.numpy() for n, t in bad.items()}
     assert upload_problem(arrays, metrics(reply)[keys.SELECTED], names) is None  # claims exactly what it sends
     assert metrics(reply)[keys.BYTES_UPLOADED] == sum(a.nbytes for a in arrays.values())

@@ -133,7 +133,7 @@ def tiny_testbed(tmp_path: Path, strategy: str, slow_speed: dict | None = None) 
     cfg = yaml.safe_load((ROOT / "simulations/fleet-tiny.yaml").read_text())
     cfg["name"] = f"tb-{strategy}"
     cfg["output_dir"] = str(tmp_path / "runs")
-    cfg["federation"].update(strategy=strategy, rounds=2, timeout_s=600)
+    cfg["federation"].update(strategy=strategy, rounds=2, timeout_s=600, transfer="float16")  # half the bytes
     cfg["membership"] = {"grace_s": 120}
     cfg["testbed"] = {
         "classes": [
@@ -166,7 +166,7 @@ def test_a_three_device_testbed_runs_fedavg_and_fleet_within_real_limits(tmp_pat
     for rec in records:
         slow = next(d for d in rec["devices"] if d["device"] == "slow-0")
         assert slow["wall_s"] >= 0.9 * slow["bytes_uploaded"] * 8 / (UPLINK_MBPS * 1e6), slow
-    # compact transfers, as the link counted them: FedAvg uploads the whole model in each of its 2 rounds and
+    # float16 transfers, as the link counted them: FedAvg uploads the whole model in each of its 2 rounds and
     # downloads it 3 times (2 train messages, the last round's evaluation), each at most half of float32's
     # bytes, Flower's framing included; and no less than the payload the server counted
     float32 = shared_bytes(initial_arrays(load_fleet_config(config)), frozenset(), "float32")

@@ -35,13 +35,14 @@ from fleet.bench.attack_names import ATTACKS, DATA_ATTACKS, KNOWING
 from fleet.federated import keys, tasks
 from fleet.federated.config import config_from_run_config, run_dir
 from fleet.federated.split import DeviceData
+from fleet.federated.transfer import encode_upload, upload_values
 
 ATTACK_FILE = "attack.json"
 SPY_DIR = "spy"
 HUGE_SAMPLES = 10**12
 UPDATE_SCALES = {"scaled_update": 1e3, "sign_flip": -10.0}
 POISON_RUNNING_VAR = -1.0
-POISON_RUNNING_MEAN = 3e4  # 10^4 times a typical mean, and still a float16 (the default transfer)
+POISON_RUNNING_MEAN = 3e4  # 10^4 times a typical mean, and still a float16 (federation.transfer: float16)
 ALL_TENSORS_NOISE = 1e-2  # relative to each tensor's scale: close enough to the global model to look plausible
 TRAIN_METRIC_POISON: dict[str, float | int] = {
     keys.FULL_TIME_S: 1e-9,  # drags the next deadline (the fastest full round) to nothing
@@ -119,7 +120,7 @@ def poison_arrays(
         out = {}
         for name, g in received.items():
             noise = torch.randn(g.shape, generator=gen, dtype=torch.float64) * ALL_TENSORS_NOISE * scale_of(g)
-            out[name] = (g.double() + noise).to(g.dtype) if g.is_floating_point() else g.clone()
+            out[name] = (g.double() + noise).float() if g.is_floating_point() else g.clone()
     return out
 
 
@@ -144,17 +145,35 @@ def _generator(msg: Message, context: Context) -> torch.Generator:
     return torch.Generator().manual_seed(1_000_003 * server_round + partition)
 
 
+def uploaded_values(
+    msg: Message, reply: Message, transfer: str
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The values an honest train reply stands for, and the model its device received: the attacks work on
+    values; what they send is encoded as an honest upload is (``federation.transfer``)."""
+    received = msg.content[keys.ARRAYS].to_torch_state_dict()
+    return upload_values(reply.content[keys.ARRAYS].to_torch_state_dict(), received, transfer), received
+
+
+def transfer_of(context: Context) -> str:
+    return config_from_run_config(dict(context.run_config)).federation.transfer
+
+
 def poison_train_reply(
-    attack: str, msg: Message, reply: Message, gen: torch.Generator, honest: list[attacks.Update] | None = None
+    attack: str,
+    msg: Message,
+    reply: Message,
+    gen: torch.Generator,
+    honest: list[attacks.Update] | None = None,
+    *,
+    transfer: str,
 ) -> Message:
     """The honest train ``reply`` to ``msg`` rewritten by ``attack``: a new reply to the same message.
     ``honest``: the spied honest updates an adaptive attack works from (without them, in round 1, it
-    sends its honest reply)."""
+    sends its honest reply); ``transfer``: the fleet's, as the reply is encoded."""
     if reply.has_error() or attack == "label_flip" or (attack in KNOWING and not honest):
         return reply  # label flipping is all in the data it trained on
     content = reply.content
-    sent = content[keys.ARRAYS].to_torch_state_dict()
-    received = msg.content[keys.ARRAYS].to_torch_state_dict()
+    sent, received = uploaded_values(msg, reply, transfer)
     metrics = poison_train_metrics(attack, dict(content[keys.METRICS]), sent)
     if attack in KNOWING:
         names = trainable_names(msg)
@@ -164,7 +183,7 @@ def poison_train_reply(
     else:
         arrays = poison_arrays(attack, sent, received, gen)
     new = RecordDict({keys.METRICS: MetricRecord(metrics), keys.DEVICE: content[keys.DEVICE]})
-    new[keys.ARRAYS] = ArrayRecord.from_torch_state_dict(arrays)
+    new[keys.ARRAYS] = ArrayRecord.from_torch_state_dict(encode_upload(arrays, received, transfer))
     return Message(new, reply_to=msg)
 
 
@@ -195,7 +214,7 @@ def adaptive_arrays(
         update = attacks.mask_abuse(own, honest, list(own))  # among what it may send: no personal tensor
     out = {} if attack == "mask_abuse" else dict(sent)
     for name, u in update.items():
-        out[name] = (received[name].double() + u).to(received[name].dtype)
+        out[name] = (received[name].double() + u).float()  # values; encoded as an honest upload is
     return out
 
 
@@ -223,8 +242,7 @@ def leave_update(context: Context, msg: Message, reply: Message) -> None:
     if reply.has_error():
         return
     server_round = _round_of(msg)
-    sent = reply.content[keys.ARRAYS].to_torch_state_dict()
-    received = msg.content[keys.ARRAYS].to_torch_state_dict()
+    sent, received = uploaded_values(msg, reply, transfer_of(context))
     update = {n: u.float() for n, u in own_update(sent, received, set(trainable_names(msg))).items()}
     folder = spy_dir(context, server_round)
     folder.mkdir(parents=True, exist_ok=True)
@@ -290,7 +308,7 @@ def train(msg: Message, context: Context) -> Message:
             leave_update(context, msg, reply)
         return reply
     honest = spied_updates(context, msg) if attack in KNOWING else None
-    return poison_train_reply(attack, msg, reply, _generator(msg, context), honest)
+    return poison_train_reply(attack, msg, reply, _generator(msg, context), honest, transfer=transfer_of(context))
 
 
 @app.evaluate()

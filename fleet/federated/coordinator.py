@@ -394,9 +394,13 @@ class Coordinator:
         got.round_time_s = round_time(got.train, self.classes.bandwidth, self.fixed_s)
 
     def _check(self, server_round: int, reply: Reply) -> Candidate | None:
-        """The reply typed, its weight capped and its times clamped, or None (rejected, with the reason)."""
-        reason = self._train_problem(reply)
+        """The reply typed, its weight capped and its times clamped, or None (rejected, with the reason). Its
+        tensors are checked as they came, then as the values they stand for (``transfer.decode``)."""
         name = self.device_of(reply)
+        reason, values = self._train_problem(reply), {}
+        if reason is None:
+            values = decode(reply.arrays, self.state.replies.sent, self.cfg.federation.transfer)
+            reason = upload_problem(values, reply.metrics[keys.SELECTED], self.names.params, self.names.personal)
         if reason is not None:
             self._reject(server_round, reply.node_id, name, reason)
             return None
@@ -408,19 +412,18 @@ class Coordinator:
         checked = TrainReply.from_metrics(
             reply.node_id, name, reply.metrics, num_examples=weight, bytes_uploaded=counted, wall_s=reply.wall_s
         )
-        return Candidate(self._clamp_times(checked), decode(reply.arrays, self.state.replies.sent))
+        return Candidate(self._clamp_times(checked), values)
 
     def _train_problem(self, reply: Reply) -> str | None:
-        """Why a train reply cannot be aggregated, or None: the device failed, the message is malformed,
-        its weight, a tensor, a metric, or what it uploads against what it says it trained."""
+        """Why a train reply cannot be decoded, or None: the device failed, the message is malformed, its weight,
+        a tensor as it came (name, shape, dtype, finite), a metric. What it uploads against what it says it
+        trained is checked on the decoded values (:meth:`_check`)."""
         if reply.error is not None:
             return f"device failed: {error_summary(reply.error)}"
         problem = reply.problem or weight_problem(reply.metrics.get(keys.NUM_EXAMPLES))
         for name, values in reply.arrays.items():
             problem = problem or tensor_problem(name, values, self.state.replies.sent, self.cfg.federation.transfer)
-        problem = problem or schema.metric_problem(reply.metrics, schema.TRAIN)
-        names = self.names
-        return problem or upload_problem(reply.arrays, reply.metrics[keys.SELECTED], names.params, names.personal)
+        return problem or schema.metric_problem(reply.metrics, schema.TRAIN)
 
     def _clamp_times(self, reply: TrainReply) -> TrainReply:
         """A device's reported full-round time and round time, held to a band around the full time it

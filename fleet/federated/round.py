@@ -52,7 +52,7 @@ from fleet.federated.local_methods import (
     models_of,
 )
 from fleet.federated.records import TrainOrder, speedup
-from fleet.federated.transfer import encode_tensors, wire_bytes
+from fleet.federated.transfer import wire_bytes
 from fleet.memory.budgeted import MemoryBudget
 
 PERSONAL_SEED_OFFSET = 7919  # Ditto's personal model draws its batches apart from the shared update's
@@ -335,14 +335,15 @@ def train_steps(
     return losses
 
 
-def upload(trainer: Trainer, steps: int, personal: frozenset[str], transfer: str) -> dict[str, torch.Tensor]:
-    """What the reply carries, in the fleet's transfer dtype: the trained shared tensors and, after any step,
-    the norm statistics (every forward pass in training mode moves them); never a personal tensor."""
+def upload(trainer: Trainer, steps: int, personal: frozenset[str]) -> dict[str, torch.Tensor]:
+    """What the reply carries (its values; ``tasks.train`` encodes them, ``federation.transfer``): the trained
+    shared tensors and, after any step, the norm statistics (every forward pass in training mode moves them);
+    never a personal tensor."""
     trained = zip(trainer.names, trainer.params, trainer.mask)
     arrays = {n: host_copy(p) for n, p, m in trained if m and n not in personal}
     if steps:
         arrays.update({n: host_copy(b) for n, b in float_buffers(trainer.model).items() if n not in personal})
-    return encode_tensors(arrays, transfer)
+    return arrays
 
 
 def weights_of(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -411,9 +412,9 @@ class DeviceRound:
         the device's activation budget, and the time the plan adds counts against the deadline: when it
         would overrun, the selection is made again with that much less."""
         done = self._train_models(plan)
-        arrays = upload(done.trainer, done.steps, self.personal, self.cfg.federation.transfer)
+        arrays = upload(done.trainer, done.steps, self.personal)
         work = round_work(self.cfg, plan)
-        metrics = round_metrics(done, work, len(self.data), arrays, self.personal)
+        metrics = round_metrics(done, work, len(self.data), arrays, self.personal, self.cfg.federation.transfer)
         if self.memory is not None:
             metrics[keys.MEMORY_BUDGET_BYTES] = self.memory.budget_bytes
             metrics[keys.MEMORY_PEAK_BYTES] = self.memory.peak_bytes
@@ -597,10 +598,12 @@ def round_metrics(
     work: LocalWork,
     num_examples: int,
     arrays: dict[str, torch.Tensor],
-    personal: frozenset[str] = frozenset(),
+    personal: frozenset[str],
+    transfer: str,
 ) -> dict[str, float | int]:
     """The reply's metrics (see :mod:`fleet.federated.keys`); ``selected`` counts the shared tensors the reply
-    carries, ``personal-selected`` the personal ones trained (only with personal tensors)."""
+    carries, ``personal-selected`` the personal ones trained (only with personal tensors); its bytes are the
+    upload's as ``transfer`` sends them."""
     trainer, predicted, losses = done.trainer, done.times.predicted_s, done.losses
     profile, mask, params = trainer.profile, trainer.mask, trainer.params
     chosen = [n for n, m in zip(trainer.names, mask) if m]
@@ -618,7 +621,7 @@ def round_metrics(
         keys.MEASURED_TIME_S: done.times.measured_s,
         keys.FULL_TIME_S: full_time,
         keys.SPEEDUP: speedup(full_time, predicted),
-        keys.BYTES_UPLOADED: int(sum(a.numel() * a.element_size() for a in arrays.values())),
+        keys.BYTES_UPLOADED: int(sum(wire_bytes(a, transfer) for a in arrays.values())),
         keys.STEPS: len(losses),
         **({keys.LOSS: float(np.mean(losses))} if losses else {}),  # no step, no loss (never NaN: replies are checked)
     }

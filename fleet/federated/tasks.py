@@ -49,6 +49,7 @@ from fleet.federated.personal import overlay_personal, personal_names
 from fleet.federated.records import TrainOrder
 from fleet.federated.round import DeviceRound, RoundResult, full_round_time
 from fleet.federated.split import DeviceData, device_data, own_device_data
+from fleet.federated.transfer import encode_upload, keep_received
 from fleet.memory.budgeted import MemoryBudget
 
 STATE_FILE = "state.pt"
@@ -160,6 +161,7 @@ def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[s
     """Train elastically from the global ``weights`` within this device's budget; keep its state."""
     cfg = device.cfg
     order = TrainOrder.from_config(config, cfg.federation.strategy)
+    sent = keep_received(weights, cfg.federation.transfer)  # what the upload's changes are taken against
     model = device.model(weights)
     profile, memory = device_setup(device, model)
     state_path = device.state_dir / STATE_FILE
@@ -171,6 +173,7 @@ def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[s
     device_round = DeviceRound(cfg, model, profile, data, device.seed, state, memory, personal, device.bandwidth)
     ready = readiness()
     result = device_round.train(order)
+    result.arrays = encode_upload(result.arrays, sent, cfg.federation.transfer)  # as the message carries it
     result.metrics.update({**device.identity(), **ready, **received})
     if result.personalized is not None:  # scored now: the state keeps too little to rebuild it later
         started = time.perf_counter()

@@ -5,12 +5,17 @@ every round, on a Pi's 10-20 Mbit/s uplink: more of its round than its compute.
 
 Design notes:
 
-* **float16 by default.** Half the bytes both ways, at no measurable cost in accuracy over paired seeds
-  (docs/results.md, "Compact transfers"). float32 stays an option (``federation.transfer: float32``).
+* **float16 on request.** Half the bytes both ways (``federation.transfer: float16``); float32 stays the
+  default until paired seeds show float16 keeps the accuracy (docs/results.md, "Compact transfers").
+* **Down, values; up, changes.** The server sends the model's values in float16. A device sends each float
+  tensor's change from the model it received, in float16, and the server adds it to its own float32 copy of
+  what it sent: a change keeps float16's precision relative to itself, and the global model is never
+  rounded to float16, round after round.
 * **Decoded once, at the boundary.** The server checks an upload's tensors in the dtype they crossed in,
-  counts their bytes as they came (what the device's uplink carried), and then casts them to the model's
-  dtype, before any defense or average reads them; a device casts the model it receives to its own dtype as
-  it builds it (``model_with_weights``). Nothing past the boundary sees the wire's dtype.
+  counts their bytes as they came (what the device's uplink carried), and then turns them into the model's
+  values in its dtype (:func:`decode`), before any defense or average reads them; a device casts the model
+  it receives to its own dtype as it builds it (``model_with_weights``) and encodes its upload as its round
+  ends (``tasks.train``). Nothing past the boundary sees the wire's dtype.
 * **Only floats.** Integer buffers (BatchNorm's ``num_batches_tracked``) cross as they are.
 * **One price.** A tensor's bytes on the wire are :func:`wire_bytes`, wherever an upload or a download is
   priced: the device's selection, the server's deadline and its speedups, the simulated clock.
@@ -43,12 +48,44 @@ def encode(arrays: Mapping[str, np.ndarray], transfer: str) -> dict[str, np.ndar
     return {n: a.astype(wire_dtype(a.dtype, transfer), copy=False) for n, a in arrays.items()}
 
 
-def encode_tensors(tensors: Mapping[str, torch.Tensor], transfer: str) -> dict[str, torch.Tensor]:
-    """A device's upload as it is sent."""
+def keep_received(weights: Mapping[str, torch.Tensor], transfer: str) -> dict[str, torch.Tensor]:
+    """What a device's upload is taken against: the tensors it received, copied where its model would take them
+    over and train them in place (those that came in the model's float32, not in the transfer's dtype); none
+    where the upload carries values."""
+    if transfer == "float32":
+        return {}
+    wire = getattr(torch, transfer)
+    return {n: w if w.dtype == wire or not w.is_floating_point() else w.clone() for n, w in weights.items()}
+
+
+def encode_upload(
+    values: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor], transfer: str
+) -> dict[str, torch.Tensor]:
+    """A device's upload as it is sent: in float16, each float tensor's change from the model it received
+    (a change is small, so float16 keeps it to a part in two thousand of itself, not of the weight); in
+    float32, its values."""
+    if transfer == "float32":
+        return dict(values)
     dtype = getattr(torch, transfer)
-    return {n: t.to(dtype) if t.is_floating_point() else t for n, t in tensors.items()}
+    return {n: (t - received[n].to(t.dtype)).to(dtype) if t.is_floating_point() else t for n, t in values.items()}
 
 
-def decode(arrays: Mapping[str, np.ndarray], model: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """An upload (checked: every name is the model's) in the model's own dtypes."""
-    return {n: a.astype(model[n].dtype, copy=False) for n, a in arrays.items()}
+def upload_values(
+    upload: Mapping[str, torch.Tensor], received: Mapping[str, torch.Tensor], transfer: str
+) -> dict[str, torch.Tensor]:
+    """The values an upload stands for, on the device's side (in float32 where they are floats)."""
+    if transfer == "float32":
+        return dict(upload)
+    return {n: received[n].float() + t.float() if t.is_floating_point() else t for n, t in upload.items()}
+
+
+def decode(arrays: Mapping[str, np.ndarray], sent: Mapping[str, np.ndarray], transfer: str) -> dict[str, np.ndarray]:
+    """An upload (checked: every name is the model's) as values in the model's own dtypes: float16 changes are
+    added to the server's own float32 copy of the model it sent, so the global model never takes on float16's
+    rounding, round after round."""
+    out = {}
+    for name, a in arrays.items():
+        ref = sent[name]
+        changed = transfer != "float32" and a.dtype.kind == "f"
+        out[name] = ref + a.astype(ref.dtype) if changed else a.astype(ref.dtype, copy=False)
+    return out

@@ -29,6 +29,7 @@ from fleet.engine.models import model_meta
 from fleet.federated import keys
 from fleet.federated.config import load_fleet_config, run_dir
 from fleet.federated.round import full_round_time
+from fleet.federated.transfer import encode_upload
 from tests.conftest import proportional_profile
 
 TINY = "simulations/fleet-tiny.yaml"
@@ -138,6 +139,27 @@ def test_update_attacks_scale_the_honest_update(device, attack, scale):
         moved += int(honest_update.abs().max() > 0)
     assert moved > 0
     assert metrics(poisoned(device, attack)) == metrics(device["honest"])  # the lie is in the weights only
+
+
+def test_under_float16_transfers_an_attack_works_on_values_and_sends_changes_as_an_honest_device_does(device):
+    """The honest reply as a float16 fleet's device sends it (each tensor's change from the model received);
+    the attack reads the values it stands for and sends its own as changes in float16 too, so it is judged
+    by the server's checks, not given away by its dtype."""
+    received, honest = device["state_dict"], values(device, device["honest"])
+    content = device["honest"].content
+    wire = RecordDict({keys.METRICS: content[keys.METRICS], keys.DEVICE: content[keys.DEVICE]})
+    wire[keys.ARRAYS] = ArrayRecord.from_torch_state_dict(encode_upload(honest, received, "float16"))
+    honest16 = Message(wire, reply_to=device["train_msg"])
+    gen = torch.Generator().manual_seed(0)
+    bad = adv.poison_train_reply("scaled_update", device["train_msg"], honest16, gen, transfer="float16")
+    sent = bad.content[keys.ARRAYS].to_torch_state_dict()
+    assert all(t.dtype == torch.float16 for t in sent.values() if t.is_floating_point())
+    meant = adv.uploaded_values(device["train_msg"], bad, "float16")[0]
+    name = next(n for n in honest if not adv.is_norm_statistic(n) and n in adv.trainable_names(device["train_msg"]))
+    update = honest[name].double() - received[name].double()
+    # 1000x the honest update, to float16's precision of each (twice rounded: the honest upload, the attack's)
+    tol = 2**-9 * 1e3 * update.abs().max().item() + 1e-6
+    assert torch.allclose(meant[name].double() - received[name].double(), 1e3 * update, atol=tol), name
 
 
 def test_huge_samples_claims_1e12_and_sends_the_honest_weights(device):

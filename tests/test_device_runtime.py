@@ -24,6 +24,7 @@ from fleet.base.process import PULL_ENV, task_pull_s
 from fleet.commands import device_runtime
 from fleet.federated.tracking import read_progress
 from tests.test_deploy_loopback import BIN, Loopback, free_port, tiny_deploy_config, wait_port
+from tests.test_devices_loopback import trained
 
 # module -> the names the runtime uses from it, with the parameters it passes
 FLOWER_API = {
@@ -234,10 +235,6 @@ def restart_runtime(
     runtime.wait(timeout=30)
     port = int(node.args[node.args.index("--port") + 1])
     return link.start_runtime(1, port, node.pid, name=name)
-
-
-def trained(record: dict) -> set[str]:
-    return {d["device"] for d in record["devices"] if "speedup" in d}
 
 
 def restart_mid_task(

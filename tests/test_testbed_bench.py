@@ -3,23 +3,29 @@ runs the real testbed; its own run is in docs/results.md)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from fleet.base.errors import ConfigError
 from fleet.base.process import process_age_s
 from fleet.bench.testbed import (
     bench_table,
     class_start_s,
     device_entries,
+    first_reaching,
+    mean_accuracy,
     memory_entries,
     method_entry,
+    regime_of,
+    regime_ratio,
     simulation_config,
     slowest_by_class,
     targets,
-    time_to_target,
     within,
 )
+from fleet.bench.testbed_seeds import combine, combined_table, read_reports
 from fleet.engine.config import config_to_dict
 from fleet.federated import keys, tasks
 from fleet.federated.config import fleet_config_from_dict
@@ -45,6 +51,7 @@ def fake_run(tmp_path: Path, walls: list[tuple[float, float, float]], accuracy: 
                 "round": k,
                 "wall_time_s": clock,
                 "global_accuracy": acc,
+                "server_accuracy": acc - 0.01,
                 "personal_accuracy": acc + 0.02,
                 "devices": devices,
             }
@@ -57,13 +64,34 @@ def test_a_method_is_judged_on_its_rounds_within_the_budget(tmp_path):
     run = fake_run(tmp_path, [(40, 50, 20)] * 4, [0.70, 0.80, 0.85, 0.90])
     assert [r["wall_time_s"] for r in run.records] == [60, 120, 180, 240]
     assert len(within(run.records, 180)) == 3 and len(within(run.records, None)) == 4
-    assert time_to_target(run.records, 0.84) == 180 and time_to_target(run.records, 0.95) is None
-    entry = method_entry(run, 180, 0.8, down=8_000_000)
-    assert entry["rounds"] == 3 and entry["time_to_target_s"] == 120 and entry["final_accuracy"] == 0.85
+    assert first_reaching(run.records, 0.84)["round"] == 3 and first_reaching(run.records, 0.95) is None
+    entry = method_entry(run, 180, 0.79, start=0.6, down=8_000_000)
+    assert entry["rounds"] == 3 and entry["time_to_target_s"] == 120 and entry["target_round"] == 2
+    assert entry["final_server_accuracy"] == pytest.approx(0.84) and entry["final_accuracy"] == 0.85
+    # the start's 0.6 for 60 s, then 0.69 and 0.79 for 60 s each, over the 180 s budget
+    assert entry["mean_accuracy"] == pytest.approx((0.6 + 0.69 + 0.79) / 3)
     assert entry["personalized_accuracy_mean"] == pytest.approx(0.87) and entry["wall_s"] == 180
     pi = entry["devices"]["pi-0"]
     assert pi["round_s"] == 40 and pi["ready_s"] == 20 and pi["upload_s"] == pytest.approx(4.0)  # 4 MB at 8 Mbit/s
     assert pi["download_s"] == pytest.approx(4.0) and pi["memory_peak_mb"] == 900 and pi["bytes_uploaded"] == 12e6
+    assert method_entry(run, 180, 0.9, start=0.6, down=0)["time_to_target_s"] is None  # not reached
+
+
+def test_mean_accuracy_is_the_step_curves_area_over_the_budget():
+    assert mean_accuracy([[10, 0.8], [30, 0.9]], start=0.5, budget_s=40) == pytest.approx((5 + 16 + 9) / 40)
+    assert mean_accuracy([[10, None], [50, 0.9]], start=0.5, budget_s=40) == 0.5  # unscored, past the budget
+    assert mean_accuracy([], start=None, budget_s=40) is None
+
+
+def test_the_regime_is_read_off_the_slowest_class_under_fedavg():
+    devices = {
+        "pi-0": {"cpu": 0.2, "compute_s": 60.0, "upload_s": 20.0, "download_s": 5.0},
+        "pi-1": {"cpu": 0.2, "compute_s": 40.0, "upload_s": 15.0, "download_s": 5.0},
+        "board-0": {"cpu": 0.4, "compute_s": 1.0, "upload_s": 20.0, "download_s": 5.0},
+    }
+    ratio = regime_ratio({"devices": devices})
+    assert ratio == pytest.approx((60 / 25 + 40 / 20) / 2)
+    assert regime_of(ratio) == "compute" and regime_of(1.9) == "upload" and regime_of(None) == "upload"
 
 
 def test_class_figures_are_medians_of_each_rounds_slowest_device(tmp_path):
@@ -84,7 +112,7 @@ def test_the_simulator_gets_each_class_profile_links_and_measured_start(tmp_path
     run = fake_run(tmp_path, [(40, 50, 20)] * 2, [0.7, 0.8])
     sim = simulation_config(cfg, run, run, rounds=5)
     assert sim.name == "tb-simulated" and sim.federation.rounds == 5 and sim.federation.strategy == "fleet"
-    assert sim.devices.num_devices == 3 and not sim.testbed.classes
+    assert sim.devices.num_devices == 3 and not sim.testbed.classes and sim.evaluation.pipelined  # as deployed
     pi = sim.devices.device_classes[0]
     assert (pi.share, pi.bandwidth_mbps, pi.downlink_mbps, pi.start_s) == (pytest.approx(2 / 3), 8, 16, 20)
     assert pi.profile == str(tmp_path / "devices" / "pi-0" / "device-profile.yaml")
@@ -104,16 +132,29 @@ def test_a_memory_limited_device_whose_reply_was_rejected_still_trained_that_rou
     assert entry["cgroup_peak_mb"] == 1201.5 and entry["memory_mb"] == 1202
 
 
-def test_the_report_says_which_target_was_missed_and_by_what():
+def report_of(seed: int = 0, fleet_time: float | None = 200.0, fleet_final: float = 0.838) -> dict:
+    figures = (("fedavg", 4, 300.0, 4, 0.84), ("naive", 5, None, None, 0.78), ("fleet", 5, fleet_time, 2, fleet_final))
     report = {
-        "target_accuracy": 0.8,
-        "target_fraction": 0.95,
+        "config": "testbed-compute",
+        "regime": "compute",
+        "seed": seed,
+        "compute_to_transfer": 2.4,
+        "start_accuracy": 0.6,
+        "target_accuracy": 0.83,
         "budget_s": 600.0,
         "methods": {
-            m: {"rounds": r, "time_to_target_s": t, "final_accuracy": a, "personalized_accuracy_mean": a}
-            for m, r, t, a in (("fedavg", 4, 300.0, 0.84), ("naive", 5, None, 0.78), ("fleet", 5, 200.0, 0.838))
+            m: {
+                "rounds": r,
+                "time_to_target_s": t,
+                "target_round": k,
+                "final_server_accuracy": a,
+                "mean_accuracy": a - 0.1,
+                "final_accuracy": a,
+                "personalized_accuracy_mean": a,
+            }
+            for m, r, t, k, a in figures
         },
-        "fleet": {"speedup_vs_fedavg": 1.5},
+        "fleet": {"speedup_vs_fedavg": None if fleet_time is None else 300.0 / fleet_time},
         "naive": {"speedup_vs_fedavg": None},
         "classes": {
             "pi": {
@@ -130,16 +171,41 @@ def test_the_report_says_which_target_was_missed_and_by_what():
         },
         "memory": {"pi-0": {"fleet": {"oom_kills": 0, "rounds_trained": 5, "rounds": 5}}},
     }
-    report["targets"] = got = targets(report)
-    assert got == {
+    report["targets"] = targets(report)
+    return report
+
+
+def test_the_report_says_which_target_was_missed_and_by_what():
+    report = report_of()
+    assert report["targets"] == {
+        "fedavg_reaches_target_late": True,
         "fleet_3x_sooner_than_fedavg": False,
         "fleet_final_within_half_a_point": True,
         "simulator_within_15pct_every_class": True,
         "memory_limited_devices_train_to_the_end": True,
     }
     table = bench_table(report)
-    assert "MISSED: fleet_3x_sooner_than_fedavg" in table and "never" in table and "1.50x" in table
-    assert "   -8%" in table and "60.0s" in table
+    assert "MISSED: fleet_3x_sooner_than_fedavg" in table and "not reached" in table and "1.50x" in table
+    assert "   -8%" in table and "60.0s" in table and "computes 2.4x" in table
+    report["methods"]["fedavg"]["target_round"] = 2  # FedAvg passed the target before its last two rounds
+    assert targets(report)["fedavg_reaches_target_late"] is False
+
+
+def test_seeds_combine_per_regime_paired_with_fedavg(tmp_path):
+    files = []
+    for seed, t, final in ((0, 100.0, 0.85), (1, None, 0.83), (1, 150.0, 0.82)):  # seed 1 rerun: the later counts
+        files.append(tmp_path / f"r{len(files)}.json")
+        files[-1].write_text(json.dumps(report_of(seed, t, final)))
+    combined = combine(read_reports([str(f) for f in files]))
+    compute = combined["testbed-compute"]
+    assert sorted(compute["seeds"]) == ["0", "1"] and compute["speedup_vs_fedavg"]["median"] == pytest.approx(2.5)
+    assert compute["final_minus_fedavg"]["min"] == pytest.approx(-0.02)
+    assert compute["final_minus_fedavg"]["max"] == pytest.approx(0.01)
+    assert "testbed-compute (compute regime): fleet reaches the target 2.50x sooner" in combined_table(combined)
+    assert "2.50x sooner" in combined_table(combined) and "seed 1 2.00x" in combined_table(combined)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"--combine: .*bad.json is not a report of this bench"):
+        read_reports([str(tmp_path / "bad.json")])
 
 
 def test_a_deployed_device_reports_its_process_start_once():
@@ -147,3 +213,10 @@ def test_a_deployed_device_reports_its_process_start_once():
     tasks._HANDLED[0] = 0
     first, second = tasks.readiness(), tasks.readiness()
     assert first[keys.READY_S] > 0 and second == {}  # a simulation worker's later messages: no lifetime
+
+
+def test_too_few_rounds_stop_the_bench_before_any_device_starts(capsys):
+    from fleet.cli import main
+
+    assert main(["bench", "testbed", "--rounds", "1"]) == 2
+    assert "--rounds: an integer >= 2" in capsys.readouterr().err

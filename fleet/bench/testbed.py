@@ -8,17 +8,19 @@ Design notes:
   the same devices and run until one of their rounds ends past that budget; only the rounds that ended
   within it count.
 * **Real seconds.** A run's clock is the server's ``wall_time_s``: its rounds' wall seconds from the first
-  round's opening (the devices' first profiling included, the same for every method). Time to target is
-  that clock when the global accuracy first reaches ``target`` x FedAvg's final accuracy.
-* **Where a device's round goes.** The server times each reply (``wall_s``: sending the message to pulling
-  the reply); the device reports its compute and ``ready_s`` (its ClientApp process's start, imports and
-  setup, paid on every message); the transfers are the bytes at the link's rate; the rest is neither
-  (polling, serialization).
-* **The simulator against it.** ``fleet simulate`` runs the fleet method with one class per testbed class:
-  its devices' own measured profile, its uplink and downlink, and its start (the median ``ready_s`` of
-  FedAvg's rounds: another run than the one it is compared with). Per class, predicted and measured
-  round are medians over rounds of the class's slowest device. ``compute_upload_s`` keeps the older
-  model's figure (compute and upload only), to show what start and download add.
+  round's opening (the devices' first profiling included, the same for every method).
+* **A target FedAvg reaches late.** The accuracy the bench judges is the global model's on the server's
+  balanced test split (``evaluation.server_test``: a thousand images, where the devices' own splits of tens
+  each move by points from round to round). The target is FedAvg's final figure less one point, so FedAvg
+  itself should reach it only in its last two rounds; a target FedAvg passes sooner tells no method apart,
+  and the report says so (``fedavg_reaches_target_late``). Time to target is the clock when a method's
+  figure first reaches it; "not reached" where it never does.
+* **Accuracy over the budget.** A method's mean accuracy is the area under its accuracy-against-seconds
+  step curve over the budget, divided by it: the start model's figure until its first round closes.
+* **Two regimes.** simulations/testbed.yaml is upload-bound (ResNet-18 at 16 px: a pi4's upload outlasts
+  its ten steps); simulations/testbed-compute.yaml makes training the slow part, as on a real board (32 px,
+  more local steps). The report names the regime the run measured: the slowest class's compute against its
+  transfers under FedAvg (``compute`` at 2x or more), and holds fleet to that regime's speed target.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import yaml
 from fleet.engine.config import config_to_dict
 from fleet.engine.device_profile import DeviceProfile
 from fleet.federated.class_config import DeviceClassConfig
-from fleet.federated.config import FleetConfig, run_dir
+from fleet.federated.config import FleetConfig, pipelined, run_dir
 from fleet.federated.device import DEVICES_DIR
 from fleet.federated.testbed_config import TestbedConfig
 from fleet.federated.tracking import read_records
@@ -41,7 +43,12 @@ from fleet.testbed.run import TestbedRun, run_testbed
 
 METHODS = ("fedavg", "naive", "fleet")
 ROUND_CAP = 3  # an elastic method may take this many times FedAvg's rounds to fill its budget
-SPEED_TARGET, ACCURACY_SLACK, SIMULATOR_ERROR = 3.0, 0.005, 0.15  # the targets the report checks
+ACCURACY_SLACK, SIMULATOR_ERROR = 0.005, 0.15  # the targets the report checks
+TARGET_DROP = 0.01  # the target is FedAvg's final accuracy less this: a figure FedAvg reaches only late
+ACCURACY = "server_accuracy"  # the figure the bench judges: the server's balanced test split
+# How much sooner than FedAvg fleet should reach the target, by the regime a run measured (regime_of).
+SPEED_TARGETS = {"upload": 2.0, "compute": 3.0}
+COMPUTE_RATIO = 2.0  # a compute regime: the slowest class computes at least 2x its transfer time under FedAvg
 
 
 def method_config(cfg: FleetConfig, method: str, rounds: int, weights: str | None) -> FleetConfig:
@@ -56,9 +63,23 @@ def within(records: list[dict], budget_s: float | None) -> list[dict]:
     return [r for r in records if budget_s is None or r["wall_time_s"] <= budget_s + 1e-9]
 
 
-def time_to_target(records: list[dict], target: float) -> float | None:
-    hit = next((r for r in records if (r.get("global_accuracy") or 0.0) >= target), None)
-    return None if hit is None else hit["wall_time_s"]
+def first_reaching(records: list[dict], target: float, key: str = ACCURACY) -> dict | None:
+    """The first round whose ``key`` reaches ``target``; None if none does."""
+    return next((r for r in records if (r.get(key) or 0.0) >= target), None)
+
+
+def mean_accuracy(curve: list[list], start: float | None, budget_s: float) -> float | None:
+    """The area under the step curve of ``(seconds, accuracy)`` over ``[0, budget_s]``, divided by the
+    budget: ``start`` (the start model's figure) until the first point, each point's until the next."""
+    if start is None or budget_s <= 0:
+        return None
+    area, t, acc = 0.0, 0.0, start
+    for when, value in curve:
+        if value is None or when > budget_s + 1e-9:
+            continue
+        area += acc * (when - t)
+        t, acc = when, value
+    return (area + acc * (budget_s - t)) / budget_s
 
 
 def last_evaluated(records: list[dict], key: str) -> float | None:
@@ -82,6 +103,7 @@ def device_entries(run: TestbedRun, records: list[dict], download_bytes: int) ->
         sent, received = run.traffic.get(name, (None, None))
         out[name] = {
             "class": cls.name,
+            "cpu": cls.cpu,
             "rounds": len(rows),
             "round_s": _median([d["wall_s"] for d in rows]),
             "compute_s": _median([d["measured_time_s"] for d in rows]),
@@ -107,18 +129,32 @@ def download_bytes(cfg: FleetConfig) -> int:
     return shared_bytes(initial_arrays(cfg), frozenset(), cfg.federation.transfer)
 
 
-def method_entry(run: TestbedRun, budget_s: float | None, target: float | None, down: int) -> dict:
+def method_entry(run: TestbedRun, budget_s: float, target: float, start: float | None, down: int) -> dict:
     """One method's figures over its rounds within the budget."""
     records = within(run.records, budget_s)
+    curve = [[r["wall_time_s"], r.get(ACCURACY)] for r in records]
+    hit = first_reaching(records, target)
     return {
         "rounds": len(records),
         "wall_s": records[-1]["wall_time_s"] if records else 0.0,
-        "time_to_target_s": None if target is None else time_to_target(records, target),
+        "time_to_target_s": None if hit is None else hit["wall_time_s"],
+        "target_round": None if hit is None else hit["round"],
+        "final_server_accuracy": last_evaluated(records, ACCURACY),
+        "mean_accuracy": mean_accuracy(curve, start, budget_s),
         "final_accuracy": last_evaluated(records, "global_accuracy"),
         "personalized_accuracy_mean": last_evaluated(records, "personal_accuracy"),
-        "curve": [[r["wall_time_s"], r.get("global_accuracy")] for r in records],
+        "curve": curve,
         "devices": device_entries(run, records, down),
     }
+
+
+def start_accuracy(cfg: FleetConfig) -> float:
+    """The start model's (``model.weights``) figure on the server's test split: every method's curve
+    begins there."""
+    from fleet.federated.server_eval import server_accuracy, server_test_set
+    from fleet.federated.server_run import initial_arrays
+
+    return server_accuracy(cfg, initial_arrays(cfg), server_test_set(cfg))
 
 
 def class_start_s(run: TestbedRun, cls: str) -> float:
@@ -150,7 +186,11 @@ def simulation_config(cfg: FleetConfig, fleet: TestbedRun, fedavg: TestbedRun, r
         )
     devices = dataclasses.replace(cfg.devices, num_devices=total, newcomers=0, device_classes=classes)
     sim = method_config(cfg, "fleet", rounds, cfg.model.weights)
-    return dataclasses.replace(sim, name=f"{cfg.name}-simulated", devices=devices, testbed=TestbedConfig())
+    # the rounds the testbed ran: evaluation riding on the next round's training where it was deployed
+    evaluation = dataclasses.replace(cfg.evaluation, pipelined=pipelined(cfg, simulated=False))
+    return dataclasses.replace(
+        sim, name=f"{cfg.name}-simulated", devices=devices, evaluation=evaluation, testbed=TestbedConfig()
+    )
 
 
 def simulate(cfg: FleetConfig, log) -> list[dict]:
@@ -245,14 +285,33 @@ def memory_entries(runs: dict[str, TestbedRun]) -> dict[str, dict]:
     return out
 
 
+def regime_ratio(fedavg: dict) -> float | None:
+    """The slowest class's compute against its transfers (upload and download) under FedAvg: the median over
+    that class's devices (the lowest CPU share) of their median rounds."""
+    devices = list(fedavg["devices"].values())
+    if not devices:
+        return None
+    slowest = min(d["cpu"] for d in devices)
+    ratios = [d["compute_s"] / (d["upload_s"] + d["download_s"]) for d in devices if d["cpu"] == slowest]
+    return statistics.median(ratios)
+
+
+def regime_of(ratio: float | None) -> str:
+    """compute where the slowest class computes at least :data:`COMPUTE_RATIO` x its transfer time, else
+    upload: the regime is measured, not claimed by the config."""
+    return "compute" if ratio is not None and ratio >= COMPUTE_RATIO else "upload"
+
+
 def targets(report: dict) -> dict[str, bool | None]:
     """Each target of the bench, met or not (None: not measurable in this run)."""
     methods, speed = report["methods"], report["fleet"]["speedup_vs_fedavg"]
-    fedavg, fleet = methods["fedavg"]["final_accuracy"], methods["fleet"]["final_accuracy"]
-    errors = [c["error"] for c in report["classes"].values()]
+    fedavg, fleet = methods["fedavg"]["final_server_accuracy"], methods["fleet"]["final_server_accuracy"]
+    late, errors = methods["fedavg"]["target_round"], [c["error"] for c in report["classes"].values()]
     memory = [m for device in report["memory"].values() for m in device.values()]
+    need = SPEED_TARGETS[report["regime"]]
     return {
-        "fleet_3x_sooner_than_fedavg": None if speed is None else speed >= SPEED_TARGET,
+        "fedavg_reaches_target_late": None if late is None else late >= methods["fedavg"]["rounds"] - 1,
+        f"fleet_{need:g}x_sooner_than_fedavg": None if speed is None else speed >= need,
         "fleet_final_within_half_a_point": None if None in (fedavg, fleet) else fleet >= fedavg - ACCURACY_SLACK,
         "simulator_within_15pct_every_class": None
         if None in errors
@@ -263,9 +322,15 @@ def targets(report: dict) -> dict[str, bool | None]:
     }
 
 
+def bench_config(cfg: FleetConfig) -> FleetConfig:
+    """``cfg`` as the bench runs it: the server scores the global model on its balanced test split."""
+    return dataclasses.replace(cfg, evaluation=dataclasses.replace(cfg.evaluation, server_test=True))
+
+
 def run_methods(cfg: FleetConfig, rounds: int, log) -> tuple[dict[str, TestbedRun], FleetConfig]:
     """FedAvg for ``rounds`` rounds, then naive and fleet for its wall clock, all from one start;
     returns the runs and ``cfg`` with that start as its weights."""
+    cfg = bench_config(cfg)
     fedavg = run_testbed(method_config(cfg, "fedavg", rounds, None), [], log)
     start = fedavg.run_dir / "pretrained.pt"
     if cfg.model.weights is None and start.is_file():
@@ -278,22 +343,24 @@ def run_methods(cfg: FleetConfig, rounds: int, log) -> tuple[dict[str, TestbedRu
     return runs, cfg
 
 
-def bench_testbed(cfg: FleetConfig, rounds: int, target_fraction: float, log) -> dict:
+def bench_testbed(cfg: FleetConfig, rounds: int, log) -> dict:
     """The whole bench: the three methods on the testbed, the simulator on its classes, the report."""
     runs, cfg = run_methods(cfg, rounds, log)
-    down = download_bytes(cfg)
+    down, start = download_bytes(cfg), start_accuracy(cfg)
     budget = runs["fedavg"].records[-1]["wall_time_s"]
-    fedavg_final = method_entry(runs["fedavg"], None, None, down)["final_accuracy"] or 0.0
-    target = target_fraction * fedavg_final
-    methods = {m: method_entry(runs[m], None if m == "fedavg" else budget, target, down) for m in METHODS}
+    target = (last_evaluated(runs["fedavg"].records, ACCURACY) or 0.0) - TARGET_DROP
+    methods = {m: method_entry(runs[m], budget, target, start, down) for m in METHODS}
     log(f"bench: the simulator on the testbed's classes, {len(runs['fleet'].records)} rounds of fleet")
     simulated = simulate(simulation_config(cfg, runs["fleet"], runs["fedavg"], len(runs["fleet"].records)), log)
     report = {
         "config": cfg.name,
+        "seed": cfg.train.seed,
         "budget_s": budget,
-        "target_fraction": target_fraction,
+        "start_accuracy": start,
         "target_accuracy": target,
         "download_bytes": down,
+        "compute_to_transfer": regime_ratio(methods["fedavg"]),
+        "regime": regime_of(regime_ratio(methods["fedavg"])),
         "methods": methods,
         "classes": class_entries(cfg, runs["fleet"], runs["fedavg"], simulated),
         "memory": memory_entries(runs),
@@ -310,22 +377,27 @@ def _pct(v: float | None) -> str:
 
 
 def _s(v: float | None) -> str:
-    return "   never" if v is None else f"{v:7.0f}s"
+    return "not reached" if v is None else f"{v:.0f}s"
 
 
 def bench_table(report: dict) -> str:
     """The methods, then the classes (measured against predicted), then the targets."""
     lines = [
-        f"target {_pct(report['target_accuracy'])} ({100 * report['target_fraction']:.0f}% of FedAvg's final), "
+        f"{report['regime']} regime (the slowest class computes {report['compute_to_transfer'] or 0:.1f}x its "
+        f"transfer time), seed {report['seed']}: target {_pct(report['target_accuracy'])} on the server's test "
+        f"split (FedAvg's final less {100 * TARGET_DROP:g} point), start {_pct(report['start_accuracy'])}, "
         f"budget {report['budget_s']:.0f} wall seconds",
-        f"{'method':>7} {'rounds':>6} {'to target':>9} {'final':>6} {'personal':>8} {'speedup':>8}",
+        f"{'method':>7} {'rounds':>6} {'to target':>11} {'final':>6} {'mean':>6} {'devices':>7} {'personal':>8} "
+        f"{'speedup':>8}",
     ]
     for m, e in report["methods"].items():
         speed = (report.get(m) or {}).get("speedup_vs_fedavg")
         lines.append(
-            f"{m:>7} {e['rounds']:>6} {_s(e['time_to_target_s']):>9} {_pct(e['final_accuracy']):>6} "
-            f"{_pct(e['personalized_accuracy_mean']):>8} {'' if speed is None else f'{speed:.2f}x':>8}"
+            f"{m:>7} {e['rounds']:>6} {_s(e['time_to_target_s']):>11} {_pct(e['final_server_accuracy']):>6} "
+            f"{_pct(e['mean_accuracy']):>6} {_pct(e['final_accuracy']):>7} {_pct(e['personalized_accuracy_mean']):>8} "
+            f"{'' if speed is None else f'{speed:.2f}x':>8}"
         )
+    lines.append("final, mean (over the budget): the server's test split; devices: the devices' own splits")
     lines.append(
         f"{'class':>7} {'cpu':>5} {'up/down Mbit/s':>14} {'full step':>9} {'start':>6} "
         f"{'measured':>8} {'predicted':>9} {'error':>6} {'before':>7}"
@@ -353,10 +425,14 @@ def plot_bench(report: dict, stem: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for m, e in report["methods"].items():
-        pts = [(t, a) for t, a in e["curve"] if a is not None]
-        ax.plot([t for t, _ in pts], [100 * a for _, a in pts], marker="o", label=m)
+        pts = [(0.0, report["start_accuracy"])] + [(t, a) for t, a in e["curve"] if a is not None]
+        ax.step([t for t, _ in pts], [100 * a for _, a in pts], where="post", marker="o", label=m)
     ax.axhline(100 * report["target_accuracy"], color="grey", linestyle=":", label="target")
-    ax.set(xlabel="wall-clock seconds", ylabel="global accuracy (%)", title="emulated fleet, real time")
+    ax.set(
+        xlabel="wall-clock seconds",
+        ylabel="global accuracy, server's test split (%)",
+        title=f"emulated fleet, real time ({report['regime']} regime)",
+    )
     ax.legend()
     paths = [stem.with_name(f"{stem.name}-accuracy.png")]
     fig.savefig(paths[0], dpi=120, bbox_inches="tight")

@@ -63,7 +63,13 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--rounds", type=int, default=BENCH_ROUNDS, help="FedAvg's rounds; their wall clock is every method's budget"
     )
-    p.add_argument("--target", type=float, default=0.95, help="target = this fraction of FedAvg's final accuracy")
+    p.add_argument(
+        "--combine",
+        nargs="+",
+        metavar="REPORT",
+        help="pool these reports of the bench (a seed and a config each, e.g. --set train.seed=1) into one, per config",
+    )
+    p.add_argument("--out", help="with --combine: the combined report's path (default: runs/testbed-combined.json)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_runtime_flag(p)
     p.set_defaults(func=run_bench)
@@ -80,14 +86,33 @@ def run_bench(args: argparse.Namespace) -> int:
     from fleet.federated.config import load_fleet_config
     from fleet.testbed.run import check_requirements
 
-    if args.rounds < 1 or not 0 < args.target <= 1:
-        raise ConfigError("--rounds: an integer >= 1, and --target a fraction in (0, 1], e.g. --rounds 4 --target 0.95")
+    if args.combine:
+        return combine_bench(args)
+    if args.rounds < 2:
+        raise ConfigError(
+            f"--rounds: an integer >= 2 (FedAvg should reach the target in its last two), not {args.rounds}"
+        )
     overrides = {k: v for k, v in _overrides(args).items() if k != "federation.rounds"}
     cfg = load_fleet_config(args.config, overrides)
     check_requirements(cfg)
-    report = bench_testbed(cfg, args.rounds, args.target, progress_log(args.json))
-    out = Path(cfg.output_dir) / f"{cfg.name}-bench.json"
+    report = bench_testbed(cfg, args.rounds, progress_log(args.json))
+    out = Path(cfg.output_dir) / f"{cfg.name}-bench-seed{cfg.train.seed}.json"
     report["plots"] = [str(p) for p in plot_bench(report, out.with_suffix(""))]
     out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2) if args.json else f"{bench_table(report)}\nwrote {out}")
+    return 0
+
+
+def combine_bench(args: argparse.Namespace) -> int:
+    """``--combine``: the reports pooled per regime, written as JSON, printed as a table (or the JSON)."""
+    import json
+    from pathlib import Path
+
+    from fleet.bench.testbed_seeds import combine, combined_table, read_reports
+
+    combined = combine(read_reports(args.combine))
+    out = Path(args.out or "runs/testbed-combined.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(combined, indent=2))
+    print(json.dumps(combined, indent=2) if args.json else f"{combined_table(combined)}\nwrote {out}")
     return 0

@@ -288,7 +288,7 @@ def memory_entries(runs: dict[str, TestbedRun]) -> dict[str, dict]:
 def regime_ratio(fedavg: dict) -> float | None:
     """The slowest class's compute against its transfers (upload and download) under FedAvg: the median over
     that class's devices (the lowest CPU share) of their median rounds."""
-    devices = list(fedavg["devices"].values())
+    devices = [d for d in fedavg["devices"].values() if d["cpu"] is not None]  # an unlimited class is not slow
     if not devices:
         return None
     slowest = min(d["cpu"] for d in devices)

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from fleet.base.errors import ConfigError, FleetError
+from fleet.base.yaml_text import load_yaml
 from fleet.data.shift import ShiftConfig, check_shift
 from fleet.engine.accelerator import DEVICES
 
@@ -372,7 +373,7 @@ def parse_override(text: str) -> tuple[str, Any]:
             f"--set {text}: empty value; give a value (e.g. --set {key}=VALUE), or null to clear a field that allows it"
         )
     try:
-        value = yaml.safe_load(raw)
+        value = load_yaml(raw)
     except yaml.YAMLError:
         value = raw
     return key, NULL if value is None else value
@@ -443,7 +444,7 @@ def read_yaml_mapping(path: str | Path, shown: str | Path | None = None) -> dict
         raise ConfigError(f"config file {shown or path} not found; pass an existing YAML file (see simulations/)")
     text = read_text_file(path, f"config file {shown or path}", "save it as UTF-8 YAML (see simulations/)")
     try:
-        data = yaml.safe_load(text) or {}
+        data = load_yaml(text) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -14,6 +14,7 @@ import yaml
 
 from fleet.base.atomic import write_text_atomic
 from fleet.base.errors import ProfileMismatchError
+from fleet.base.yaml_text import YamlRefused, load_yaml
 from fleet.engine.config import read_text_file
 
 FORMAT_VERSION = 1
@@ -200,9 +201,12 @@ class DeviceProfile:
             raise ProfileMismatchError(f"{what} not found; create it with `fleet profile --out {path}`")
         text = read_text_file(path, what, "re-create it with `fleet profile`", ProfileMismatchError)
         try:
-            data = yaml.safe_load(text)
+            data = load_yaml(text)
         except yaml.YAMLError as exc:
             line = getattr(getattr(exc, "problem_mark", None), "line", None)
             where = f" at line {line + 1}" if line is not None else ""
-            raise ProfileMismatchError(f"{what} is not valid YAML{where}; re-create it with `fleet profile`") from None
+            why = f": {exc.problem}" if isinstance(exc, YamlRefused) else ""
+            raise ProfileMismatchError(
+                f"{what} is not valid YAML{where}{why}; re-create it with `fleet profile`"
+            ) from None
         return cls.from_dict(data, source=f"{field}: profile {path}" if field else f"profile {path}")

@@ -1,0 +1,61 @@
+"""The one YAML reader: duplicate keys, aliases that expand to billions of values and deep nesting are each a
+one-line error naming the file, through every command that reads YAML, and honest files still load."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from fleet.base.errors import ConfigError
+from fleet.base.yaml_text import MAX_NODES, load_yaml
+from fleet.cli import main
+from fleet.engine.device_profile import DeviceProfile, ProfileMismatchError
+from fleet.federated.config import load_fleet_config
+
+LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(8)
+)  # 10^9 values once expanded, in about 400 bytes
+DEEP = "[" * 5000 + "]" * 5000
+
+
+def test_honest_yaml_loads_as_plain_data_aliases_included():
+    assert load_yaml("a: &x {b: 1}\nc: *x\n") == {"a": {"b": 1}, "c": {"b": 1}}
+    assert load_yaml("") is None and load_yaml("- 1\n- 2\n") == [1, 2]
+
+
+def test_a_second_key_of_the_same_name_is_refused_with_its_line(tmp_path):
+    path = tmp_path / "fleet.yaml"
+    path.write_text("data:\n  dataset: fashion-mnist\ntrain:\n  lr: 0.1\ndata:\n  input_size: 16\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML at line 5, column 1: duplicate key 'data'") as err:
+        load_fleet_config(str(path))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("text", [LAUGHS, f"model: {DEEP}\n"], ids=["billion-laughs", "5000-brackets"])
+def test_a_config_too_large_or_deep_is_refused_at_once(tmp_path, text, capsys):
+    path = tmp_path / "fleet.yaml"
+    path.write_text(text)
+    started = time.monotonic()
+    assert main(["simulate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert time.monotonic() - started < 10 and len(err) < 400 and err.count("\n") == 1
+    assert f"{MAX_NODES:,} values" in err or "nested more than 64 levels" in err
+
+
+@pytest.mark.parametrize("text", [LAUGHS, DEEP, "t_fw: 1\nt_fw: 2\n"], ids=["laughs", "deep", "duplicate"])
+def test_a_profile_too_large_deep_or_doubled_is_one_line(tmp_path, text):
+    path = tmp_path / "profile.yaml"
+    path.write_text(text)
+    with pytest.raises(ProfileMismatchError, match=r"profile file .* is not valid YAML.*re-create it") as err:
+        DeviceProfile.load(path, field="hardware.profile")
+    assert "hardware.profile" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_trace_of_nested_brackets_is_one_line(tmp_path, capsys):
+    trace = tmp_path / "trace.yaml"
+    trace.write_text(DEEP)
+    cfg = tmp_path / "fleet.yaml"
+    cfg.write_text(f"devices:\n  device_classes:\n    - name: a\n      trace: {trace}\n")
+    assert main(["simulate", str(cfg)]) == 2
+    assert "nested more than 64 levels" in capsys.readouterr().err

@@ -32,6 +32,36 @@ class TensorTiming:
     t_dy: float  # input-gradient time of its layer; non-zero only on a layer's first tensor
 
 
+def _number(v: object, low: float, strict: bool) -> bool:
+    """A real number (not a bool, a string or null), finite, above ``low`` (or at it, unless ``strict``)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return False
+    return v > low if strict else v >= low
+
+
+def first_problem(profile: DeviceProfile) -> str | None:
+    """The first field of a loaded profile whose type or value no measurement gives, else None: a string
+    time crashed the timing model, and a negative speed factor predicted negative steps and selected nothing."""
+    for key in ("t_fw", "speed_factor"):
+        if not _number(getattr(profile, key), 0, strict=True):
+            return f"{key} {getattr(profile, key)!r} is not a positive number of seconds or factor"
+    for key in ("model", "host", "calibration"):
+        if not isinstance(getattr(profile, key), dict):
+            return f"{key} {getattr(profile, key)!r} is not a mapping"
+    for key in ("batch_size", "input_size"):
+        v = getattr(profile, key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            return f"{key} {v!r} is not a whole number >= 1"
+    for t in profile.tensors:
+        for key in ("t_dw", "t_opt", "t_dy"):
+            if not _number(getattr(t, key), 0, strict=False):
+                return f"tensor {t.name!r}: {key} {getattr(t, key)!r} is not a number of seconds >= 0"
+        shape_ok = isinstance(t.shape, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in t.shape)
+        if not (isinstance(t.name, str) and isinstance(t.layer, str) and shape_ok):
+            return f"tensor {t.name!r}: its name, layer or shape is not text, text and a list of whole numbers"
+    return None
+
+
 @dataclass
 class DeviceProfile:
     """Measured costs of training each tensor of one model on one device."""
@@ -172,13 +202,9 @@ class DeviceProfile:
             profile = cls(tensors=tensors, **d)
         except (TypeError, KeyError) as exc:
             raise ProfileMismatchError(f"{source} is malformed ({exc}); re-create it with `fleet profile`") from None
-        bad = [
-            t.name for t in profile.tensors if not all(math.isfinite(v) and v >= 0 for v in (t.t_dw, t.t_opt, t.t_dy))
-        ]
-        if bad or not (math.isfinite(profile.t_fw) and profile.t_fw > 0):
-            raise ProfileMismatchError(
-                f"{source} holds invalid times (first: {bad[0] if bad else 't_fw'}); re-create it with `fleet profile`"
-            )
+        problem = first_problem(profile)
+        if problem is not None:
+            raise ProfileMismatchError(f"{source}: {problem}; re-create it with `fleet profile`")
         mb = profile.memory_budget_mb
         if mb is not None and not (isinstance(mb, (int, float)) and math.isfinite(mb) and mb > 0):
             raise ProfileMismatchError(

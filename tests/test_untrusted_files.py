@@ -1,5 +1,5 @@
-"""The one YAML reader: duplicate keys, aliases that expand to billions of values and deep nesting are each a
-one-line error naming the file, through every command that reads YAML, and honest files still load."""
+"""Files a user or a device hands fleet: duplicate YAML keys, aliases that expand to billions of values, deep
+nesting and profile fields of the wrong type or sign are each a one-line error naming the file and the field."""
 
 from __future__ import annotations
 
@@ -59,3 +59,29 @@ def test_a_trace_of_nested_brackets_is_one_line(tmp_path, capsys):
     cfg.write_text(f"devices:\n  device_classes:\n    - name: a\n      trace: {trace}\n")
     assert main(["simulate", str(cfg)]) == 2
     assert "nested more than 64 levels" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (lambda d: d["tensors"][0].update(t_dw="fast"), "t_dw 'fast'"),
+        (lambda d: d.update(t_fw=None), "t_fw None"),
+        (lambda d: d.update(speed_factor=-2), "speed_factor -2"),
+        (lambda d: d.update(batch_size="32"), "batch_size '32'"),
+        (lambda d: d.update(model="resnet18"), "model 'resnet18'"),
+        (lambda d: d["tensors"][0].update(shape="big"), "shape"),
+    ],
+    ids=["string-time", "null-forward", "negative-speed", "string-batch", "model-string", "shape-string"],
+)
+def test_a_profile_field_of_the_wrong_type_or_sign_is_named_in_one_line(tmp_path, change, named):
+    import yaml
+
+    from fleet.federated.paths import resolve_path
+
+    data = yaml.safe_load(resolve_path("profiles/resnet18-16px-host.yaml").read_text())
+    change(data)
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ProfileMismatchError, match="re-create it with `fleet profile`") as err:
+        DeviceProfile.load(path, field="hardware.profile")
+    assert named in str(err.value) and "\n" not in str(err.value)

@@ -156,3 +156,33 @@ def test_a_fedscale_trace_drives_a_thousand_device_simulation(tmp_path):
         assert rec["online"] == len(up) and set(rec["offline"]) == set(client) - up
         assert len(rec["sampled"]) == 16 and set(rec["sampled"]) <= up  # nobody offline is sampled
     assert len({r["online"] for r in records}) > 1  # the count moves with the trace, round by round
+
+
+def _huge_bytes_pickle() -> bytes:
+    """14 bytes: protocol 4, BINBYTES8 declaring a 1 TiB object, and nothing after it."""
+    return b"\x80\x04" + b"\x8e" + (2**40).to_bytes(8, "little") + b"."
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("cap.pkl", _huge_bytes_pickle(), "declares an object larger than this machine's memory"),
+        ("cap.json", b"[" * 100_000 + b"]" * 100_000, "nested too deeply to read"),
+        ("cap.pkl", pickle.dumps({1: {"computation": 10**400, "communication": 8000.0}}), "share no client"),
+        ("cap.json", b'{"1": {"computation": 1' + b"0" * 400 + b', "communication": 8000.0}}', "share no client"),
+    ],
+    ids=["1-TiB-pickle", "deep-json", "400-digit-pickle", "400-digit-json"],
+)
+def test_a_hostile_capacity_file_is_one_line_not_a_crash(tmp_path, name, content, message):
+    (tmp_path / name).write_bytes(content)
+    _, beh = write(tmp_path, ".pkl")
+    with pytest.raises(ConfigError, match=message) as err:
+        load_clients(str(tmp_path / name), beh)
+    assert "\n" not in str(err.value)
+
+
+def test_a_400_digit_time_in_a_behaviour_file_drops_that_client_only(tmp_path):
+    cap, _ = write(tmp_path, ".pkl")
+    behaviour = {**BEHAVIOUR, 2: {"active": [10**400], "inactive": [40], "finish_time": 100}}
+    (tmp_path / "beh.pkl").write_bytes(pickle.dumps(behaviour))
+    assert [c.client_id for c in load_clients(cap, str(tmp_path / "beh.pkl")).clients] == ["1", "3"]

@@ -60,6 +60,12 @@ def read_data_file(path: str, where: str) -> dict:
             data = json.load(f) if file.suffix == ".json" else DataOnly(f).load()
     except (pickle.UnpicklingError, ValueError, EOFError, TypeError, IndexError, KeyError, AttributeError) as exc:
         raise ConfigError(f"{where}: {path} is refused: {exc}; give FedScale's device file as plain data") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: {path} is nested too deeply to read; give FedScale's device file") from None
+    except MemoryError:  # a counted string whose declared length the unpickler allocates before reading it
+        raise ConfigError(
+            f"{where}: {path} declares an object larger than this machine's memory; give FedScale's device file"
+        ) from None
     if not isinstance(data, dict) or not data:
         raise ConfigError(f"{where}: {path} holds no mapping of client ids; give FedScale's device file")
     return data
@@ -88,8 +94,18 @@ class Client:
         return self.trace.wait_s(0, t)
 
 
+def _real(value: Any) -> bool:
+    """A number a float holds: a 400-digit integer in a file is refused here, not an OverflowError later."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
 def _positive(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+    return _real(value) and value > 0
 
 
 def behaviour_of(entry: Any) -> tuple[float, tuple[tuple[float, float], ...]] | None:
@@ -99,7 +115,7 @@ def behaviour_of(entry: Any) -> tuple[float, tuple[tuple[float, float], ...]] | 
     active, inactive, finish = entry.get("active"), entry.get("inactive"), entry.get("finish_time")
     if not (_positive(finish) and isinstance(active, list) and isinstance(inactive, list)):
         return None
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in active + inactive):
+    if not all(_real(v) for v in active + inactive):
         return None
     pairs = tuple((float(a) % finish, float(b) % finish or float(finish)) for a, b in zip(active, inactive))
     return float(finish), tuple((a, b) for a, b in pairs if a < b)

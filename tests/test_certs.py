@@ -92,7 +92,12 @@ def test_an_out_folder_that_cannot_be_made_is_one_line(tmp_path, capsys):
     "argv, message",
     [
         ([], "--san: name the address the devices dial"),
-        (["--san", "10.0.0.5", "--san", "DNS:two words"], "--san DNS:two words: give a host name"),
+        (["--san", "10.0.0.5", "--san", "DNS:two words"], "--san DNS:two words: not a host name"),
+        (["--san", "DNS:bücher.lan"], "write its IDNA form, DNS:xn--bcher-kva.lan"),
+        (["--san", "192.168.1.300"], "looks like an IP address but is not one"),
+        (["--san", "DNS:-bad..lan"], "not a host name"),
+        (["--san", "10.0.0.5", "--device", ".."], "--device '..': use 1-64 letters"),
+        (["--san", "10.0.0.5", "--device", "pi1", "--device", "pi1"], "--device pi1: named twice"),
         (["--san", "IP:not-an-ip"], "--san IP:not-an-ip: 'not-an-ip' is not an IP address"),
         (["--san", "10.0.0.5", "--device", "pi 1"], "--device 'pi 1': use 1-64 letters"),
         (["--san", "10.0.0.5", "--days", "0"], "--days: 0 is not allowed"),

@@ -22,6 +22,7 @@ from pathlib import Path
 from fleet.base.errors import ConfigError
 
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+LABEL_CHARS = NAME_CHARS - set("_.")  # a DNS label's: letters, digits and '-'
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,9 +51,29 @@ def parse_san(text: str):
         if not _is_ip(value):
             raise ConfigError(f"--san {text}: {value!r} is not an IP address; write IP:192.168.1.10 or DNS:server.lan")
         return x509.IPAddress(ipaddress.ip_address(value))
-    if not value or any(c.isspace() for c in value):
-        raise ConfigError(f"--san {text}: give a host name, e.g. DNS:server.lan")
+    problem = dns_problem(value)
+    if problem is not None:
+        raise ConfigError(f"--san {text}: {problem}")
     return x509.DNSName(value)
+
+
+def dns_problem(name: str) -> str | None:
+    """Why ``name`` is no host name a certificate can hold (ASCII labels of letters, digits and '-', the
+    last not all digits), with the fix; None when it is one."""
+    if not name:
+        return "give a host name, e.g. DNS:server.lan"
+    if not name.isascii():
+        try:
+            ascii_form = name.encode("idna").decode()
+        except UnicodeError:
+            return "not a host name; give ASCII letters, digits, '-' and '.', e.g. DNS:server.lan"
+        return f"a certificate holds ASCII names; write its IDNA form, DNS:{ascii_form}"
+    labels = name.rstrip(".").split(".")
+    if len(name) > 253 or not all(label and len(label) <= 63 and set(label) <= LABEL_CHARS for label in labels):
+        return "not a host name; give labels of ASCII letters, digits and '-', e.g. DNS:server.lan"
+    if labels[-1].isdigit():
+        return "looks like an IP address but is not one; write a valid address, e.g. IP:192.168.1.10"
+    return None
 
 
 def _is_ip(text: str) -> bool:
@@ -73,9 +94,14 @@ def check_args(args: argparse.Namespace) -> tuple[Path, list, bool]:
     or on a file that exists (nothing is written then)."""
     if not 1 <= args.days <= 3650:
         raise ConfigError(f"--days: {args.days} is not allowed; use 1 to 3650")
-    bad = next((d for d in args.device if not d or not set(d) <= NAME_CHARS or len(d) > 64), None)
+    bad = next((d for d in args.device if not d or not set(d) <= NAME_CHARS or len(d) > 64 or not d[0].isalnum()), None)
     if bad is not None:
-        raise ConfigError(f"--device {bad!r}: use 1-64 letters, digits, '-', '_' or '.'")
+        raise ConfigError(
+            f"--device {bad!r}: use 1-64 letters, digits, '-', '_' or '.', starting with a letter or digit"
+        )
+    twice = next((d for i, d in enumerate(args.device) if d in args.device[:i]), None)
+    if twice is not None:
+        raise ConfigError(f"--device {twice}: named twice; give each device once")
     out = Path(args.out).expanduser()
     if (out / "ca.key").exists() and args.san:
         raise ConfigError(f"--san: {out / 'ca.key'} exists; to make a new server certificate, use a new --out folder")

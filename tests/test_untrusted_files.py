@@ -85,3 +85,15 @@ def test_a_profile_field_of_the_wrong_type_or_sign_is_named_in_one_line(tmp_path
     with pytest.raises(ProfileMismatchError, match="re-create it with `fleet profile`") as err:
         DeviceProfile.load(path, field="hardware.profile")
     assert named in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("text", ["just: garbage\n", "fleet_profile: 1\nt_fw: 1\n"], ids=["garbage", "malformed"])
+def test_personalize_refuses_a_bad_profile_before_it_pretrains(tmp_path, capsys, text):
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(text)
+    started = time.monotonic()
+    argv = ["personalize", "--profile", str(profile), "--set", f"output_dir={tmp_path / 'runs'}"]
+    assert main(argv) == 2
+    assert time.monotonic() - started < 30  # pretraining alone took about 110 s
+    err = capsys.readouterr().err
+    assert "hardware.profile" in err and err.count("\n") == 1 and not list(tmp_path.rglob("*.pt"))

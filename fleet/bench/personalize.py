@@ -24,11 +24,13 @@ def personalize(
     cfg: ExperimentConfig, methods: Sequence[str] | None = None, log: Callable[[str], None] = print
 ) -> tuple[dict, Path]:
     methods = list(methods or cfg.methods)
-    checkpoint = cfg.model.weights or str(ensure_pretrained(cfg, log))
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, weights=checkpoint, reset_head=True))
     if cfg.hardware.profile is not None:  # a reference profile in profiles/ is found from any working directory
         profile_file = str(resolve_path(cfg.hardware.profile))
         cfg = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, profile=profile_file))
+        # checked before pretraining: a wrong file is a one-line error at once, not after minutes of training
+        obtain_profile(cfg, make_model(dataclasses.replace(cfg.model, weights=None), cfg.train.seed))
+    checkpoint = cfg.model.weights or str(ensure_pretrained(cfg, log))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, weights=checkpoint, reset_head=True))
     out = experiment_dir(cfg)
     train_ds, test_ds = load_data(cfg.data, cfg.train.seed)
     profile = obtain_profile(cfg, make_model(cfg.model, cfg.train.seed), out / "device-profile.yaml", log=log)

@@ -97,3 +97,33 @@ def test_personalize_refuses_a_bad_profile_before_it_pretrains(tmp_path, capsys,
     assert time.monotonic() - started < 30  # pretraining alone took about 110 s
     err = capsys.readouterr().err
     assert "hardware.profile" in err and err.count("\n") == 1 and not list(tmp_path.rglob("*.pt"))
+
+
+@pytest.mark.parametrize(
+    "profile, extra, message",
+    [
+        ("garbage", [], "is not a fleet device profile"),
+        ("profiles/resnet18-32px-5cls-host.yaml", [], "does not match the model"),
+        ("profiles/resnet18-16px-host.yaml", ["--set", "train.batch_size=16"], "measured at batch size 32"),
+    ],
+    ids=["garbage", "other-model", "other-batch"],
+)
+def test_a_testbed_class_profile_is_checked_before_anything_starts(tmp_path, capsys, profile, extra, message):
+    from fleet.federated.paths import resolve_path
+
+    if profile == "garbage":
+        (tmp_path / "garbage.yaml").write_text("just: garbage\n")
+        path = tmp_path / "garbage.yaml"
+    else:
+        path = resolve_path(profile)
+    cfg = tmp_path / "tb.yaml"
+    cfg.write_text(
+        "model: {name: resnet18, num_classes: 10, in_channels: 1}\ndata: {dataset: fashion-mnist, input_size: 16}\n"
+        f"testbed:\n  classes:\n    - {{name: pi, count: 1, profile: {path}}}\n"
+    )
+    started = time.monotonic()
+    assert main(["testbed", str(cfg), "--set", f"output_dir={tmp_path / 'runs'}", *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "testbed.classes (pi).profile" in err and err.count("\n") == 1
+    assert time.monotonic() - started < 20 and not list(tmp_path.rglob("*.pt"))  # nothing pretrained
+    assert not list(tmp_path.rglob("logs/*"))  # no SuperLink or SuperNode started

@@ -99,15 +99,26 @@ def next_quota(tried: list[tuple[float, float]], target_s: float) -> float:
     return min(1.0, max(MIN_CPU, guess))
 
 
-def calibrate_classes(cfg: FleetConfig, config: Path, work: Path, log: Callable[[str], None]) -> FleetConfig:
-    """``cfg`` with every class that gives a ``profile`` given the quota that matches it, each printed."""
-    classes = []
+def class_profiles(cfg: FleetConfig) -> dict[str, DeviceProfile]:
+    """Each class's ``profile`` read and checked against the fleet's model, batch and input size, by class
+    name: a garbage file, another model's or another batch size's is a one-line error before anything starts."""
+    out = {}
     for c in cfg.testbed.classes:
         if c.profile is not None:
             what = f"testbed.classes ({c.name}).profile"
             profile = DeviceProfile.load(resolve_path(c.profile), field=what)
             model, batch, size = make_model(cfg.model), cfg.train.batch_size, cfg.data.input_size
             check_profile(profile, model, batch, size, f"profile {c.profile} ({what})")
+            out[c.name] = profile
+    return out
+
+
+def calibrate_classes(cfg: FleetConfig, config: Path, work: Path, log: Callable[[str], None]) -> FleetConfig:
+    """``cfg`` with every class that gives a ``profile`` given the quota that matches it, each printed."""
+    classes, profiles = [], class_profiles(cfg)
+    for c in cfg.testbed.classes:
+        if c.name in profiles:
+            what, profile = f"testbed.classes ({c.name}).profile", profiles[c.name]
             cpu, step = search_quota(lambda q: measure_full_step(config, q, work), profile.full_step_time, what)
             log(
                 f"testbed: class {c.name} calibrated to {c.profile}: {cpu:.3f} core "

@@ -33,7 +33,7 @@ from fleet.federated.state import keep_previous_run
 from fleet.federated.testbed_config import TestbedClassConfig
 from fleet.federated.tracking import SUMMARY_FILE, read_progress, read_records
 from fleet.testbed import cgroup, network
-from fleet.testbed.calibrate import calibrate_classes
+from fleet.testbed.calibrate import calibrate_classes, class_profiles
 from fleet.testbed.data import class_names, write_device_trees
 
 BIN = Path(sys.executable).parent  # flower-superlink, flower-supernode and flwr of this environment
@@ -95,6 +95,7 @@ def check_requirements(cfg: FleetConfig) -> None:
     """One line naming what this machine lacks for the testbed, before anything is made."""
     if not cfg.testbed.classes:
         raise ConfigError("testbed.classes: none; list the kinds of device to emulate (docs/testbed.md)")
+    class_profiles(cfg)
     if os.geteuid() != 0:
         raise FleetError("the testbed needs root (cgroups and network namespaces); run it as root, e.g. with sudo")
     cgroup.version()

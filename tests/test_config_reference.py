@@ -120,3 +120,17 @@ def test_a_changed_comment_fails_the_drift_check(monkeypatch):
     text = reference.render()
     assert "a changed comment" in text
     assert text != DOC.read_text(encoding="utf-8")
+
+
+def test_a_moved_field_in_a_saved_runs_file_names_that_file_not_set(tmp_path):
+    from fleet.federated.config import load_fleet_config
+
+    saved = tmp_path / "fleet-config.yaml"
+    saved.write_text("train:\n  threads: 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_fleet_config(str(saved))
+    message = str(info.value)
+    assert message.startswith(f"config file {saved}: train.threads: moved to hardware.threads; in that file")
+    assert "--set" not in message
+    with pytest.raises(ConfigError, match=r"^train.threads: moved to hardware.threads; write --set hardware.threads="):
+        load_fleet_config(None, {"train.threads": 2})

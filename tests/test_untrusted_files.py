@@ -127,3 +127,9 @@ def test_a_testbed_class_profile_is_checked_before_anything_starts(tmp_path, cap
     assert message in err and "testbed.classes (pi).profile" in err and err.count("\n") == 1
     assert time.monotonic() - started < 20 and not list(tmp_path.rglob("*.pt"))  # nothing pretrained
     assert not list(tmp_path.rglob("logs/*"))  # no SuperLink or SuperNode started
+
+
+def test_a_profile_path_that_is_a_directory_is_named_as_one(tmp_path):
+    with pytest.raises(ProfileMismatchError, match=r"profile file .* is a directory; give the") as err:
+        DeviceProfile.load(tmp_path, field="hardware.profile")
+    assert "--out " + str(tmp_path) not in str(err.value)  # `fleet profile` refuses a directory as --out

@@ -405,16 +405,19 @@ def apply_overrides(data: dict, overrides: dict[str, Any]) -> dict:
 MOVED: dict[str, str] = {f"train.{f}": f"hardware.{f}" for f in ("threads", "profile", "memory_budget_mb", "spill_dir")}
 
 
-def check_moved(data: dict, moved: dict[str, str]) -> None:
-    """One line naming the new place of the first moved field ``data`` still uses."""
+def check_moved(data: dict, moved: dict[str, str], source: str | Path | None = None) -> None:
+    """One line naming the new place of the first moved field ``data`` still uses: in the file ``source`` (a
+    saved run's fleet-config.yaml too, which no ``--set`` can change), else in the ``--set`` flags."""
     for old, new in moved.items():
         section, name = old.split(".")
         part = data.get(section)
         if isinstance(part, dict) and name in part:
             new_section, new_name = new.split(".")
+            if source is None:
+                raise ConfigError(f"{old}: moved to {new}; write --set {new}=VALUE (docs/config.md lists every field)")
             raise ConfigError(
-                f"{old}: moved to {new}; write it under `{new_section}:` as `{new_name}:` "
-                f"(or --set {new}=VALUE); docs/config.md lists every section"
+                f"config file {source}: {old}: moved to {new}; in that file, write it under `{new_section}:` as "
+                f"`{new_name}:` (docs/config.md lists every section)"
             )
 
 
@@ -465,6 +468,7 @@ def load_config(
 
     ``ignore_sections``: sections another tool owns (a fleet file's ``federation``)."""
     data = read_yaml_mapping(path) if path is not None else {}
+    check_moved(data, MOVED, path)
     for section in ignore_sections:
         data.pop(section, None)
     return config_from_dict(data, overrides)

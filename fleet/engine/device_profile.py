@@ -223,6 +223,8 @@ class DeviceProfile:
         named the file, e.g. ``hardware.profile``) when given."""
         path = Path(path)
         what = f"{field}: profile file {path}" if field else f"profile file {path}"
+        if path.is_dir():
+            raise ProfileMismatchError(f"{what} is a directory; give the profile file (`fleet profile --out FILE`)")
         if not path.is_file():
             raise ProfileMismatchError(f"{what} not found; create it with `fleet profile --out {path}`")
         text = read_text_file(path, what, "re-create it with `fleet profile`", ProfileMismatchError)

@@ -516,6 +516,7 @@ def fleet_config_from_dict(data: dict | None, overrides: dict[str, Any] | None =
 
 def load_fleet_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> FleetConfig:
     data = read_yaml_mapping(resolve_path(path), shown=path) if path is not None else {}
+    check_moved(data, MOVED, path)
     return fleet_config_from_dict(data, overrides)
 
 

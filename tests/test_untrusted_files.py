@@ -133,3 +133,11 @@ def test_a_profile_path_that_is_a_directory_is_named_as_one(tmp_path):
     with pytest.raises(ProfileMismatchError, match=r"profile file .* is a directory; give the") as err:
         DeviceProfile.load(tmp_path, field="hardware.profile")
     assert "--out " + str(tmp_path) not in str(err.value)  # `fleet profile` refuses a directory as --out
+
+
+def test_a_huge_value_of_the_wrong_type_is_quoted_short(tmp_path):
+    path = tmp_path / "fleet.yaml"
+    path.write_text("train:\n  lr: [" + ", ".join(["1"] * 100_000) + "]\n")
+    with pytest.raises(ConfigError, match=r"^train.lr: \[1, 1, 1, 1, 1, 1, \.\.\.\] is not a finite number") as err:
+        load_fleet_config(str(path))
+    assert len(str(err.value)) < 200

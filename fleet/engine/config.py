@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -231,29 +232,29 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
                 return _coerce(path, value, option)
             except ConfigError:
                 continue
-        raise ConfigError(f"{path}: {value!r} is not {_type_name(tp)}")
+        raise ConfigError(f"{path}: {shown(value)} is not {_type_name(tp)}")
     if dataclasses.is_dataclass(tp):  # e.g. one of a list of sections
         return build_dataclass(tp, value, path)
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
-            raise ConfigError(f"{path}: {value!r} is not a list")
+            raise ConfigError(f"{path}: {shown(value)} is not a list")
         return [_coerce(f"{path}[{i}]", v, item_tp) for i, v in enumerate(value)]
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"{path}: {value!r} is not a finite number")
+            raise ConfigError(f"{path}: {shown(value)} is not a finite number")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: {value!r} is not an integer")
+            raise ConfigError(f"{path}: {shown(value)} is not an integer")
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{path}: {value!r} is not true or false")
+            raise ConfigError(f"{path}: {shown(value)} is not true or false")
         return value
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{path}: {value!r} is not a string")
+            raise ConfigError(f"{path}: {shown(value)} is not a string")
         return value
     raise TypeError(f"unsupported config type {tp} at {path}")
 
@@ -285,7 +286,7 @@ def _field_value(path: str, raw: Any, tp: Any, rule: Rule | None) -> Any:
             raise  # a field inside it (a list of sections) is wrong, and its own error says what is allowed
         raise ConfigError(f"{exc}; use {allowed}") from None
     if rule is not None and not rule[0](value):
-        raise ConfigError(f"{path}: {value!r} is not allowed; use {rule[1]}")
+        raise ConfigError(f"{path}: {shown(value)} is not allowed; use {rule[1]}")
     return value
 
 
@@ -314,7 +315,7 @@ def build_dataclass(cls: type, data: Any, prefix: str) -> Any:
         path = f"{prefix}.{f.name}" if prefix else f.name
         rule = rule_of(cls, f.name, path)
         if rule is not None and not rule[0](getattr(obj, f.name)):
-            raise ConfigError(f"{path}: {getattr(obj, f.name)!r} is not allowed; use {rule[1]}")
+            raise ConfigError(f"{path}: {shown(getattr(obj, f.name))} is not allowed; use {rule[1]}")
     if isinstance(obj, ExperimentConfig):  # the fleet's config too: FleetConfig is an ExperimentConfig
         check_experiment(obj)
     return obj
@@ -398,6 +399,17 @@ def apply_overrides(data: dict, overrides: dict[str, Any]) -> dict:
             node = child
         node[parts[-1]] = None if value is NULL else value
     return data
+
+
+SHOWN_CHARS = 80  # a bad value quoted in an error: enough to recognise it, never a whole file's worth
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` for an error message, cut to :data:`SHOWN_CHARS` (a 100,000-item list is one line too)."""
+    short = reprlib.Repr()
+    short.maxstring = short.maxother = SHOWN_CHARS
+    text = short.repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
 
 
 # Fields that moved between sections: old dotted path -> new one. A config that still uses the old path is told

@@ -29,3 +29,38 @@ def test_bad_flags_are_one_line(capsys, argv, message):
     assert main(["supervise", "pis", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+@pytest.fixture
+def flwr_home(tmp_path, monkeypatch):
+    """flwr's config with one connection, ``dead``: a loopback port nothing listens on."""
+    (tmp_path / "config.toml").write_text(
+        '[superlink]\ndefault = "dead"\n\n[superlink.dead]\naddress = "127.0.0.1:1"\ninsecure = true\n'
+    )
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "connection, extra, message",
+    [
+        ("nosuch", [], "connection: flwr refused it: An unexpected error occurred"),
+        ("/etc/flwr/config.toml", [], "connection: '/etc/flwr/config.toml' is a path"),
+        ("dead", ["--run-config", "x='unterminated"], "--run-config: flwr refused it: The provided configuration"),
+    ],
+    ids=["unknown-connection", "a-path", "malformed-run-config"],
+)
+def test_what_no_retry_can_mend_is_one_line_at_once(flwr_home, capsys, connection, extra, message):
+    """flwr's own replies (1.42): these were taken for an unreachable SuperLink and retried forever."""
+    argv = ["supervise", connection, "--config", "simulations/fleet-tiny.yaml", "--poll-s", "0.1", *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_an_unreachable_superlink_is_waited_out_not_refused():
+    from fleet.commands.supervise import refusal
+
+    down = "Using SuperLink: dead (127.0.0.1:1)\n\nConnection to the SuperLink is unavailable. Please check"
+    assert refusal({"success": False, "error-message": down}) is None
+    assert refusal({"success": True, "run-id": 3}) is None and refusal(None) is None

@@ -54,8 +54,29 @@ def next_step(status: str | None, restarts: int, max_restarts: int) -> str:
     return "wait"
 
 
+# What flwr says when retrying cannot help, and the flag to mend: the rest (the SuperLink down, a timeout) is
+# waited out. Read from flwr 1.42's messages (tests/test_supervise.py runs them).
+FATAL = {
+    "not found in the Flower configuration": "connection",
+    "Cannot migrate configuration": "connection",
+    "is in an invalid format": "--run-config",
+}
+
+
+def refusal(out: dict | None) -> str | None:
+    """The one-line error for a flwr reply that no retry will change (an unknown connection, a malformed
+    run config), naming the flag and quoting flwr's last line; None for any other reply."""
+    message = str((out or {}).get("error-message") or "") if not (out or {}).get("success", True) else ""
+    field = next((f for phrase, f in FATAL.items() if phrase in message), None)
+    if field is None:
+        return None
+    last = [line.strip() for line in message.splitlines() if line.strip()][-1]
+    return f"{field}: flwr refused it: {last}"
+
+
 def flwr(args: list[str], app: Path, timeout_s: float = 120) -> dict | None:
-    """A ``flwr ... --format json`` command's JSON, or None when it failed (the SuperLink down)."""
+    """A ``flwr ... --format json`` command's JSON, or None when it failed (the SuperLink down); a one-line
+    ConfigError when flwr refuses what it was given (:func:`refusal`)."""
     exe = shutil.which("flwr") or str(Path(sys.executable).parent / "flwr")
     try:
         done = subprocess.run(
@@ -65,9 +86,13 @@ def flwr(args: list[str], app: Path, timeout_s: float = 120) -> dict | None:
         return None
     start = done.stdout.find("{")
     try:
-        return json.loads(done.stdout[start:]) if start >= 0 else None
+        out = json.loads(done.stdout[start:]) if start >= 0 else None
     except json.JSONDecodeError:
         return None
+    refused = refusal(out if isinstance(out, dict) else None)
+    if refused is not None:
+        raise ConfigError(refused)
+    return out
 
 
 def submit(args: argparse.Namespace, resume: bool) -> int | None:
@@ -86,6 +111,11 @@ def status_of(args: argparse.Namespace, run_id: int) -> str | None:
 
 
 def check_args(args: argparse.Namespace) -> None:
+    if not args.connection or any(c in args.connection for c in "/\\") or args.connection.endswith(".toml"):
+        raise ConfigError(
+            f"connection: {args.connection!r} is a path; give the name of a SuperLink connection in flwr's "
+            "config.toml (e.g. pis), not the file"
+        )
     if not Path(args.config).is_file():
         raise ConfigError(f"--config: {args.config} is not a file; give the run's fleet YAML")
     if not args.poll_s > 0 or args.max_restarts < 0:

@@ -6,13 +6,15 @@ profile, the same seeded start and the same data, and keeps only what the code d
 global and personalized accuracy of every round, the bytes uploaded, the deadline and simulated
 clock, and per device its selection (tensors, trained fraction, rho, predicted time, bytes).
 
-    python tests/golden_rounds.py --write    # record tests/data/golden-rounds.json
+    python tests/golden_rounds.py --write    # record tests/data/golden-rounds-<CPU capability>.json
     python tests/golden_rounds.py            # compare a fresh run with it (exit 1 on a difference)
 
-Training's floats depend on the numeric libraries' builds (torch's kernels, numpy's sums), so a
-recording holds only under the dependency set it was made with: ``requirements.lock``, which
-``scripts/install.sh`` installs. The recording names the versions it was made under, and a
-difference under other versions says so first. Replies are aggregated in device-name order, so
+Training's floats depend on the numeric libraries' builds (torch's kernels, numpy's sums) and on the
+instruction set torch dispatches to (``torch.backends.cpu.get_cpu_capability()``: AVX2 and AVX-512 kernels
+sum in other orders, and a round's selection follows the last bits), so a recording holds only under the
+dependency set it was made with, ``requirements.lock`` (which ``scripts/install.sh`` installs), on a CPU of
+its capability. There is one recording per capability; each names what it was made under, and a difference
+under other versions says so first. Replies are aggregated in device-name order, so
 the arrival order of the simulation's replies does not enter.
 
 ``tests/test_golden_rounds.py`` runs the comparison.
@@ -30,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-GOLDEN = ROOT / "tests" / "data" / "golden-rounds.json"
+DATA = ROOT / "tests" / "data"
 CONFIG = "simulations/fleet-tiny.yaml"
 
 # name -> overrides of fleet-tiny: the strategies, a personal head, fine-tuning before evaluation, Ditto
@@ -52,6 +54,7 @@ ROUND_KEYS = ("deadline_s", "round_time_s", "sim_time_s", "global_accuracy", "pe
 DEVICE_KEYS = ("selected", "trained_fraction", "rho", "predicted_time_s", "bytes_uploaded", "global_accuracy")
 TOLERANCE = 1e-6  # accuracies and seconds: float sums in another order may move the last bits, nothing more
 NUMERIC = ("torch", "numpy")  # the libraries whose builds decide a round's floats
+CAPABILITY = "cpu_capability"  # ... and the instruction set torch's kernels run in (AVX2, AVX512)
 
 
 def write_profile(path: Path) -> None:
@@ -104,7 +107,15 @@ def environment() -> dict[str, str]:
     """The numeric libraries' versions (torch's includes its build, e.g. +cu130)."""
     import importlib
 
-    return {name: importlib.import_module(name).__version__ for name in NUMERIC}
+    import torch
+
+    versions = {name: importlib.import_module(name).__version__ for name in NUMERIC}
+    return {**versions, CAPABILITY: torch.backends.cpu.get_cpu_capability()}
+
+
+def golden_path(capability: str | None = None) -> Path:
+    """The recording for a CPU capability (this machine's by default)."""
+    return DATA / f"golden-rounds-{capability or environment()[CAPABILITY]}.json"
 
 
 def environment_note(recorded: dict[str, str]) -> str | None:
@@ -124,15 +135,15 @@ def run_all() -> dict[str, list[dict]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help=f"record {GOLDEN.relative_to(ROOT)}")
+    parser.add_argument("--write", action="store_true", help="record this CPU capability's recording")
     args = parser.parse_args()
-    got = run_all()
+    got, path = run_all(), golden_path()
     if args.write:
-        GOLDEN.parent.mkdir(parents=True, exist_ok=True)
-        GOLDEN.write_text(json.dumps({"environment": environment(), "runs": got}, indent=1, sort_keys=True) + "\n")
-        print(f"wrote {GOLDEN}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"environment": environment(), "runs": got}, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {path}")
         return 0
-    recorded = json.loads(GOLDEN.read_text())
+    recorded = json.loads(path.read_text())
     diffs = differences(recorded["runs"], got)
     note = environment_note(recorded["environment"]) if diffs else None
     print("\n".join(([note] if note else []) + diffs[:40]) or "same rounds as recorded")

@@ -147,11 +147,11 @@ def test_dittos_own_personal_selection_trains_more_within_the_same_deadline(tmp_
         dev = method_device(
             tmp_path / choice,
             "ditto",
-            **{"personalization.personal_selection": choice, "devices.bandwidth_bytes_per_s": 2e7},
+            **{"personalization.personal_selection": choice, "devices.bandwidth_bytes_per_s": 1e7},
         )
         profile, steps = dev.profile(), dev.cfg.federation.local_steps
         shared = [v for v in weights.values() if v.is_floating_point()]
-        upload = sum(wire_bytes(v, dev.cfg.federation.transfer) for v in shared) / 2e7
+        upload = sum(wire_bytes(v, dev.cfg.federation.transfer) for v in shared) / 1e7
         deadline = 0.5 * (2 * steps * profile.full_step_time + upload)
         result = tasks.train(dev, fresh(weights), {**round_config(1), keys.DEADLINE_S: deadline})
         assert result.metrics[keys.PREDICTED_TIME_S] + upload * result.metrics[keys.TRAINED_FRACTION] <= deadline * 1.05

@@ -15,6 +15,7 @@ from fleet.federated import keys, schema, tasks
 from fleet.federated.config import load_fleet_config
 from fleet.federated.personal import personal_names
 from fleet.federated.robust import upload_problem
+from fleet.federated.transfer import upload_values
 from tests.conftest import proportional_profile
 
 TINY = "simulations/fleet-tiny.yaml"
@@ -51,7 +52,8 @@ def test_personal_tensors_are_trained_but_never_appear_in_a_reply(tmp_path, poli
     assert result.metrics[keys.BYTES_UPLOADED] == sum(a.numel() * a.element_size() for a in result.arrays.values())
     mine = result.state.personal
     assert any(not torch.equal(mine[n], weights[n]) for n in personal if weights[n].is_floating_point())  # trained
-    arrays = {k: v.numpy() for k, v in result.arrays.items()}
+    values = upload_values(result.arrays, weights, dev.cfg.federation.transfer)  # float16 changes, as values
+    arrays = {k: v.numpy() for k, v in values.items()}
     assert upload_problem(arrays, result.metrics[keys.SELECTED], sorted(params), personal) is None
 
 

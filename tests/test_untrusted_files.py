@@ -8,9 +8,9 @@ import time
 import pytest
 
 from fleet.base.errors import ConfigError
-from fleet.base.yaml_text import MAX_NODES, load_yaml
 from fleet.cli import main
 from fleet.engine.device_profile import DeviceProfile, ProfileMismatchError
+from fleet.engine.yaml_text import MAX_NODES, load_yaml
 from fleet.federated.config import load_fleet_config
 
 LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(

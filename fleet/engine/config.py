@@ -20,9 +20,9 @@ from typing import Any
 import yaml
 
 from fleet.base.errors import ConfigError, FleetError
-from fleet.base.yaml_text import load_yaml
 from fleet.data.shift import ShiftConfig, check_shift
 from fleet.engine.accelerator import DEVICES
+from fleet.engine.yaml_text import load_yaml
 
 METHODS = ("full", "tl", "bn_bias", "prunetrain", "elastic")
 

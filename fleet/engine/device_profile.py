@@ -14,8 +14,8 @@ import yaml
 
 from fleet.base.atomic import write_text_atomic
 from fleet.base.errors import ProfileMismatchError
-from fleet.base.yaml_text import YamlRefused, load_yaml
 from fleet.engine.config import read_text_file
+from fleet.engine.yaml_text import YamlRefused, load_yaml
 
 FORMAT_VERSION = 1
 

@@ -5,8 +5,8 @@ every round, on a Pi's 10-20 Mbit/s uplink: more of its round than its compute.
 
 Design notes:
 
-* **float16 on request.** Half the bytes both ways (``federation.transfer: float16``); float32 stays the
-  default until paired seeds show float16 keeps the accuracy (docs/results.md, "Compact transfers").
+* **float16 by default.** Half the bytes both ways (``federation.transfer: float16``). At the same deadline,
+  paired seeds found it level with float32 (docs/results.md, "Compact transfers"), which stays an option.
 * **Down, values; up, changes.** The server sends the model's values in float16. A device sends each float
   tensor's change from the model it received, in float16, and the server adds it to its own float32 copy of
   what it sent: a change keeps float16's precision relative to itself, and the global model is never

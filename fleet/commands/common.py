@@ -100,3 +100,9 @@ def set_overrides(args: argparse.Namespace) -> dict:
     if args.output_dir is not None:
         overrides["output_dir"] = args.output_dir
     return overrides
+
+
+def add_combine_flags(p: argparse.ArgumentParser, what: str, default_out: str) -> None:
+    """``--combine REPORT...`` and ``--out`` on a bench run in batches: ``what`` says how its reports pool."""
+    p.add_argument("--combine", nargs="+", metavar="REPORT", help=f"pool the seeds of these reports ({what}) into one")
+    p.add_argument("--out", help=f"with --combine: the combined report's path (default: {default_out})")

@@ -13,6 +13,7 @@ DEFAULT_CONFIG = "simulations/pfl.yaml"
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
     from fleet.bench.regimes import add_profile_flags
+    from fleet.commands.common import add_combine_flags
 
     p = sub.add_parser(
         "pfl", help="FedAvg+FT, FedBN, FedPer, FedRep, FedALA, APFL, Ditto against fleet's methods; new devices"
@@ -44,13 +45,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="read any method run already finished with the same config (a batch cut short)",
     )
-    p.add_argument(
-        "--combine",
-        nargs="+",
-        metavar="REPORT",
-        help="pool the seeds of these reports (batches this bench wrote, e.g. one per Dirichlet beta) into one",
-    )
-    p.add_argument("--out", help="with --combine: the combined report's path (default: runs/pfl-combined.json)")
+    add_combine_flags(p, "batches this bench wrote, e.g. one per Dirichlet beta", "runs/pfl-combined.json")
     p.add_argument("--output-dir")
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
     add_profile_flags(p)

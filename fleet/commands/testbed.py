@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from fleet.commands.common import add_combine_flags
+
 DEFAULT_CONFIG = "simulations/testbed.yaml"
+COMBINED = "runs/testbed-combined.json"  # --combine's report unless --out names another
 BENCH_ROUNDS = 4  # FedAvg's rounds in the bench: three methods in about 30 minutes on the default fleet
 
 
@@ -63,13 +66,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--rounds", type=int, default=BENCH_ROUNDS, help="FedAvg's rounds; their wall clock is every method's budget"
     )
-    p.add_argument(
-        "--combine",
-        nargs="+",
-        metavar="REPORT",
-        help="pool these reports of the bench (a seed and a config each, e.g. --set train.seed=1) into one, per config",
-    )
-    p.add_argument("--out", help="with --combine: the combined report's path (default: runs/testbed-combined.json)")
+    add_combine_flags(p, "a seed and a config each, e.g. --set train.seed=1; pooled per config", COMBINED)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_runtime_flag(p)
     p.set_defaults(func=run_bench)
@@ -111,7 +108,7 @@ def combine_bench(args: argparse.Namespace) -> int:
     from fleet.bench.testbed_seeds import combine, combined_table, read_reports
 
     combined = combine(read_reports(args.combine))
-    out = Path(args.out or "runs/testbed-combined.json")
+    out = Path(args.out or COMBINED)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(combined, indent=2))
     print(json.dumps(combined, indent=2) if args.json else f"{combined_table(combined)}\nwrote {out}")

@@ -18,9 +18,18 @@ Design notes:
 * **Accuracy over the budget.** A method's mean accuracy is the area under its accuracy-against-seconds
   step curve over the budget, divided by it: the start model's figure until its first round closes.
 * **Two regimes.** simulations/testbed.yaml is upload-bound (ResNet-18 at 16 px: a pi4's upload outlasts
-  its ten steps); simulations/testbed-compute.yaml makes training the slow part, as on a real board (32 px,
-  more local steps). The report names the regime the run measured: the slowest class's compute against its
-  transfers under FedAvg (``compute`` at 2x or more), and holds fleet to that regime's speed target.
+  its ten steps); simulations/testbed-compute.yaml makes training the slow part, as on a real board (48 px).
+  The report names the regime the run measured: the slowest class's compute against its transfers under
+  FedAvg (``compute`` at 2x or more), and holds fleet to that regime's speed target.
+* **Where a device's round goes.** The server times each reply (``wall_s``: sending the message to pulling
+  the reply); the device reports its compute and ``ready_s`` (its ClientApp's age when its work starts);
+  the transfers are the bytes at the link's rate; the rest is neither (polling, serialization).
+* **The simulator against it.** ``fleet simulate`` runs the fleet method with one class per testbed class:
+  its devices' own measured profile, its uplink and downlink, and its start (the median ``ready_s`` of
+  FedAvg's rounds: another run than the one it is compared with), with the testbed's pipelined evaluation.
+  Per class, predicted and measured round are medians over rounds of the class's slowest device.
+  ``compute_upload_s`` keeps the older model's figure (compute and upload only), to show what start and
+  download add.
 """
 
 from __future__ import annotations

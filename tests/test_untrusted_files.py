@@ -141,3 +141,11 @@ def test_a_huge_value_of_the_wrong_type_is_quoted_short(tmp_path):
     with pytest.raises(ConfigError, match=r"^train.lr: \[1, 1, 1, 1, 1, 1, \.\.\.\] is not a finite number") as err:
         load_fleet_config(str(path))
     assert len(str(err.value)) < 200
+
+
+def test_a_400_digit_number_for_a_float_field_is_one_line(tmp_path):
+    """math.isfinite raises OverflowError on an int no float holds; the config reader names the field instead."""
+    path = tmp_path / "fleet.yaml"
+    path.write_text("train:\n  lr: 1" + "0" * 400 + "\n")
+    with pytest.raises(ConfigError, match=r"^train.lr: .* is not a finite number"):
+        load_fleet_config(str(path))

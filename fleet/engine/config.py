@@ -8,7 +8,6 @@ override fields through dotted paths (``train.rho=0.4``), validated the same way
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import reprlib
 import types
@@ -20,6 +19,7 @@ from typing import Any
 import yaml
 
 from fleet.base.errors import ConfigError, FleetError
+from fleet.base.numbers import is_real
 from fleet.data.shift import ShiftConfig, check_shift
 from fleet.engine.accelerator import DEVICES
 from fleet.engine.yaml_text import load_yaml
@@ -241,7 +241,7 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             raise ConfigError(f"{path}: {shown(value)} is not a list")
         return [_coerce(f"{path}[{i}]", v, item_tp) for i, v in enumerate(value)]
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not is_real(value):
             raise ConfigError(f"{path}: {shown(value)} is not a finite number")
         return float(value)
     if tp is int:

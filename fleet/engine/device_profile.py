@@ -14,6 +14,7 @@ import yaml
 
 from fleet.base.atomic import write_text_atomic
 from fleet.base.errors import ProfileMismatchError
+from fleet.base.numbers import is_real
 from fleet.engine.config import read_text_file
 from fleet.engine.yaml_text import YamlRefused, load_yaml
 
@@ -33,8 +34,8 @@ class TensorTiming:
 
 
 def _number(v: object, low: float, strict: bool) -> bool:
-    """A real number (not a bool, a string or null), finite, above ``low`` (or at it, unless ``strict``)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    """A real number (:func:`~fleet.base.numbers.is_real`) above ``low`` (or at it, unless ``strict``)."""
+    if not is_real(v):
         return False
     return v > low if strict else v >= low
 

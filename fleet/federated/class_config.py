@@ -6,12 +6,12 @@ of the whole config) so that the config can check its classes when it is loaded.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 from fleet.base.errors import ConfigError
+from fleet.base.numbers import is_real
 from fleet.engine.config import read_yaml_mapping
 from fleet.federated.fedscale import FedScaleTrace
 from fleet.federated.online import Trace
@@ -59,7 +59,7 @@ def load_trace(path: str) -> Trace:
     data = read_yaml_mapping(resolve_path(path), shown=path)
     period = data.get("period_s")
     devices = data.get("devices")
-    if not isinstance(period, (int, float)) or isinstance(period, bool) or not 0 < period < math.inf:
+    if not is_real(period) or not period > 0:
         raise ConfigError(
             f"{where}: period_s {period!r} is not allowed; use the trace's length in seconds (a finite number > 0)"
         )

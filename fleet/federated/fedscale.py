@@ -24,7 +24,6 @@ Design notes:
 from __future__ import annotations
 
 import json
-import math
 import pickle
 import statistics
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from fleet.base.errors import ConfigError
+from fleet.base.numbers import is_real
 from fleet.federated.online import Trace
 from fleet.federated.paths import resolve_path
 
@@ -94,18 +94,8 @@ class Client:
         return self.trace.wait_s(0, t)
 
 
-def _real(value: Any) -> bool:
-    """A number a float holds: a 400-digit integer in a file is refused here, not an OverflowError later."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(float(value))
-    except OverflowError:
-        return False
-
-
 def _positive(value: Any) -> bool:
-    return _real(value) and value > 0
+    return is_real(value) and value > 0
 
 
 def behaviour_of(entry: Any) -> tuple[float, tuple[tuple[float, float], ...]] | None:
@@ -115,7 +105,7 @@ def behaviour_of(entry: Any) -> tuple[float, tuple[tuple[float, float], ...]] | 
     active, inactive, finish = entry.get("active"), entry.get("inactive"), entry.get("finish_time")
     if not (_positive(finish) and isinstance(active, list) and isinstance(inactive, list)):
         return None
-    if not all(_real(v) for v in active + inactive):
+    if not all(is_real(v) for v in active + inactive):
         return None
     pairs = tuple((float(a) % finish, float(b) % finish or float(finish)) for a, b in zip(active, inactive))
     return float(finish), tuple((a, b) for a, b in pairs if a < b)

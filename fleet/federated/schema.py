@@ -14,6 +14,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from fleet.base.numbers import is_real
 from fleet.federated import keys
 
 
@@ -30,7 +31,7 @@ class Field:
     def problem(self, value: object) -> str | None:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return f"must be a number, got {value!r}"
-        if not math.isfinite(value):
+        if not is_real(value):
             return f"must be finite, got {value!r}"
         if self.integer and value != int(value):
             return f"must be a whole number, got {value!r}"

@@ -102,14 +102,15 @@ def next_quota(tried: list[tuple[float, float]], target_s: float) -> float:
 def class_profiles(cfg: FleetConfig) -> dict[str, DeviceProfile]:
     """Each class's ``profile`` read and checked against the fleet's model, batch and input size, by class
     name: a garbage file, another model's or another batch size's is a one-line error before anything starts."""
-    out = {}
-    for c in cfg.testbed.classes:
-        if c.profile is not None:
-            what = f"testbed.classes ({c.name}).profile"
-            profile = DeviceProfile.load(resolve_path(c.profile), field=what)
-            model, batch, size = make_model(cfg.model), cfg.train.batch_size, cfg.data.input_size
-            check_profile(profile, model, batch, size, f"profile {c.profile} ({what})")
-            out[c.name] = profile
+    out, given = {}, [c for c in cfg.testbed.classes if c.profile is not None]
+    if not given:
+        return out
+    model, batch, size = make_model(cfg.model), cfg.train.batch_size, cfg.data.input_size  # one model for all
+    for c in given:
+        what = f"testbed.classes ({c.name}).profile"
+        profile = DeviceProfile.load(resolve_path(c.profile), field=what)
+        check_profile(profile, model, batch, size, f"profile {c.profile} ({what})")
+        out[c.name] = profile
     return out
 
 

@@ -261,7 +261,7 @@ def flower_reply(node: int, content=None, error: str | None = None, kind: str = 
     """A reply as the SuperLink hands it to the ServerApp, with the mailbox's note of what it answers."""
     from flwr.app import Error, Message, Metadata
 
-    from server.mailbox import Sent
+    from fleet.federated.mailbox import Sent
 
     meta = Metadata(
         run_id=1,

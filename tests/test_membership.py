@@ -10,8 +10,10 @@ from fleet.base.errors import ConfigError, FleetError
 from fleet.federated import membership as m
 from fleet.federated.config import fleet_config_from_dict
 from fleet.federated.device import device_name_of, partition_of, state_dir_of, tier_of
+from fleet.federated.mailbox import Mailbox
 from fleet.federated.prepare import simulated_fleet
 from fleet.federated.records import Member
+from fleet.federated.server_loop import wait_for_devices
 
 
 def test_a_second_device_claiming_a_live_name_is_refused_in_one_line():
@@ -65,25 +67,23 @@ def test_sampling_is_seeded_by_round_and_covers_all_by_default():
     assert min(counts.values()) > 25 and max(counts.values()) < 75  # about 50 each: uniform
 
 
-class _Grid:
+class _Link:
     """Only what wait_for_devices reads: the connected node ids."""
 
     def __init__(self, nodes: list[int]) -> None:
-        self.nodes = nodes
+        self.ids = nodes
 
-    def get_node_ids(self) -> list[int]:
-        return self.nodes
+    def nodes(self) -> set[str]:
+        return {str(n) for n in self.ids}
 
 
 def test_the_server_starts_at_min_devices_and_gives_up_after_timeout():
-    from server.server_app import wait_for_devices
-
     cfg = fleet_config_from_dict(
         {"devices": {"num_devices": 5}, "membership": {"min_devices": 2}, "federation": {"timeout_s": 1.0}}
     )
-    assert wait_for_devices(_Grid([1, 2]), cfg) == {"1", "2"}
+    assert wait_for_devices(Mailbox(_Link([1, 2])), cfg) == {"1", "2"}
     with pytest.raises(FleetError, match="only 1 of 2 devices connected within 1s"):
-        wait_for_devices(_Grid([1]), cfg)
+        wait_for_devices(Mailbox(_Link([1])), cfg)
 
 
 def test_device_identity_from_node_config():

@@ -1,16 +1,15 @@
-"""A round's whole wall-time bound (fleet/federated/wall.py) and the waits that keep it (server/mailbox.py)."""
+"""A round's whole wall-time bound (fleet/federated/wall.py) and the waits that keep it (its mailbox)."""
 
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 
 from fleet.federated import wall
 from fleet.federated.coordinator import work_of
-from fleet.federated.records import TRAIN
-from server.mailbox import Mailbox
+from fleet.federated.mailbox import Mailbox
+from fleet.federated.records import TRAIN, Reply
 
 
 def test_before_any_round_the_servers_work_is_taken_as_twice_the_push():
@@ -42,25 +41,26 @@ def test_the_servers_work_is_what_the_laps_do_not_spend_waiting():
     assert (work.after_train_s, work.close_s) == (5.0, pytest.approx(2.0))
 
 
-class SlowGrid:
-    """Stand-in messages: replies come ``arrive_s`` after the push, each pull that brings any takes ``pull_s``."""
+class SlowLink:
+    """A stand-in link: replies come ``arrive_s`` after the push, each receive that brings any takes ``pull_s``."""
 
     def __init__(self, arrive_s: dict[int, float], pull_s: float) -> None:
         self.arrive_s, self.pull_s, self.pushed, self.start = arrive_s, pull_s, {}, time.monotonic()
 
-    def push_messages(self, messages):
-        ids = []
-        for i, msg in enumerate(messages):
-            self.pushed[f"m{msg.metadata.dst_node_id}-{i}"] = msg
-            ids.append(f"m{msg.metadata.dst_node_id}-{i}")
+    def nodes(self) -> set[str]:
+        return {str(n) for n in self.arrive_s}
+
+    def send(self, nodes, kind, arrays, order):
+        ids = [f"m{node}-{i}" for i, node in enumerate(nodes)]
+        self.pushed.update({msg_id: int(node) for msg_id, node in zip(ids, nodes)})
         return ids
 
-    def pull_messages(self, ids):
+    def receive(self, sent):
         now, out = time.monotonic() - self.start, []
-        for msg_id in ids:
-            msg = self.pushed.get(msg_id)
-            if msg is not None and now >= self.arrive_s[msg.metadata.dst_node_id]:
-                out.append(SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=msg_id)))
+        for msg_id in sent:
+            node = self.pushed.get(msg_id)
+            if node is not None and now >= self.arrive_s[node]:
+                out.append((msg_id, Reply(node, sent[msg_id].kind, sent[msg_id].server_round)))
                 del self.pushed[msg_id]
         if out:
             time.sleep(self.pull_s)
@@ -68,12 +68,12 @@ class SlowGrid:
 
 
 def test_a_wait_starts_no_pull_it_cannot_finish_within_its_bound():
-    grid = SlowGrid({1: 0.0, 2: 0.9}, pull_s=0.4)
-    box = Mailbox(grid)
-    ids = box.push([SimpleNamespace(metadata=SimpleNamespace(dst_node_id=n)) for n in (1, 2)], TRAIN, 1)
+    box = Mailbox(SlowLink({1: 0.0, 2: 0.9}, pull_s=0.4))
+    ids = box.push(["1", "2"], TRAIN, 1)
     started = time.monotonic()
     got = box.collect(ids, timeout_s=1.0)
     took = time.monotonic() - started
-    assert [s.node for s, _ in got] == [1]  # node 2's reply would be pulled only after the bound
+    assert [r.node_id for r in got] == [1]  # node 2's reply would be pulled only after the bound
+    assert got[0].wall_s == pytest.approx(0.4, abs=0.1)  # push to the end of the receive that brought it
     assert box.pull_s == pytest.approx(0.4, abs=0.1)
     assert took <= 1.0 + 0.05, took

@@ -1,20 +1,22 @@
 """The server's half of a round, Flower-free: who takes part, what they are asked, what is kept.
 
-server/ unpacks Flower Messages into :mod:`fleet.federated.records` and calls a :class:`Coordinator`;
+The round's loop (:func:`fleet.federated.server_loop.run_round`) calls a :class:`Coordinator`'s hooks;
 everything a round decides is decided here, once: who is admitted or refused, who is sampled, the
 deadline and the wall-time bounds, every check on a reply, the defense, the average, whether the
 round evaluates, the simulated clock and the round's metrics.jsonl record. The Coordinator owns the
 :class:`~fleet.federated.state.ServerState` and the current global arrays; the config's sections
 (federation, membership, robust, evaluation, personalization, devices) are read as they are.
 
-A round, as server/server_app.py drives it::
+A round, as the loop calls it::
 
-    start = coordinator.open_round(connected)
-    ask coordinator.queries(...), pass the answers to coordinator.take(...)
-    plan = coordinator.plan_round(...)            # sampled nodes, TrainOrder, wait bounds
-    send plan.order; coordinator.close_train(plan, coordinator.take(...))
-    if coordinator.evaluates(round): coordinator.close_evaluate(round, coordinator.take(...))
-    record = coordinator.close_round(plan, start)
+    started = open_round(connected)
+    queries(...) out, their answers into take(round, QUERY, ...); eligible(connected)
+    plan = plan_round(round, eligible, connected)     # sampled nodes, TrainOrder, wait bounds
+    outgoing() with plan.order to plan.nodes; end = fix_bound(plan, started)
+    replies = take(round, TRAIN, collected); take_scores(round, replies); close_train(plan, replies)
+    rides = rides(round)                               # pipelined: the next round's trainers score it
+    if evaluates(round) and not rides: evaluation_nodes, evaluation_wait(plan, end), close_evaluate
+    release(close_round(plan, started), rides)         # the records to write now
 """
 
 from __future__ import annotations
@@ -77,7 +79,17 @@ from fleet.federated.split import known_data_sizes
 from fleet.federated.state import RoundReplies, ServerState
 from fleet.federated.tracking import device_rows, round_record, round_time, with_evaluation
 from fleet.federated.transfer import decode, encode, wire_bytes
-from fleet.federated.wall import ServerWork, evaluation_wait, expected_work, learn_work, round_bound
+from fleet.federated.wall import (
+    AFTER_TRAIN_WAIT,
+    BEFORE_TRAIN_WAIT,
+    WAIT_LAPS,
+    Lap,
+    ServerWork,
+    evaluation_wait,
+    expected_work,
+    learn_work,
+    round_bound,
+)
 
 log = logging.getLogger("fleet.server")
 
@@ -355,7 +367,7 @@ class Coordinator:
         returns when the round must end (``time.perf_counter()``)."""
         got = self.state.replies
         evaluating = self.evaluates(plan.server_round)
-        got.expected_work = work = expected_work(self.state.server_work, got.timings.get("push_train_s", 0.0))
+        got.expected_work = work = expected_work(self.state.server_work, got.timings.get(Lap.PUSH_TRAIN, 0.0))
         spent = time.perf_counter() - started
         got.round_bound_s = round_bound(spent, plan.train_bound_s, plan.eval_bound_s if evaluating else None, work)
         return started + got.round_bound_s
@@ -562,7 +574,7 @@ class Coordinator:
         if self.server_test is not None:
             t = time.perf_counter()
             scored = server_accuracy(self.cfg, self.arrays, self.server_test)
-            self.lap("server_eval_s", t)
+            self.lap(Lap.SERVER_EVAL, t)
         round_time_s = got.round_time_s + finetune_time(self.cfg, state)
         wall = time.perf_counter() - started
         state.finish_round(plan.server_round, round_time_s, wall)
@@ -594,11 +606,6 @@ def probe_step(current: dict[str, np.ndarray], sent: dict[str, np.ndarray]) -> d
     applied alone overfits the balanced set (honest rises of 0.2 to 9 nats were measured); a short
     step keeps the direction's first-order effect, where a flipped head shows, and drops the rest."""
     return {**current, **scale_update(current, sent, PROBE_STEP, list(sent))}
-
-
-WAIT_LAPS = ("wait_train_s", "wait_eval_s")  # timings spent waiting on devices; the rest is the server's own work
-BEFORE_TRAIN_WAIT = ("open_s", "push_train_s")
-AFTER_TRAIN_WAIT = ("aggregate_s", "push_eval_s")
 
 
 def work_of(timings: dict[str, float], wall_s: float) -> ServerWork:

@@ -1,6 +1,6 @@
 """A server's run, Flower-free: start or resume, round after round, checkpoint, summary.
 
-The ServerApp (server/server_app.py) drives the rounds' messages; everything that outlives one
+The round loop (fleet.federated.server_loop) drives the rounds' messages; everything that outlives one
 round is kept here: the run's folder, the metrics.jsonl tracker, the checkpoint written after every
 round (so a server killed at any moment resumes from the last completed round), the progress
 line, and summary.json and the plots at the end.

@@ -25,6 +25,25 @@ SERVER_SLACK_S = 2.0  # ... plus this (a quiet round's work can be close to noth
 COST_DECAY = 0.8  # a learned cost follows a slower round at once and a faster one by this factor a round
 
 
+class Lap:
+    """The parts of a round the server times (metrics.jsonl's ``server_s``), each key spelled here once: the
+    round loop writes them, the bound's learned server work reads them."""
+
+    OPEN = "open_s"  # opening the round, the membership queries and the plan
+    PUSH_TRAIN = "push_train_s"
+    WAIT_TRAIN = "wait_train_s"
+    AGGREGATE = "aggregate_s"  # checks, defense, average, and the queries to who connected meanwhile
+    PUSH_EVAL = "push_eval_s"
+    WAIT_EVAL = "wait_eval_s"
+    CLOSE_EVAL = "close_eval_s"
+    SERVER_EVAL = "server_eval_s"  # evaluation.server_test: the server scores the global model itself
+
+
+WAIT_LAPS = (Lap.WAIT_TRAIN, Lap.WAIT_EVAL)  # timings spent waiting on devices; the rest is the server's own work
+BEFORE_TRAIN_WAIT = (Lap.OPEN, Lap.PUSH_TRAIN)
+AFTER_TRAIN_WAIT = (Lap.AGGREGATE, Lap.PUSH_EVAL)
+
+
 @dataclass(frozen=True)
 class ServerWork:
     """The server's own seconds in one round, around the waits on devices."""

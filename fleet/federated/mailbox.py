@@ -1,23 +1,25 @@
-"""Messages out, replies in, and no wait without a bound.
+"""Messages out, replies in, and no wait without a bound; Flower-free.
 
-Flower's ``Grid.send_and_receive`` waits for the replies of one batch only and polls
-every 3 s. The fleet needs more: a round waits for its sampled devices' train replies
-until the round closes, while queries to joining or benched devices ride along and are
-picked up whenever they answer. :class:`Mailbox` keeps every message it pushed until its
-reply is pulled (or it is given up), so nothing is waited on twice, and hands each reply
-up with what it answers (:class:`Sent`): the coordinator decides what is late.
+The round talks to its devices through a :class:`Link`: three calls, which server/ implements
+over Flower's Grid (and tests with a fake). Flower's ``Grid.send_and_receive`` waits for the
+replies of one batch only and polls every 3 s. The fleet needs more: a round waits for its
+sampled devices' train replies until the round closes, while queries to joining or benched
+devices ride along and are picked up whenever they answer. :class:`Mailbox` keeps every message
+it pushed until its reply is pulled (or it is given up), so nothing is waited on twice, and hands
+each reply up as a :class:`~fleet.federated.records.Reply` that says what it answers: the
+coordinator decides what is late.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
-from flwr.app import Message
-from flwr.serverapp import Grid
+import numpy as np
 
-from fleet.federated.records import QUERY
+from fleet.federated.records import QUERY, Reply, TrainOrder
 
 POLL_S = 0.1  # the longest pause between pulls: a reply is picked up within this of its arrival
 FIRST_POLL_S = 0.02  # the pause after a push or a reply, doubled while nothing comes, up to POLL_S
@@ -27,34 +29,56 @@ FORGET_ROUNDS = 3  # a message unanswered this many rounds later is no longer pu
 
 @dataclass
 class Sent:
+    """A message out: what the reply to it answers."""
+
     kind: str  # records.QUERY, TRAIN or EVALUATE
     node: int
     server_round: int
     pushed_s: float = 0.0  # time.monotonic() when it was pushed
-    wall_s: float | None = None  # seconds from its push to the pull of its reply, once pulled
     first: bool = False  # the first query to its node (its answer is waited for, once)
 
 
-def from_device(sent: Sent, msg: Message) -> bool:
-    """False for a reply the SuperLink wrote in the device's stead ("Node Unavailable" once its
-    heartbeat stopped): the device itself did not answer."""
-    return msg.metadata.src_node_id == sent.node
+class Link(Protocol):
+    """What a round needs of a transport: who is connected, send, receive. Only conversion belongs in it."""
+
+    def nodes(self) -> set[str]:
+        """The ids of the nodes connected now."""
+        ...
+
+    def send(
+        self, nodes: list[str], kind: str, arrays: dict[str, np.ndarray] | None, order: TrainOrder | None
+    ) -> list[str]:
+        """One message of ``kind`` per node, all with the same content; their ids, in the nodes' order."""
+        ...
+
+    def receive(self, sent: Mapping[str, Sent]) -> list[tuple[str, Reply]]:
+        """The replies that have come to the messages in ``sent`` (by id), each unpacked (unchecked), with
+        the id it answers; ``Reply.wall_s`` is the mailbox's to set."""
+        ...
 
 
 class Mailbox:
     """Every message pushed and not yet answered, and the replies that came back."""
 
-    def __init__(self, grid: Grid) -> None:
-        self.grid = grid
+    def __init__(self, link: Link) -> None:
+        self.link = link
         self.sent: dict[str, Sent] = {}
         self.asked: set[int] = set()  # nodes ever sent a query
         self.pull_s = 0.0  # how long a pull that brings replies takes, lately at most (decaying)
 
-    def push(self, messages: Iterable[Message], kind: str, server_round: int) -> set[str]:
-        messages = list(messages)
-        ids = [str(i) for i in self.grid.push_messages(messages)]
-        for msg_id, msg in zip(ids, messages):
-            node = msg.metadata.dst_node_id
+    def connected(self) -> set[str]:
+        return self.link.nodes()
+
+    def push(
+        self,
+        nodes: list[str],
+        kind: str,
+        server_round: int,
+        arrays: dict[str, np.ndarray] | None = None,
+        order: TrainOrder | None = None,
+    ) -> set[str]:
+        ids = self.link.send(nodes, kind, arrays, order) if nodes else []
+        for msg_id, node in zip(ids, map(int, nodes)):
             first = kind == QUERY and node not in self.asked
             self.sent[msg_id] = Sent(kind, node, server_round, time.monotonic(), first=first)
             self.asked.update([node] if kind == QUERY else [])
@@ -67,24 +91,23 @@ class Mailbox:
             self.sent[i].first = False
         return ids
 
-    def collect(self, wait_for: set[str], timeout_s: float) -> list[tuple[Sent, Message]]:
+    def collect(self, wait_for: set[str], timeout_s: float) -> list[Reply]:
         """Pull until every message in ``wait_for`` is answered or ``timeout_s`` has passed; returns
-        every reply pulled meanwhile, each with the message it answers (late ones included). A pull
-        that brings replies takes time (each carries the model): none starts that would end past
-        ``timeout_s`` by the time such pulls lately took, so the wait keeps its bound."""
+        every reply pulled meanwhile (late ones included). A pull that brings replies takes time
+        (each carries the model): none starts that would end past ``timeout_s`` by the time such
+        pulls lately took, so the wait keeps its bound."""
         end = time.monotonic() + max(0.0, timeout_s)
-        replies: list[tuple[Sent, Message]] = []
+        replies: list[Reply] = []
         waiting = set(wait_for)
         pause = FIRST_POLL_S  # replies come in bursts (a simulation's workers finish together): look again soon
         while True:
             started, before = time.monotonic(), len(replies)
-            for reply in self._pull():
-                msg_id = reply.metadata.reply_to_message_id
+            for msg_id, reply in self._pull():
                 sent = self.sent.pop(msg_id, None)
                 waiting.discard(msg_id)
                 if sent is not None:
-                    sent.wall_s = time.monotonic() - sent.pushed_s
-                    replies.append((sent, reply))
+                    reply.wall_s = time.monotonic() - sent.pushed_s
+                    replies.append(reply)
             if len(replies) > before:
                 self.pull_s = max(time.monotonic() - started, PULL_DECAY * self.pull_s)
                 pause = FIRST_POLL_S
@@ -94,10 +117,8 @@ class Mailbox:
             time.sleep(min(pause, left))
             pause = min(2 * pause, POLL_S)
 
-    def _pull(self) -> list[Message]:
-        if not self.sent:
-            return []
-        return list(self.grid.pull_messages(list(self.sent)))
+    def _pull(self) -> list[tuple[str, Reply]]:
+        return self.link.receive(dict(self.sent)) if self.sent else []
 
     def forget_old(self, server_round: int) -> None:
         """Stop pulling messages of rounds long closed (a dead device never answers)."""

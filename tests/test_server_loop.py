@@ -1,0 +1,164 @@
+"""The server's round loop (fleet/federated/server_loop.py) driven whole, through a fake Link, without Flower.
+
+Five devices answer as functions of what they are sent: a query with their name, a train order with the
+head moved by their step (and, under ``evaluation.pipelined``, their score of the model they received),
+an evaluation with a score. One never answers in round 1 and its reply arrives in round 2 (late), one
+pulls back, a sixth device connects in round 2 and takes part at once, and the last round evaluates in a
+wave of its own. The loop's records, laps and bounds are checked, not a sequence written by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import pytest
+
+from fleet.federated import keys
+from fleet.federated.coordinator import Coordinator
+from fleet.federated.mailbox import Mailbox, Sent
+from fleet.federated.records import EVALUATE, QUERY, TRAIN, Reply, TrainOrder
+from fleet.federated.server_loop import run_round
+from fleet.federated.server_run import initial_arrays
+from fleet.federated.state import ServerState
+from fleet.federated.wall import Lap
+from tests.test_coordinator import NODES, config, evaluate_reply, query, train_reply
+
+Answer = Callable[[str, str, int, dict], Reply | None]  # (node, kind, round, arrays sent) -> its reply, or silence
+
+
+class FakeLink:
+    """Devices behind a Link: each message is answered at once by ``answer``, unless it is a train order to a
+    node in ``holding`` (the reply waits until :meth:`release`), or ``answer`` gives None (never)."""
+
+    def __init__(self, answer: Answer, nodes: list[str]) -> None:
+        self.answer, self.connected = answer, set(nodes)
+        self.inbox: dict[str, Reply] = {}
+        self.held: dict[str, tuple[str, Reply]] = {}  # message id -> (node, its reply), not yet delivered
+        self.holding: set[str] = set()
+        self.sent: list[tuple[str, str, int]] = []  # (node, kind, round) of every message, in order
+        self.count = 0
+
+    def nodes(self) -> set[str]:
+        return set(self.connected)
+
+    def send(self, nodes: list[str], kind: str, arrays, order: TrainOrder | None) -> list[str]:
+        ids = []
+        for node in nodes:
+            self.count += 1
+            msg_id, server_round = f"m{self.count}", order.server_round if order else 0
+            self.sent.append((node, kind, server_round))
+            reply = self.answer(node, kind, server_round, arrays or {})
+            if reply is not None:
+                if kind == TRAIN and node in self.holding:
+                    self.held[msg_id] = (node, reply)
+                else:
+                    self.inbox[msg_id] = reply
+            ids.append(msg_id)
+        return ids
+
+    def release(self, node: str) -> None:
+        for msg_id, (held_node, _) in list(self.held.items()):
+            if held_node == node:
+                self.inbox[msg_id] = self.held.pop(msg_id)[1]
+
+    def receive(self, sent: Mapping[str, Sent]) -> list[tuple[str, Reply]]:
+        out = []
+        for msg_id in [i for i in self.inbox if i in sent]:
+            reply = self.inbox.pop(msg_id)
+            s = sent[msg_id]
+            out.append((msg_id, dataclasses.replace(reply, node_id=s.node, kind=s.kind, server_round=s.server_round)))
+        return out
+
+
+STEPS = {"101": 0.1, "102": 0.3, "103": 0.2, "104": 0.2, "105": 0.1, "106": 0.2}
+NAMES = {**{n: f"device-{i}" for i, n in enumerate(NODES)}, "106": "device-5"}
+
+
+def devices(pulling: str, pull_round: int) -> Answer:
+    """Every device's answers; ``pulling`` steps back five times in ``pull_round``. A train reply carries its
+    score of the model it received (the riding evaluation), which this config asks for."""
+
+    def answer(node: str, kind: str, server_round: int, arrays: dict) -> Reply | None:
+        if kind == QUERY:
+            return query(node, NAMES[node], 2.0)
+        if kind == EVALUATE:
+            return evaluate_reply(node, server_round, 0.6, 0.7, 10)
+        step = -1.0 if (node, server_round) == (pulling, pull_round) else STEPS[node]
+        scores = {keys.GLOBAL_ACCURACY: 0.5, keys.PERSONAL_ACCURACY: 0.8, keys.TEST_EXAMPLES: 10}
+        reply = train_reply(node if node in NODES else "101", server_round, arrays, step, **scores)
+        return dataclasses.replace(reply, name=NAMES[node])
+
+    return answer
+
+
+def pipelined_coordinator() -> Coordinator:
+    cfg = config()
+    fed = dataclasses.replace(cfg.federation, timeout_s=1.0)  # a simulated round's every wait
+    cfg = dataclasses.replace(cfg, federation=fed, evaluation=dataclasses.replace(cfg.evaluation, pipelined=True))
+    return Coordinator(cfg, ServerState(run_tag="loop"), initial_arrays(cfg), simulated=True)
+
+
+@pytest.fixture(scope="module")
+def rounds() -> dict:
+    coord = pipelined_coordinator()
+    link = FakeLink(devices(pulling="103", pull_round=2), NODES)
+    link.holding.add("105")  # its round-1 reply comes only in round 2
+    box = Mailbox(link)
+    start = dict(coord.arrays)
+    out = [run_round(coord, box, 1)]
+    after1 = dict(coord.arrays)
+    link.release("105")
+    link.holding.clear()
+    link.connected.add("106")  # a new device, there before round 2 opens
+    with_logs = logging.getLogger("fleet.server")
+    with pytest.MonkeyPatch.context() as mp:
+        seen: list[str] = []
+        mp.setattr(with_logs, "warning", lambda msg, *a: seen.append(msg % a))
+        out.append(run_round(coord, box, 2))
+    out.append(run_round(coord, box, 3))
+    return {"released": out, "link": link, "coord": coord, "warnings": seen, "start": start, "after1": after1}
+
+
+def test_each_round_releases_the_last_ones_record_once_its_trainers_scored_it(rounds):
+    released = rounds["released"]
+    assert [[r["round"] for r in batch] for batch in released] == [[], [1], [2, 3]]
+    rec1, rec2, rec3 = released[1][0], *released[2]
+    assert rec1["evaluated_in_round"] == 2 and rec2["evaluated_in_round"] == 3
+    assert rec1["global_accuracy"] == pytest.approx(0.5)  # round 2's trainers' scores of round 1's model
+    assert rec3["global_accuracy"] == pytest.approx(0.6)  # the last round's own evaluation wave
+    kinds = [(kind, r) for _, kind, r in rounds["link"].sent if kind != QUERY]
+    assert (EVALUATE, 1) not in kinds and (EVALUATE, 2) not in kinds and (EVALUATE, 3) in kinds
+
+
+def test_a_silent_device_misses_and_its_late_reply_is_dropped(rounds):
+    rec1 = rounds["released"][1][0]
+    assert rec1["missed"] == ["device-4"] and rec1["joined"] == [f"device-{i}" for i in range(5)]
+    assert any("late" in w and "device-4" in w for w in rounds["warnings"]), rounds["warnings"]
+
+
+def test_a_joining_device_takes_part_at_once_and_one_stepping_back_is_rejected(rounds):
+    rec2 = rounds["released"][2][0]
+    assert rec2["joined"] == ["device-5"] and "device-5" in rec2["sampled"]
+    assert [(r["device"], r["round"]) for r in rec2["rejections"]] == [("device-2", 2)]
+    assert "points against the global model's last step" in rec2["rejections"][0]["reason"]
+
+
+def test_the_loop_times_its_own_laps_and_keeps_every_round_within_its_bound(rounds):
+    rec1, (rec2, rec3) = rounds["released"][1][0], rounds["released"][2]
+    assert set(rec1["server_s"]) >= {Lap.OPEN, Lap.PUSH_TRAIN, Lap.WAIT_TRAIN, Lap.AGGREGATE}
+    assert Lap.WAIT_EVAL not in rec1["server_s"] and Lap.WAIT_EVAL in rec3["server_s"]  # riding, then its own
+    assert rec1["server_s"][Lap.WAIT_TRAIN] == pytest.approx(1.0, abs=0.3)  # device-4's silence: the whole wait
+    assert rec2["server_s"][Lap.WAIT_TRAIN] < 0.5  # everyone answered at once
+    for rec in (rec1, rec2, rec3):
+        assert rec["round_wall_s"] <= rec["round_bound_s"]
+
+
+def test_round_ones_model_is_the_trimmed_mean_of_the_four_that_answered(rounds):
+    start, after = rounds["start"], rounds["after1"]
+    for name in ("fc.weight", "fc.bias"):  # steps 0.1, 0.3, 0.2, 0.2: a quarter trimmed at each end, 0.2
+        np.testing.assert_allclose(after[name], start[name] + np.float32(0.2), rtol=0, atol=1e-6)
+    assert after["conv1.weight"] is start["conv1.weight"]  # trained by nobody: kept as it was
+    assert rounds["coord"].state.round == 3

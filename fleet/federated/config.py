@@ -234,8 +234,13 @@ class RobustConfig:
     norm_action: str = "clip"  # clip (scale it down to the bound) or reject the reply
     # a device whose update pulls against the others' median by more than this many typical update lengths (median
     # over the tensors it shares with at least 3 others) is rejected whole: the only guard for tensors that
-    # attackers alone trained. Honest pulls stay well above it (docs/results.md: the measured ranges); null: off
+    # attackers alone trained (docs/results.md: the measured ranges); null: off
     min_pull: float | None = -0.5
+    # ... but, pulling by at most twice that, only on its pull_strikes-th such round within strike_window rounds;
+    # before that its update is kept at half its length: one round's pull does not tell a non-IID honest device
+    # from an attacker, a pull that repeats does (1: rejected at once)
+    pull_strikes: int = 2
+    strike_window: int = 4  # rounds a strike is remembered: long enough that attacking every other round is caught
     # ... and one whose update's cosine with the global model's last step (median over the tensors it sent) is below
     # this, however small (IPM, mask abuse): honest devices kept 0.1 to 0.8 (docs/results.md); null: off
     min_cos: float | None = -0.3
@@ -259,6 +264,8 @@ class RobustConfig:
         "norm_bound": (lambda v: v is None or v >= 1, "a multiple >= 1 of the median update norm, or null"),
         "norm_action": (lambda v: v in NORM_ACTIONS, "clip or reject"),
         "min_pull": (lambda v: v is None or v <= 0, "a number <= 0 (typical update lengths), or null"),
+        "pull_strikes": (lambda v: v >= 1, "an integer >= 1 (1: rejected on its first pull)"),
+        "strike_window": (lambda v: v >= 1, "an integer >= 1 (rounds)"),
         "min_cos": (lambda v: v is None or -1 <= v <= 0, "a cosine in [-1, 0], or null"),
         "max_sign_skew": (lambda v: v is None or 0 < v <= 1, "a share in (0, 1], or null"),
         "norm_growth": (lambda v: v is None or v >= 1, "a factor >= 1, or null"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from fleet.bench.figures import SIM_CLOCK, WALL_CLOCK, speedup, time_to_target
 from fleet.bench.fleet import (
     bench_table,
     combine,
@@ -12,7 +13,6 @@ from fleet.bench.fleet import (
     mean_ci95,
     seed_report,
     time_mean_accuracy,
-    time_to_target,
     within,
 )
 from fleet.federated.config import fleet_config_from_dict
@@ -40,8 +40,11 @@ def summary(name: str) -> dict:
 
 def test_time_to_target_and_horizon():
     h = hist([(10, 0.5), (20, 0.7), (30, 0.8), (40, 0.9)])
-    assert time_to_target(h, 0.75) == 30
-    assert time_to_target(h, 0.95) is None
+    assert time_to_target(h, 0.75, clock=SIM_CLOCK) == 30
+    assert time_to_target(h, 0.95, clock=SIM_CLOCK) is None
+    walled = [{**r, WALL_CLOCK: 3 * r[SIM_CLOCK]} for r in h]
+    assert time_to_target(walled, 0.75, clock=WALL_CLOCK) == 90  # the same round, read on the other clock
+    assert speedup(90, 30) == 3.0 and speedup(90, None) is None and speedup(None, 30) is None
     assert [r["round"] for r in within(h, 30.0)] == [1, 2, 3]
     assert within(h, None) == h
     assert final_accuracy(h, 3) == pytest.approx((0.7 + 0.8 + 0.9) / 3)

@@ -259,18 +259,20 @@ def test_figures_of_a_finished_and_of_a_crashed_run(tmp_path):
     rounds = [
         {
             "round": r,
-            "rejections": [{"reason": "x"}] * (r == 1),
+            "rejections": [{"device": "device-0", "reason": "x"}] * (r == 1)
+            + [{"device": "device-2", "reason": "y"}] * (r == 2),
             "devices": [row(0, 0.0), row(2, a), row(3, b, 30)],
             "server_accuracy": server,
         }
         for r, a, b, server in ((1, 0.1, 0.1, 0.2), (2, 0.5, 0.7, 0.3), (3, 0.6, 0.6, 0.4), (4, 0.9, 0.5, 0.8))
     ]
     (done / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
-    fig = run_figures(done, None, honest_from=2)  # partition 0 (an adversary) is not a judge
+    fig = run_figures(done, None, honest_from=2, adversaries=["device-0"])  # partition 0 (an adversary): no judge
     assert fig == {
         "final_accuracy": pytest.approx((0.3 + 0.4 + 0.8) / 3),  # the server's test set, last 3 rounds
         "honest_device_accuracy": pytest.approx((0.65 + 0.6 + 0.6) / 3),
-        "rejected_replies": 1,
+        "rejected_replies": 2,
+        "honest_rejected": 1,  # device-2's: the adversary's rejection is not counted
         "server_crashed": False,
         "rounds": 4,
     }
@@ -281,12 +283,15 @@ def test_figures_of_a_finished_and_of_a_crashed_run(tmp_path):
         {"round": 2, "devices": [row(2, float("nan"))], "rejections": [{"reason": "y"}, {"reason": "z"}]},
     ]
     (crashed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"round": 3, "glo')
-    fig = run_figures(crashed, "exit 1: boom", honest_from=2)
+    fig = run_figures(crashed, "exit 1: boom", honest_from=2, adversaries=[])
     assert fig["server_crashed"] and fig["error"] == "exit 1: boom"
     assert fig["final_accuracy"] is None  # no server accuracy recorded
     assert fig["honest_device_accuracy"] == 0.5 and fig["rejected_replies"] == 3 and fig["rounds"] == 2  # NaN skipped
-    assert run_figures(done, "timed out after 5s", 2)["server_crashed"]  # a non-zero exit counts even with a summary
-    assert run_figures(tmp_path / "never", None, 2)["server_crashed"]
+    assert fig["honest_rejected"] == 3  # a clean run: every rejection is an honest device's
+    assert run_figures(done, "timed out after 5s", 2, [])[
+        "server_crashed"
+    ]  # a non-zero exit counts even with a summary
+    assert run_figures(tmp_path / "never", None, 2, [])["server_crashed"]
 
 
 def test_bad_choices_are_one_line_errors():

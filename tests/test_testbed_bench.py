@@ -10,11 +10,12 @@ import pytest
 
 from fleet.base.errors import ConfigError
 from fleet.base.process import process_age_s
+from fleet.bench.figures import first_reaching
 from fleet.bench.testbed import (
+    ACCURACY,
     bench_table,
     class_start_s,
     device_entries,
-    first_reaching,
     mean_accuracy,
     memory_entries,
     method_entry,
@@ -64,7 +65,8 @@ def test_a_method_is_judged_on_its_rounds_within_the_budget(tmp_path):
     run = fake_run(tmp_path, [(40, 50, 20)] * 4, [0.70, 0.80, 0.85, 0.90])
     assert [r["wall_time_s"] for r in run.records] == [60, 120, 180, 240]
     assert len(within(run.records, 180)) == 3 and len(within(run.records, None)) == 4
-    assert first_reaching(run.records, 0.84)["round"] == 3 and first_reaching(run.records, 0.95) is None
+    assert first_reaching(run.records, 0.84, ACCURACY)["round"] == 3
+    assert first_reaching(run.records, 0.95, ACCURACY) is None
     entry = method_entry(run, 180, 0.79, start=0.6, down=8_000_000)
     assert entry["rounds"] == 3 and entry["time_to_target_s"] == 120 and entry["target_round"] == 2
     assert entry["final_server_accuracy"] == pytest.approx(0.84) and entry["final_accuracy"] == 0.85
@@ -102,7 +104,7 @@ def test_class_figures_are_medians_of_each_rounds_slowest_device(tmp_path):
     assert device_entries(run, run.records, 0)["pi-0"]["round_s"] == 45
 
 
-def test_the_simulator_gets_each_class_profile_links_and_measured_start(tmp_path):
+def test_the_simulator_gets_each_class_profile_links_and_what_else_its_rounds_cost(tmp_path):
     for name in ("pi-0", "board-0"):
         (tmp_path / "devices" / name).mkdir(parents=True)
         (tmp_path / "devices" / name / "device-profile.yaml").write_text("{}")
@@ -110,13 +112,15 @@ def test_the_simulator_gets_each_class_profile_links_and_measured_start(tmp_path
         {"name": "tb", "testbed": {"classes": [vars(PI), vars(BOARD)]}, "federation": {"rounds": 4}}
     )
     run = fake_run(tmp_path, [(40, 50, 20)] * 2, [0.7, 0.8])
-    sim = simulation_config(cfg, run, run, rounds=5)
+    sim = simulation_config(cfg, run, run, rounds=5, down=8_000_000)
     assert sim.name == "tb-simulated" and sim.federation.rounds == 5 and sim.federation.strategy == "fleet"
     assert sim.devices.num_devices == 3 and not sim.testbed.classes and sim.evaluation.pipelined  # as deployed
     pi = sim.devices.device_classes[0]
-    assert (pi.share, pi.bandwidth_mbps, pi.downlink_mbps, pi.start_s) == (pytest.approx(2 / 3), 8, 16, 20)
+    # its start: a round's wall less compute (3 s), upload (4 MB at 8 Mbit/s) and download (8 MB at 16): 40 and 50 s
+    assert (pi.share, pi.bandwidth_mbps, pi.downlink_mbps, pi.start_s) == (pytest.approx(2 / 3), 8, 16, 34)
     assert pi.profile == str(tmp_path / "devices" / "pi-0" / "device-profile.yaml")
-    assert fleet_config_from_dict(config_to_dict(sim)).devices.device_classes[1].start_s == 5  # it loads back
+    board = fleet_config_from_dict(config_to_dict(sim)).devices.device_classes[1]  # it loads back
+    assert board.start_s == pytest.approx(20 - 3 - 0.4 - 0.4)
 
 
 def test_a_memory_limited_device_whose_reply_was_rejected_still_trained_that_round(tmp_path):

@@ -33,12 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from fleet.base.errors import ConfigError, FleetError
+from fleet.bench.figures import SIM_CLOCK, speedup, time_to_target
 from fleet.bench.launch import progress_log
 from fleet.bench.regimes import run_profile
 from fleet.engine.config import config_to_dict
 from fleet.federated.config import FleetConfig, load_fleet_config, run_dir
 from fleet.federated.prepare import EFFECTIVE_CONFIG, prepare
-from fleet.federated.tracking import SUMMARY_FILE
+from fleet.federated.tracking import SUMMARY_FILE, honest_rejections, read_records
 
 METHODS = ("fedavg", "naive", "fleet")
 FIGURES = (
@@ -54,13 +55,6 @@ FIGURES = (
     "rounds",
     "sim_time_s",
 )
-
-
-def time_to_target(history: list[dict], target: float) -> float | None:
-    for rec in history:
-        if rec["global_accuracy"] is not None and rec["global_accuracy"] >= target:
-            return rec["sim_time_s"]
-    return None
 
 
 def within(history: list[dict], horizon_s: float | None) -> list[dict]:
@@ -124,7 +118,7 @@ def method_entry(
     """The bench figures of one method's run, over the rounds in ``history``."""
     last = history[-1] if history else {}
     return {
-        "time_to_target_s": time_to_target(history, target),
+        "time_to_target_s": time_to_target(history, target, clock=SIM_CLOCK),
         "final_accuracy": final_accuracy(history, final_rounds),
         "late_accuracy": late_accuracy(history, horizon_s),
         "time_mean_accuracy": (
@@ -137,6 +131,7 @@ def method_entry(
         "personalized_accuracy_mean": last.get("personal_accuracy", summary["personalized_accuracy_mean"]),
         "personalized_accuracy_p10": last.get("personal_accuracy_p10", summary["personalized_accuracy_p10"]),
         "bytes_uploaded": int(sum(r.get("bytes_uploaded", 0) for r in history)),
+        "honest_rejected": honest_rejections(within(read_records(Path(summary["run_dir"])), horizon_s)),
         "rounds": len(history),
         "sim_time_s": last.get("sim_time_s", 0.0),
         "classes": summary.get("classes") or {},  # per device class, over the whole run (devices.device_classes)
@@ -159,7 +154,7 @@ def seed_report(
     for m in methods:
         if m != "fedavg":
             t = methods[m]["time_to_target_s"]
-            methods[m]["speedup_vs_fedavg"] = (f / t) if f and t else None
+            methods[m]["speedup_vs_fedavg"] = speedup(f, t)
     return {"horizon_s": horizon, "target_accuracy": target, "methods": methods}
 
 

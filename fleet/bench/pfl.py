@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from fleet.base.errors import ConfigError
+from fleet.bench.figures import SIM_CLOCK, speedup, time_to_target
 from fleet.bench.fleet import (
     _mean,
     _simulate,
@@ -43,7 +44,6 @@ from fleet.bench.fleet import (
     elastic_round_cap,
     mean_ci95,
     reused_summary,
-    time_to_target,
     within,
 )
 from fleet.bench.launch import progress_log
@@ -54,7 +54,7 @@ from fleet.federated.device import DEVICES_DIR
 from fleet.federated.newcomer import mean_curve, personalize_newcomer
 from fleet.federated.prepare import prepare
 from fleet.federated.state import CHECKPOINT_FILE, load_checkpoint
-from fleet.federated.tracking import SUMMARY_FILE, p10, read_records
+from fleet.federated.tracking import SUMMARY_FILE, honest_rejections, p10, read_records
 
 DEFAULT_CONFIG = "simulations/pfl.yaml"
 BASELINE = "fedavg_ft"  # its rounds set the horizon
@@ -124,7 +124,7 @@ def device_rounds(run: Path, method: str, horizon: float | None) -> list[tuple[f
 
 def personalized_curve(rounds: list[tuple[float, list[float]]]) -> list[dict]:
     """``[{"sim_time_s", "global_accuracy"}]``, the mean over devices each evaluated round, in the shape
-    :func:`fleet.bench.fleet.time_to_target` reads: the figure the final mean and the target are made of (the
+    :func:`fleet.bench.figures.time_to_target` reads: the figure the final mean and the target are made of (the
     round's own accuracy weighs devices by their test samples, and a target from one read on the other could
     be out of reach of the method that set it)."""
     return [{"sim_time_s": t, "global_accuracy": statistics.fmean(values)} for t, values in rounds]
@@ -140,6 +140,7 @@ def method_figures(summary: dict, method: str, horizon: float | None) -> dict[st
         "personalized_accuracy_mean": statistics.fmean(devices) if devices else None,
         "personalized_accuracy_p10": p10(devices),
         "bytes_uploaded": int(sum(r.get("bytes_uploaded", 0) for r in history)),
+        "honest_rejected": honest_rejections(within(read_records(Path(summary["run_dir"])), horizon)),  # none attack
         "global_accuracy_swing": accuracy_swing(history),
         "rounds": len(history),
         "sim_time_s": history[-1]["sim_time_s"] if history else 0.0,
@@ -263,10 +264,6 @@ FIGURES = ("personalized_accuracy_mean", "personalized_accuracy_p10", "time_to_t
 SPEEDUPS = ("speedup_vs_best_baseline", "speedup_vs_baseline")
 
 
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a and b else None
-
-
 def with_target(seeds: dict[str, dict], best: str) -> None:
     """Set each seed's target (``best``'s final personalized mean less :data:`TARGET_MARGIN`), every method's
     time to it (None: not reached within the horizon) and its speedup over ``best`` and over FedAvg+FT."""
@@ -274,12 +271,12 @@ def with_target(seeds: dict[str, dict], best: str) -> None:
         final = rep["methods"][best]["personalized_accuracy_mean"]
         rep["target_accuracy"] = target = final - TARGET_MARGIN if final is not None else float("inf")
         for entry in rep["methods"].values():
-            entry["time_to_target_s"] = time_to_target(entry["curve"], target)
+            entry["time_to_target_s"] = time_to_target(entry["curve"], target, clock=SIM_CLOCK)
         t_best = rep["methods"][best]["time_to_target_s"]
         t_base = rep["methods"].get(BASELINE, {}).get("time_to_target_s")
         for entry in rep["methods"].values():
-            entry["speedup_vs_best_baseline"] = ratio(t_best, entry["time_to_target_s"])
-            entry["speedup_vs_baseline"] = ratio(t_base, entry["time_to_target_s"])
+            entry["speedup_vs_best_baseline"] = speedup(t_best, entry["time_to_target_s"])
+            entry["speedup_vs_baseline"] = speedup(t_base, entry["time_to_target_s"])
 
 
 def combine(seeds: dict[str, dict]) -> dict[str, dict]:

@@ -12,7 +12,7 @@ crashes or hangs the server is a finding (``server_crashed``), not the end of th
 Figures per run: ``final_accuracy`` is the mean global accuracy of the last 3 rounds, over the
 devices that are honest in every run (the same test sets judge every run, whether or not an
 attack's evaluation replies were rejected); ``rejected_replies`` the replies the server rejected
-over the run, ``rounds`` the rounds done.
+over the run, ``honest_rejected`` those of them from honest devices, ``rounds`` the rounds done.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from fleet.engine.config import NULL
 from fleet.engine.experiment import model_with_weights
 from fleet.engine.trainer import accuracy
 from fleet.federated.config import FleetConfig, load_fleet_config, run_dir
-from fleet.federated.device import DEVICES_DIR
+from fleet.federated.device import DEVICES_DIR, simulated_names
 from fleet.federated.prepare import prepare
 from fleet.federated.server_eval import server_test_set
 from fleet.federated.state import load_checkpoint
-from fleet.federated.tracking import SUMMARY_FILE, read_records
+from fleet.federated.tracking import SUMMARY_FILE, honest_rejections, read_records
 
 DEFAULT_CONFIG = "simulations/robustness.yaml"
 REPORT_FILE = "robustness.json"
@@ -69,8 +69,9 @@ def _mean(values: list[float]) -> float | None:
     return _finite(sum(values) / len(values)) if values else None
 
 
-def run_figures(out: Path, error: str | None, honest_from: int) -> dict[str, Any]:
-    """A run's figures from the rounds it wrote; a run without its summary.json crashed."""
+def run_figures(out: Path, error: str | None, honest_from: int, adversaries: list[str]) -> dict[str, Any]:
+    """A run's figures from the rounds it wrote; a run without its summary.json crashed. ``adversaries``: the
+    attacking devices' names (a rejection of any other is an honest device's)."""
     records = read_records(out)  # a line cut short by a crash ends them
     server = [a for a in (_finite(r.get("server_accuracy")) for r in records) if a is not None][-FINAL_ROUNDS:]
     honest = [a for a in (honest_accuracy(r, honest_from) for r in records) if a is not None][-FINAL_ROUNDS:]
@@ -79,6 +80,7 @@ def run_figures(out: Path, error: str | None, honest_from: int) -> dict[str, Any
         "final_accuracy": _mean(server),
         "honest_device_accuracy": _mean(honest),
         "rejected_replies": sum(len(r.get("rejections", [])) for r in records),
+        "honest_rejected": honest_rejections(records, adversaries),
         "server_crashed": crashed,
         "rounds": len(records),
     }
@@ -122,7 +124,8 @@ def run_one(
     log(f"--- {run_name}: {who}; {cfg.federation.rounds} rounds on {cfg.devices.num_devices} devices ---")
     error = launch(config_path, HONEST_APP if attack is None else ADVERSARY_APP, timeout_s, log)
     entry = {"attack": attack, "adversaries": len(partitions), "partitions": partitions}
-    entry.update(run_figures(out, error, honest_from))
+    names = {pid: name for name, pid in simulated_names(cfg).items()}
+    entry.update(run_figures(out, error, honest_from, [names[p] for p in partitions]))
     if attack in (None, "backdoor"):  # the clean model's rate is the baseline a backdoor is measured against
         entry["backdoor_success"] = backdoor_success(cfg, out)
     shutil.rmtree(out / DEVICES_DIR, ignore_errors=True)  # 8 devices' weights and momentum: ~0.7 GB a run, unused

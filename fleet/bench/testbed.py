@@ -41,13 +41,14 @@ from pathlib import Path
 
 import yaml
 
+from fleet.bench.figures import WALL_CLOCK, first_reaching, speedup
 from fleet.engine.config import config_to_dict
 from fleet.engine.device_profile import DeviceProfile
 from fleet.federated.class_config import DeviceClassConfig
 from fleet.federated.config import FleetConfig, pipelined, run_dir
 from fleet.federated.device import DEVICES_DIR
 from fleet.federated.testbed_config import TestbedConfig
-from fleet.federated.tracking import read_records
+from fleet.federated.tracking import honest_rejections, read_records
 from fleet.testbed.run import TestbedRun, run_testbed
 
 METHODS = ("fedavg", "naive", "fleet")
@@ -70,11 +71,6 @@ def method_config(cfg: FleetConfig, method: str, rounds: int, weights: str | Non
 def within(records: list[dict], budget_s: float | None) -> list[dict]:
     """The rounds that ended within the wall-clock budget (all of them without one)."""
     return [r for r in records if budget_s is None or r["wall_time_s"] <= budget_s + 1e-9]
-
-
-def first_reaching(records: list[dict], target: float, key: str = ACCURACY) -> dict | None:
-    """The first round whose ``key`` reaches ``target``; None if none does."""
-    return next((r for r in records if (r.get(key) or 0.0) >= target), None)
 
 
 def mean_accuracy(curve: list[list], start: float | None, budget_s: float) -> float | None:
@@ -142,15 +138,16 @@ def method_entry(run: TestbedRun, budget_s: float, target: float, start: float |
     """One method's figures over its rounds within the budget."""
     records = within(run.records, budget_s)
     curve = [[r["wall_time_s"], r.get(ACCURACY)] for r in records]
-    hit = first_reaching(records, target)
+    hit = first_reaching(records, target, ACCURACY)
     return {
         "rounds": len(records),
         "wall_s": records[-1]["wall_time_s"] if records else 0.0,
-        "time_to_target_s": None if hit is None else hit["wall_time_s"],
+        "time_to_target_s": None if hit is None else hit[WALL_CLOCK],
         "target_round": None if hit is None else hit["round"],
         "final_server_accuracy": last_evaluated(records, ACCURACY),
         "mean_accuracy": mean_accuracy(curve, start, budget_s),
         "final_accuracy": last_evaluated(records, "global_accuracy"),
+        "honest_rejected": honest_rejections(records),  # nobody attacks here
         "personalized_accuracy_mean": last_evaluated(records, "personal_accuracy"),
         "curve": curve,
         "devices": device_entries(run, records, down),
@@ -173,14 +170,31 @@ def class_start_s(run: TestbedRun, cls: str) -> float:
     return _median([v for v in ready if v is not None]) or 0.0
 
 
+def class_fixed_s(run: TestbedRun, cls: str, down_bytes: int) -> float:
+    """What a round cost a class's devices beyond compute, upload and download, as a run (FedAvg's) measured
+    it: the median over their rounds of ``wall_s`` less those three. It holds the message's start
+    (``ready_s``), the scoring, and the rest of the message's way through Flower that no figure of the device
+    names (docs/results.md: about 17 s of a pi4's round)."""
+    rest = []
+    for r in run.records:
+        for d in r.get("devices", []):
+            c = run.classes.get(d.get("device", ""))
+            if c is None or c.name != cls or "wall_s" not in d or d.get("measured_time_s") is None:
+                continue
+            transfers = 8 * d["bytes_uploaded"] / (c.uplink_mbps * 1e6) + 8 * down_bytes / (c.downlink_mbps * 1e6)
+            rest.append(d["wall_s"] - d["measured_time_s"] - transfers)
+    return max(0.0, _median(rest) or 0.0)
+
+
 def class_profile(run: TestbedRun, cls: str) -> Path:
     """The profile the class's first device measured under its limits, in its state folder."""
     return run.run_dir / DEVICES_DIR / f"{cls}-0" / "device-profile.yaml"
 
 
-def simulation_config(cfg: FleetConfig, fleet: TestbedRun, fedavg: TestbedRun, rounds: int) -> FleetConfig:
+def simulation_config(cfg: FleetConfig, fleet: TestbedRun, fedavg: TestbedRun, rounds: int, down: int) -> FleetConfig:
     """The fleet method in Flower's simulation, a device class per testbed class: its devices' profile
-    as measured under their limits, its links, and its start as FedAvg's rounds measured it."""
+    as measured under their limits, its links, and as its start what else a round cost it beyond compute
+    and transfers, as FedAvg's rounds measured it (:func:`class_fixed_s`; ``down``: the model's bytes)."""
     total, classes = cfg.testbed.num_devices, []
     for c in cfg.testbed.classes:
         classes.append(
@@ -190,7 +204,7 @@ def simulation_config(cfg: FleetConfig, fleet: TestbedRun, fedavg: TestbedRun, r
                 profile=str(class_profile(fleet, c.name)),
                 bandwidth_mbps=c.uplink_mbps,
                 downlink_mbps=c.downlink_mbps,
-                start_s=round(class_start_s(fedavg, c.name), 3),
+                start_s=round(class_fixed_s(fedavg, c.name, down), 3),
             )
         )
     devices = dataclasses.replace(cfg.devices, num_devices=total, newcomers=0, device_classes=classes)
@@ -230,7 +244,7 @@ def slowest_by_class(records: list[dict], key: str, class_of) -> dict[str, float
     return {cls: statistics.median(v) for cls, v in per_round.items()}
 
 
-def class_entries(cfg: FleetConfig, fleet: TestbedRun, fedavg: TestbedRun, simulated: list[dict]) -> dict:
+def class_entries(cfg: FleetConfig, fleet: TestbedRun, fedavg: TestbedRun, simulated: list[dict], down: int) -> dict:
     """Per testbed class: its limits, its measured full step, and its measured against predicted round."""
     measured = slowest_by_class(fleet.records, "wall_s", lambda d: _class(fleet, d))
     predicted = slowest_by_class(simulated, "round_time_s", lambda d: d.get("class"))
@@ -251,6 +265,7 @@ def class_entries(cfg: FleetConfig, fleet: TestbedRun, fedavg: TestbedRun, simul
             "downlink_mbps": c.downlink_mbps,
             "measured_full_step_s": DeviceProfile.load(profile).full_step_time if profile.is_file() else None,
             "start_s": class_start_s(fedavg, c.name),
+            "fixed_s": class_fixed_s(fedavg, c.name, down),  # the simulator's start: all but compute and transfers
             "measured_round_s": m,
             "predicted_round_s": p,
             "compute_upload_s": older.get(c.name),
@@ -360,7 +375,8 @@ def bench_testbed(cfg: FleetConfig, rounds: int, log) -> dict:
     target = (last_evaluated(runs["fedavg"].records, ACCURACY) or 0.0) - TARGET_DROP
     methods = {m: method_entry(runs[m], budget, target, start, down) for m in METHODS}
     log(f"bench: the simulator on the testbed's classes, {len(runs['fleet'].records)} rounds of fleet")
-    simulated = simulate(simulation_config(cfg, runs["fleet"], runs["fedavg"], len(runs["fleet"].records)), log)
+    sim = simulation_config(cfg, runs["fleet"], runs["fedavg"], len(runs["fleet"].records), down)
+    simulated = simulate(sim, log)
     report = {
         "config": cfg.name,
         "seed": cfg.train.seed,
@@ -371,12 +387,12 @@ def bench_testbed(cfg: FleetConfig, rounds: int, log) -> dict:
         "compute_to_transfer": regime_ratio(methods["fedavg"]),
         "regime": regime_of(regime_ratio(methods["fedavg"])),
         "methods": methods,
-        "classes": class_entries(cfg, runs["fleet"], runs["fedavg"], simulated),
+        "classes": class_entries(cfg, runs["fleet"], runs["fedavg"], simulated, down),
         "memory": memory_entries(runs),
     }
     for m in METHODS[1:]:
         t, base = methods[m]["time_to_target_s"], methods["fedavg"]["time_to_target_s"]
-        report[m] = {"speedup_vs_fedavg": None if not (t and base) else base / t}
+        report[m] = {"speedup_vs_fedavg": speedup(base, t)}
     report["targets"] = targets(report)
     return report
 

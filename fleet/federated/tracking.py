@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
@@ -176,6 +176,12 @@ def trained_rows(records: list[dict]) -> dict[str, list[dict]]:
             if "speedup" in d:
                 per_device.setdefault(device_key(d), []).append({"round": rec["round"], **d})
     return per_device
+
+
+def honest_rejections(records: list[dict], adversaries: Collection[str] = ()) -> int:
+    """The replies the server rejected from devices not among ``adversaries``: in a fleet nobody attacks each is
+    an honest device's round thrown away, which every bench reports and should find 0."""
+    return sum(j.get("device") not in adversaries for r in records for j in r.get("rejections", []))
 
 
 def p10(values: list[float]) -> float | None:

@@ -393,35 +393,60 @@ def test_leave_one_out_medians_are_the_medians_of_the_other_rows(n):
     assert np.array_equal(leave_one_out_medians(rows), expected)
 
 
-def test_one_round_of_pulling_against_the_others_is_a_strike_and_a_second_within_the_window_a_rejection():
-    """Under non-IID data an honest device's update points away from the others' now and then: its first such
-    round within ``strike_window`` keeps it at half its length; a second is a rejection that says so."""
-    s = strategy(norm_bound=3.0, min_pull=-0.5, max_sign_skew=None, min_cos=None)
+def test_a_pull_against_the_others_is_a_strike_until_it_repeats_within_the_window():
+    """Under non-IID data an honest device's update points away from the others' now and then: with ``strikes: 2``
+    its first such round within ``strike_window`` keeps it at half its length; a second is a rejection that says so."""
+    s = strategy(norm_bound=3.0, min_pull=-0.5, max_sign_skew=None, min_cos=None, strikes=2)
 
     def one_round(r: int, step: float) -> dict[str, np.ndarray]:
         s.arrays = {k: v.copy() for k, v in GLOBAL.items()}
         return train(s, r, [*[honest(n, 1.0) for n in (11, 12, 13, 14)], honest(15, step)])
 
     out = one_round(1, -0.7)
-    assert s.state.replies.rejections == [] and s.state.replies.defense.strikes == {"pi-15": pytest.approx(-0.7)}
+    assert s.state.replies.rejections == [] and s.state.replies.defense.strikes == {"pi-15": "pull -0.70"}
     np.testing.assert_allclose(out["w"], (4 * 1.0 - 0.7 * 0.5) / 5, rtol=1e-5)  # kept, at half its length
     one_round(2, 1.0)
-    assert s.state.replies.defense.strikes == {} and s.state.pull_strikes == {"pi-15": [1]}
+    assert s.state.replies.defense.strikes == {} and s.state.strikes == {"pi-15": [1]}
     one_round(3, -0.7)
     (rejected,) = s.state.replies.rejections
     assert rejected.device == "pi-15" and "pulls against the other devices' (-0.70 typical" in rejected.reason
     assert rejected.reason.endswith(", and did in 1 of its last 4 rounds")
     one_round(8, -0.7)  # rounds 1 and 3 are past the window: a first strike again
-    assert s.state.replies.rejections == [] and s.state.pull_strikes == {"pi-15": [8]}
+    assert s.state.replies.rejections == [] and s.state.strikes == {"pi-15": [8]}
     one_round(9, -1.2)  # past twice min_pull: rejected at once, whatever came before
+    assert [r.device for r in s.state.replies.rejections] == ["pi-15"]
+
+
+def test_a_step_against_the_global_models_last_one_is_rejected_on_its_third_round_in_four():
+    s = strategy(norm_bound=3.0, min_pull=None, max_sign_skew=None)  # the default strikes: 3 within 4 rounds
+    s.state.last_step = {"w": np.ones(4, np.float32)}
+    against = np.array([-1.0, -1.0, 0.5, 0.2], np.float32)  # cosine -0.43 with the last step: below -0.3, above -0.6
+
+    def one_round(r: int) -> list[str]:
+        s.arrays = {k: v.copy() for k, v in GLOBAL.items()}
+        odd = honest(15)
+        odd.arrays["w"] = against.copy()
+        train(s, r, [*[honest(n, 1.0) for n in (11, 12, 13, 14)], odd])
+        s.state.last_step = {"w": np.ones(4, np.float32)}
+        return [r.reason for r in s.state.replies.rejections]
+
+    assert one_round(1) == [] and s.state.replies.defense.strikes == {"pi-15": "cosine -0.43"}
+    assert one_round(2) == []
+    (reason,) = one_round(3)
+    assert "points against the global model's last step (cosine -0.43" in reason
+    assert reason.endswith(", and did in 2 of its last 4 rounds")
+    s.state.strikes.clear()
+    s.state.last_step = {"w": np.ones(4, np.float32)}
+    s.arrays = {k: v.copy() for k, v in GLOBAL.items()}
+    train(s, 9, [*[honest(n, 1.0) for n in (11, 12, 13, 14)], honest(15, -1.0)])  # cosine -1: at once
     assert [r.device for r in s.state.replies.rejections] == ["pi-15"]
 
 
 def test_with_one_strike_allowed_a_pull_is_rejected_at_once_and_strikes_survive_a_checkpoint(tmp_path):
     from fleet.federated.state import load_checkpoint, save_checkpoint
 
-    s = strategy(norm_bound=3.0, min_pull=-0.5, max_sign_skew=None, min_cos=None, pull_strikes=1)
+    s = strategy(norm_bound=3.0, min_pull=-0.5, max_sign_skew=None, min_cos=None, strikes=1)
     train(s, 1, [*[honest(n, 1.0) for n in (11, 12, 13, 14)], honest(15, -0.7)])
-    assert [r.device for r in s.state.replies.rejections] == ["pi-15"] and s.state.pull_strikes == {"pi-15": [1]}
+    assert [r.device for r in s.state.replies.rejections] == ["pi-15"] and s.state.strikes == {"pi-15": [1]}
     save_checkpoint(tmp_path, s.arrays, s.state)
-    assert load_checkpoint(tmp_path)[1].pull_strikes == {"pi-15": [1]}
+    assert load_checkpoint(tmp_path)[1].strikes == {"pi-15": [1]}

@@ -461,7 +461,7 @@ class Coordinator:
             state.replies.defense,
             state.typical_norms,
             state.last_step,
-            state.pull_strikes,
+            state.strikes,
         )
         kept, rejected = defend(judging, candidates)
         kept, rejected = self._validate(kept, rejected)

@@ -50,10 +50,10 @@ def norms_of(c: Candidate, current: Mapping[str, np.ndarray]) -> dict[str, float
 
 
 Rejected = tuple[Candidate, str]  # a candidate the defense turned away, and why
-# a forgiven pull's update is kept at this share of its length: it still counts, less, in the round it may be wrong
+# a forgiven reply's update is kept at this share of its length: it still counts, less, in the round it may be wrong
 STRIKE_SCALE = 0.5
-# a pull past this multiple of robust.min_pull is rejected at once: no honest device was measured below 1.3x
-FORGIVEN_PULL = 2.0
+# a pull or a cosine past this multiple of its floor is rejected at once: no honest device was measured below 1.6x
+FORGIVEN = 2.0
 
 
 @dataclass
@@ -66,9 +66,9 @@ class DefenseReport:
     clipped: dict[str, int] = field(default_factory=dict)  # device -> tensors clipped to the norm bound
     trend: dict[str, float] = field(default_factory=dict)  # device -> its cosine with the global model's last step
     loss_rise: dict[str, float] = field(default_factory=dict)  # device -> the loss its update adds on the server's data
-    # device -> its pull, where it pulled against the others for the first time within robust.strike_window rounds:
-    # kept, its update scaled by STRIKE_SCALE, not rejected (non-IID honest devices do this now and then)
-    strikes: dict[str, float] = field(default_factory=dict)
+    # device -> the figure that failed (its pull or its cosine with the last step), where it was a strike within
+    # robust.strike_window rounds: kept, its update scaled by STRIKE_SCALE (non-IID honest devices do this now and then)
+    strikes: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """The screens always (what every device measured); the rest only when it happened."""
@@ -100,18 +100,43 @@ class Judging:
     report: DefenseReport  # what the defense did, for metrics.jsonl
     typical: dict[str, float] = field(default_factory=dict)  # tensor -> its typical update norm (ServerState)
     trend: Mapping[str, np.ndarray] = field(default_factory=dict)  # tensor -> the global model's last step
-    # device -> the rounds it pulled against the others (ServerState.pull_strikes), pruned to robust.strike_window
+    # device -> the rounds its update pointed against the others or the last step (ServerState.strikes), pruned to
+    # robust.strike_window
     strikes: dict[str, list[int]] = field(default_factory=dict)
 
     def recent_strikes(self, device: str) -> int:
-        """How many rounds before this one, within ``strike_window``, the device pulled against the others."""
+        """How many rounds before this one, within ``strike_window``, the device's update pointed the wrong way."""
         since = self.server_round - self.robust.strike_window
         return sum(since < r < self.server_round for r in self.strikes.get(device, []))
 
     def strike(self, device: str) -> None:
+        """This round counts against the device (once, whichever rule saw it)."""
         since = self.server_round - self.robust.strike_window
         kept = [r for r in self.strikes.get(device, []) if since < r < self.server_round]
         self.strikes[device] = [*kept, self.server_round]
+
+    def forgivable(self, device: str, value: float, floor: float | None) -> bool:
+        """Whether a direction figure below its ``floor`` (by at most ``FORGIVEN`` x it) is a strike rather than a
+        rejection: fewer than ``robust.strikes`` such rounds within ``strike_window``, this one included. Under
+        non-IID data an honest device's update points away from the others' and from the last step now and then
+        (pulls of -0.64 and cosines of -0.47 were measured); an attacker's must do so round after round to harm."""
+        if floor is None or value >= floor or value < FORGIVEN * floor:
+            return False
+        return self.recent_strikes(device) + 1 < self.robust.strikes
+
+    def forgive(self, c: Candidate, figure: str) -> None:
+        """A strike: the reply is kept at ``STRIKE_SCALE`` of its update (once a round, whichever rule forgave it)."""
+        name = c.reply.device
+        self.strike(name)
+        if name not in self.report.strikes:
+            c.arrays, c.norms = scale_update(self.current, c.arrays, STRIKE_SCALE, self.param_names), None
+        self.report.strikes[name] = figure
+
+    def history(self, device: str) -> str:
+        """A rejection's note of the device's earlier strikes; this round becomes one."""
+        before = self.recent_strikes(device)
+        self.strike(device)
+        return f", and did in {before} of its last {self.robust.strike_window} rounds" if before else ""
 
     def reject(self, c: Candidate, reason: str, rejected: list[Rejected]) -> None:
         self.suspects.setdefault(c.reply.device, self.server_round)
@@ -140,8 +165,11 @@ def by_trend(j: Judging, candidates: list[Candidate]) -> tuple[list[Candidate], 
         reason = trend_problem(trends.get(i), j.robust)
         if reason is None:
             pending.append(c)
+        elif j.forgivable(c.reply.device, trends[i][0], j.robust.min_cos):
+            j.forgive(c, f"cosine {trends[i][0]:.2f}")
+            pending.append(c)
         else:
-            j.reject(c, reason, rejected)
+            j.reject(c, reason + j.history(c.reply.device), rejected)
     return pending, rejected
 
 
@@ -179,10 +207,8 @@ def screen(j: Judging, candidates: list[Candidate]) -> tuple[list[Candidate], li
             j.report.scaled[name] = round(sc.norm_ratio, 3)
         elif sc is not None:
             j.suspects.pop(name, None)  # back to an ordinary size: trusted again
-        if pulls_back(sc, j.robust):  # forgiven once: a strike, and its pull weighs less
-            j.strike(name)
-            c.arrays, c.norms = scale_update(j.current, c.arrays, STRIKE_SCALE, j.param_names), None
-            j.report.strikes[name] = round(sc.pull, 3)
+        if pulls_back(sc, j.robust):  # forgiven there: a strike, and its pull weighs less
+            j.forgive(c, f"pull {sc.pull:.2f}")
         kept.append(c)
     return kept, rejected
 
@@ -220,11 +246,8 @@ def worst_first(j: Judging, candidates: list[Candidate]) -> tuple[list[Screen | 
             return screens, rejected
         worst = max(failing, key=lambda i: severity(screens[i], j.robust))
         device, sc = candidates[worst].reply.device, screens[worst]
-        if pulls_back(sc, j.robust):
-            before = j.recent_strikes(device)
-            j.strike(device)
-            failing[worst] += f", and did in {before} of its last {j.robust.strike_window} rounds" if before else ""
-        j.reject(candidates[worst], failing[worst], rejected)
+        note = j.history(device) if pulls_back(sc, j.robust) else ""
+        j.reject(candidates[worst], failing[worst] + note, rejected)
         alive.remove(worst)
 
 
@@ -233,15 +256,10 @@ def pulls_back(sc: Screen | None, robust: RobustConfig) -> bool:
 
 
 def forgiven(j: Judging, device: str, sc: Screen) -> bool:
-    """Whether a screen that fails only on its pull, by at most ``FORGIVEN_PULL`` x ``min_pull``, is a strike, not a
-    rejection: fewer than ``pull_strikes`` such rounds within ``strike_window``. Under non-IID data an honest
-    device's update points away from the others' now and then (pulls of -0.64 were measured); an attacker's
-    must do so round after round to do harm."""
-    if not pulls_back(sc, j.robust) or screen_problem(dataclasses.replace(sc, pull=0.0), j.robust) is not None:
+    """Whether a screen that fails only on its pull is a strike, not a rejection (:meth:`Judging.forgivable`)."""
+    if screen_problem(dataclasses.replace(sc, pull=0.0), j.robust) is not None:
         return False
-    if sc.pull < FORGIVEN_PULL * j.robust.min_pull:
-        return False
-    return j.recent_strikes(device) + 1 < j.robust.pull_strikes
+    return j.forgivable(device, sc.pull, j.robust.min_pull)
 
 
 def severity(sc: Screen, robust: RobustConfig) -> float:

@@ -71,8 +71,8 @@ class ServerState:
     # device name -> the round its update was rejected for pulling the model back: while its updates stay
     # oversized it is not trusted again (an honest device is never oversized), back to ordinary size it is
     suspects: dict[str, int] = field(default_factory=dict)
-    # device name -> the recent rounds its update pulled against the others' (robust.pull_strikes, strike_window)
-    pull_strikes: dict[str, list[int]] = field(default_factory=dict)
+    # device name -> the recent rounds its update pointed against the others' or the last step (robust.strikes)
+    strikes: dict[str, list[int]] = field(default_factory=dict)
     # tensor -> its typical update norm (lower median over its senders) as the defense last bounded it: a bound
     # may grow from it by robust.norm_growth a round, so attackers alone on a tensor cannot set their own
     typical_norms: dict[str, float] = field(default_factory=dict)

@@ -257,7 +257,7 @@ def pulls_back(sc: Screen | None, robust: RobustConfig) -> bool:
 
 def forgiven(j: Judging, device: str, sc: Screen) -> bool:
     """Whether a screen that fails only on its pull is a strike, not a rejection (:meth:`Judging.forgivable`)."""
-    if screen_problem(dataclasses.replace(sc, pull=0.0), j.robust) is not None:
+    if screen_problem(dataclasses.replace(sc, pull=0.0), j.robust, j.suspects.get(device)) is not None:
         return False
     return j.forgivable(device, sc.pull, j.robust.min_pull)
 

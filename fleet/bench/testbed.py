@@ -25,8 +25,10 @@ Design notes:
   the reply); the device reports its compute and ``ready_s`` (its ClientApp's age when its work starts);
   the transfers are the bytes at the link's rate; the rest is neither (polling, serialization).
 * **The simulator against it.** ``fleet simulate`` runs the fleet method with one class per testbed class:
-  its devices' own measured profile, its uplink and downlink, and its start (the median ``ready_s`` of
-  FedAvg's rounds: another run than the one it is compared with), with the testbed's pipelined evaluation.
+  its devices' own measured profile, its uplink and downlink, and as its start everything else a round cost
+  the class in FedAvg's rounds (the median ``wall_s`` less compute and transfers, :func:`class_fixed_s`: the
+  start alone left 13-21 s a round out; FedAvg is another run than the one it is compared with), with the
+  testbed's pipelined evaluation.
   Per class, predicted and measured round are medians over rounds of the class's slowest device.
   ``compute_upload_s`` keeps the older model's figure (compute and upload only), to show what start and
   download add.

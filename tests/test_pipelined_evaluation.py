@@ -22,16 +22,23 @@ from fleet.federated import keys, tasks
 from fleet.federated.config import load_fleet_config
 from fleet.federated.config import pipelined as pipelined_rule
 from fleet.federated.coordinator import Coordinator
-from fleet.federated.records import QUERY, TRAIN, TrainOrder
+from fleet.federated.mailbox import Mailbox
+from fleet.federated.records import QUERY, TRAIN, Reply, TrainOrder
+from fleet.federated.server_loop import run_round
 from fleet.federated.server_run import initial_arrays
 from fleet.federated.state import ServerState, load_checkpoint, save_checkpoint
 from tests.test_coordinator import NODES, config, query, train_reply
 from tests.test_fleet_simulation import TINY, read_metrics, run_fleet
+from tests.test_server_loop import FakeLink
 
 
 def pipelined() -> Coordinator:
+    """Deployed rounds that ride; ``grace_s`` short, so the last round's wave, which nobody answers, ends soon."""
     cfg = config()
-    cfg = dataclasses.replace(cfg, evaluation=dataclasses.replace(cfg.evaluation, pipelined=True))
+    membership = dataclasses.replace(cfg.membership, grace_s=0.5)
+    cfg = dataclasses.replace(
+        cfg, membership=membership, evaluation=dataclasses.replace(cfg.evaluation, pipelined=True)
+    )
     return Coordinator(cfg, ServerState(run_tag="p"), initial_arrays(cfg))
 
 
@@ -41,35 +48,38 @@ def scored(node: str, server_round: int, sent: dict, accuracy: float, test: int 
     return train_reply(node, server_round, sent, 0.1, **{keys.EVAL_TIME_S: 0.05, **scores})
 
 
-def one_round(coord: Coordinator, server_round: int, connected: set[str], replies) -> list[dict]:
-    """Plan, take the replies (the scores first), close; the records the round releases."""
-    started = coord.open_round(connected)
-    if server_round == 1:
-        coord.take(1, QUERY, [query(n, f"device-{i}", 2.0) for i, n in enumerate(NODES)], connected)
-    plan = coord.plan_round(server_round, coord.eligible(connected), connected)
-    got = coord.take(server_round, TRAIN, replies(plan, coord.arrays), connected)
-    coord.take_scores(server_round, got)
-    coord.close_train(plan, got)
-    rides = coord.rides(server_round)
-    if coord.evaluates(server_round) and not rides:
-        coord.close_evaluate(server_round, [])
-    return coord.release(coord.close_round(plan, started), rides), plan
+def one_round(coord: Coordinator, box: Mailbox, server_round: int, replies) -> tuple[list[dict], TrainOrder]:
+    """A whole round through the server's loop: the devices answer their query, their train order with
+    ``replies(order, arrays sent)``, and no evaluation wave; the records the round releases, and the order."""
+    sent: dict[str, object] = {}
+
+    def answer(node: str, kind: str, r: int, arrays: dict, order: TrainOrder | None) -> Reply | None:
+        if kind == QUERY:
+            return query(node, f"device-{NODES.index(node)}", 2.0)
+        if kind != TRAIN:
+            return None
+        if "replies" not in sent:
+            sent.update(order=order, replies={str(x.node_id): x for x in replies(order, arrays)})
+        return sent["replies"].get(node)
+
+    box.link.answer = answer
+    return run_round(coord, box, server_round), sent["order"]
 
 
 def test_a_rounds_record_waits_for_the_next_rounds_scores_and_the_last_round_is_not_held(tmp_path, caplog):
-    coord, connected = pipelined(), set(NODES)
-    released, plan = one_round(coord, 1, connected, lambda plan, sent: [train_reply(n, 1, sent, 0.1) for n in NODES])
-    assert released == [] and coord.state.held["round"] == 1 and not plan.order.score_received
+    coord, box = pipelined(), Mailbox(FakeLink(lambda *a: None, NODES))
+    released, order = one_round(coord, box, 1, lambda order, sent: [train_reply(n, 1, sent, 0.1) for n in NODES])
+    assert released == [] and coord.state.held["round"] == 1 and not order.score_received
     save_checkpoint(tmp_path, coord.arrays, coord.state)  # a resumed run still holds it
     assert load_checkpoint(tmp_path)[1].held == json.loads(json.dumps(coord.state.held))
 
-    def scores(plan, sent):
-        assert plan.order.score_received and plan.order.to_config()[keys.SCORE_RECEIVED] is True
+    def scores(order, sent):
+        assert order.score_received and order.to_config()[keys.SCORE_RECEIVED] is True
         out = [scored(n, 2, sent, acc, test) for n, acc, test in zip(NODES, (0.5, 0.8, 0.2), (10, 30, 20))]
         return [*out, scored(NODES[3], 2, sent, 1.5), train_reply(NODES[4], 2, sent, 0.1)]  # a bad score; none
 
     with caplog.at_level(logging.WARNING, logger="fleet.server"):
-        released, _ = one_round(coord, 2, connected, scores)
+        released, _ = one_round(coord, box, 2, scores)
     (first,) = released
     assert first["round"] == 1 and first["evaluated_in_round"] == 2
     assert first["global_accuracy"] == pytest.approx((0.5 * 10 + 0.8 * 30 + 0.2 * 20) / 60)
@@ -84,7 +94,7 @@ def test_a_rounds_record_waits_for_the_next_rounds_scores_and_the_last_round_is_
     assert coord.state.held["round"] == 2
     second_rows = {d["device"]: d for d in coord.state.held["devices"]}
     assert second_rows["device-0"]["eval_time_s"] == pytest.approx(0.05)
-    released, _ = one_round(coord, 3, connected, lambda plan, sent: [scored(n, 3, sent, 0.6) for n in NODES])
+    released, _ = one_round(coord, box, 3, lambda order, sent: [scored(n, 3, sent, 0.6) for n in NODES])
     assert [r["round"] for r in released] == [2, 3] and coord.state.held is None  # the last round is not held
     assert released[0]["global_accuracy"] == pytest.approx(0.6)
     assert released[1]["global_accuracy"] is None  # its own wave (here, nobody answered)

@@ -26,7 +26,8 @@ from fleet.federated.state import ServerState
 from fleet.federated.wall import Lap
 from tests.test_coordinator import NODES, config, evaluate_reply, query, train_reply
 
-Answer = Callable[[str, str, int, dict], Reply | None]  # (node, kind, round, arrays sent) -> its reply, or silence
+# (node, kind, round, arrays sent, order sent) -> the node's reply, or None: silence
+Answer = Callable[[str, str, int, dict, TrainOrder | None], Reply | None]
 
 
 class FakeLink:
@@ -50,7 +51,7 @@ class FakeLink:
             self.count += 1
             msg_id, server_round = f"m{self.count}", order.server_round if order else 0
             self.sent.append((node, kind, server_round))
-            reply = self.answer(node, kind, server_round, arrays or {})
+            reply = self.answer(node, kind, server_round, arrays or {}, order)
             if reply is not None:
                 if kind == TRAIN and node in self.holding:
                     self.held[msg_id] = (node, reply)
@@ -81,7 +82,7 @@ def devices(pulling: str, pull_round: int) -> Answer:
     """Every device's answers; ``pulling`` steps back five times in ``pull_round``. A train reply carries its
     score of the model it received (the riding evaluation), which this config asks for."""
 
-    def answer(node: str, kind: str, server_round: int, arrays: dict) -> Reply | None:
+    def answer(node: str, kind: str, server_round: int, arrays: dict, order: TrainOrder | None) -> Reply | None:
         if kind == QUERY:
             return query(node, NAMES[node], 2.0)
         if kind == EVALUATE:

@@ -14,6 +14,7 @@ from fleet.bench.figures import first_reaching
 from fleet.bench.testbed import (
     ACCURACY,
     bench_table,
+    class_fixed_s,
     class_start_s,
     device_entries,
     mean_accuracy,
@@ -112,7 +113,8 @@ def test_the_simulator_gets_each_class_profile_links_and_what_else_its_rounds_co
         {"name": "tb", "testbed": {"classes": [vars(PI), vars(BOARD)]}, "federation": {"rounds": 4}}
     )
     run = fake_run(tmp_path, [(40, 50, 20)] * 2, [0.7, 0.8])
-    sim = simulation_config(cfg, run, run, rounds=5, down=8_000_000)
+    fixed = {c: class_fixed_s(run, c, 8_000_000) for c in ("pi", "board")}
+    sim = simulation_config(cfg, run, fixed, rounds=5)
     assert sim.name == "tb-simulated" and sim.federation.rounds == 5 and sim.federation.strategy == "fleet"
     assert sim.devices.num_devices == 3 and not sim.testbed.classes and sim.evaluation.pipelined  # as deployed
     pi = sim.devices.device_classes[0]

@@ -7,7 +7,6 @@ import time
 import pytest
 
 from fleet.federated import wall
-from fleet.federated.coordinator import work_of
 from fleet.federated.mailbox import Mailbox
 from fleet.federated.records import TRAIN, Reply
 
@@ -37,7 +36,7 @@ def test_the_evaluation_wait_gives_way_when_the_server_ran_over_and_never_goes_n
 def test_the_servers_work_is_what_the_laps_do_not_spend_waiting():
     laps = {"open_s": 1.0, "push_train_s": 2.0, "wait_train_s": 50.0, "aggregate_s": 3.0, "push_eval_s": 2.0}
     laps["wait_eval_s"] = 10.0
-    work = work_of(laps, wall_s=70.0)
+    work = wall.work_of(laps, wall_s=70.0)
     assert (work.after_train_s, work.close_s) == (5.0, pytest.approx(2.0))
 
 

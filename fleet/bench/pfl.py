@@ -115,10 +115,10 @@ def personalized_key(method: str) -> str:
     return "finetuned_accuracy" if method == BASELINE else "personal_accuracy"
 
 
-def device_rounds(run: Path, method: str, horizon: float | None) -> list[tuple[float, list[float]]]:
-    """Per evaluated round within the horizon: its simulated time and each device's personalized accuracy."""
+def device_rounds(records: list[dict], method: str) -> list[tuple[float, list[float]]]:
+    """Per evaluated round of ``records``: its simulated time and each device's personalized accuracy."""
     key = personalized_key(method)
-    rounds = [(r["sim_time_s"], [d[key] for d in r["devices"] if key in d]) for r in within(read_records(run), horizon)]
+    rounds = [(r["sim_time_s"], [d[key] for d in r["devices"] if key in d]) for r in records]
     return [(t, values) for t, values in rounds if values]
 
 
@@ -134,13 +134,14 @@ def method_figures(summary: dict, method: str, horizon: float | None) -> dict[st
     """One method's figures in one seed, over its rounds within the horizon (the target comes later: it
     follows the best baseline, known only over every seed)."""
     history = within(summary["history"], horizon)
-    rounds = device_rounds(Path(summary["run_dir"]), method, horizon)
+    records = within(read_records(Path(summary["run_dir"])), horizon)
+    rounds = device_rounds(records, method)
     devices = rounds[-1][1] if rounds else []
     return {
         "personalized_accuracy_mean": statistics.fmean(devices) if devices else None,
         "personalized_accuracy_p10": p10(devices),
         "bytes_uploaded": int(sum(r.get("bytes_uploaded", 0) for r in history)),
-        "honest_rejected": honest_rejections(within(read_records(Path(summary["run_dir"])), horizon)),  # none attack
+        "honest_rejected": honest_rejections(records),  # nobody attacks here
         "global_accuracy_swing": accuracy_swing(history),
         "rounds": len(history),
         "sim_time_s": history[-1]["sim_time_s"] if history else 0.0,

@@ -193,10 +193,10 @@ def class_profile(run: TestbedRun, cls: str) -> Path:
     return run.run_dir / DEVICES_DIR / f"{cls}-0" / "device-profile.yaml"
 
 
-def simulation_config(cfg: FleetConfig, fleet: TestbedRun, fedavg: TestbedRun, rounds: int, down: int) -> FleetConfig:
+def simulation_config(cfg: FleetConfig, fleet: TestbedRun, fixed: dict[str, float], rounds: int) -> FleetConfig:
     """The fleet method in Flower's simulation, a device class per testbed class: its devices' profile
-    as measured under their limits, its links, and as its start what else a round cost it beyond compute
-    and transfers, as FedAvg's rounds measured it (:func:`class_fixed_s`; ``down``: the model's bytes)."""
+    as measured under their limits, its links, and as its start ``fixed`` of its class: what else a round
+    cost it beyond compute and transfers, as FedAvg's rounds measured it (:func:`class_fixed_s`)."""
     total, classes = cfg.testbed.num_devices, []
     for c in cfg.testbed.classes:
         classes.append(
@@ -206,7 +206,7 @@ def simulation_config(cfg: FleetConfig, fleet: TestbedRun, fedavg: TestbedRun, r
                 profile=str(class_profile(fleet, c.name)),
                 bandwidth_mbps=c.uplink_mbps,
                 downlink_mbps=c.downlink_mbps,
-                start_s=round(class_fixed_s(fedavg, c.name, down), 3),
+                start_s=round(fixed[c.name], 3),
             )
         )
     devices = dataclasses.replace(cfg.devices, num_devices=total, newcomers=0, device_classes=classes)
@@ -246,7 +246,9 @@ def slowest_by_class(records: list[dict], key: str, class_of) -> dict[str, float
     return {cls: statistics.median(v) for cls, v in per_round.items()}
 
 
-def class_entries(cfg: FleetConfig, fleet: TestbedRun, fedavg: TestbedRun, simulated: list[dict], down: int) -> dict:
+def class_entries(
+    cfg: FleetConfig, fleet: TestbedRun, fedavg: TestbedRun, simulated: list[dict], fixed: dict[str, float]
+) -> dict:
     """Per testbed class: its limits, its measured full step, and its measured against predicted round."""
     measured = slowest_by_class(fleet.records, "wall_s", lambda d: _class(fleet, d))
     predicted = slowest_by_class(simulated, "round_time_s", lambda d: d.get("class"))
@@ -267,7 +269,7 @@ def class_entries(cfg: FleetConfig, fleet: TestbedRun, fedavg: TestbedRun, simul
             "downlink_mbps": c.downlink_mbps,
             "measured_full_step_s": DeviceProfile.load(profile).full_step_time if profile.is_file() else None,
             "start_s": class_start_s(fedavg, c.name),
-            "fixed_s": class_fixed_s(fedavg, c.name, down),  # the simulator's start: all but compute and transfers
+            "fixed_s": fixed[c.name],  # the simulator's start: all but compute and transfers
             "measured_round_s": m,
             "predicted_round_s": p,
             "compute_upload_s": older.get(c.name),
@@ -377,8 +379,8 @@ def bench_testbed(cfg: FleetConfig, rounds: int, log) -> dict:
     target = (last_evaluated(runs["fedavg"].records, ACCURACY) or 0.0) - TARGET_DROP
     methods = {m: method_entry(runs[m], budget, target, start, down) for m in METHODS}
     log(f"bench: the simulator on the testbed's classes, {len(runs['fleet'].records)} rounds of fleet")
-    sim = simulation_config(cfg, runs["fleet"], runs["fedavg"], len(runs["fleet"].records), down)
-    simulated = simulate(sim, log)
+    fixed = {c.name: class_fixed_s(runs["fedavg"], c.name, down) for c in cfg.testbed.classes}
+    simulated = simulate(simulation_config(cfg, runs["fleet"], fixed, len(runs["fleet"].records)), log)
     report = {
         "config": cfg.name,
         "seed": cfg.train.seed,
@@ -389,7 +391,7 @@ def bench_testbed(cfg: FleetConfig, rounds: int, log) -> dict:
         "compute_to_transfer": regime_ratio(methods["fedavg"]),
         "regime": regime_of(regime_ratio(methods["fedavg"])),
         "methods": methods,
-        "classes": class_entries(cfg, runs["fleet"], runs["fedavg"], simulated, down),
+        "classes": class_entries(cfg, runs["fleet"], runs["fedavg"], simulated, fixed),
         "memory": memory_entries(runs),
     }
     for m in METHODS[1:]:

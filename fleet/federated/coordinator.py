@@ -79,17 +79,7 @@ from fleet.federated.split import known_data_sizes
 from fleet.federated.state import RoundReplies, ServerState
 from fleet.federated.tracking import device_rows, round_record, round_time, with_evaluation
 from fleet.federated.transfer import decode, encode, wire_bytes
-from fleet.federated.wall import (
-    AFTER_TRAIN_WAIT,
-    BEFORE_TRAIN_WAIT,
-    WAIT_LAPS,
-    Lap,
-    ServerWork,
-    evaluation_wait,
-    expected_work,
-    learn_work,
-    round_bound,
-)
+from fleet.federated.wall import Lap, evaluation_wait, expected_work, learn_work, round_bound, work_of
 
 log = logging.getLogger("fleet.server")
 
@@ -607,14 +597,6 @@ def probe_step(current: dict[str, np.ndarray], sent: dict[str, np.ndarray]) -> d
     applied alone overfits the balanced set (honest rises of 0.2 to 9 nats were measured); a short
     step keeps the direction's first-order effect, where a flipped head shows, and drops the rest."""
     return {**current, **scale_update(current, sent, PROBE_STEP, list(sent))}
-
-
-def work_of(timings: dict[str, float], wall_s: float) -> ServerWork:
-    """The server's own seconds of a round from its laps: after the train wait up to the evaluation
-    wait, and whatever came after that."""
-    after = sum(timings.get(k, 0.0) for k in AFTER_TRAIN_WAIT)
-    before = sum(timings.get(k, 0.0) for k in (*BEFORE_TRAIN_WAIT, *WAIT_LAPS))
-    return ServerWork(after_train_s=after, close_s=max(0.0, wall_s - before - after))
 
 
 def received_scores(metrics: Mapping[str, object]) -> dict[str, object]:

@@ -132,7 +132,7 @@ class Judging:
             c.arrays, c.norms = scale_update(self.current, c.arrays, STRIKE_SCALE, self.param_names), None
         self.report.strikes[name] = figure
 
-    def history(self, device: str) -> str:
+    def note_strike(self, device: str) -> str:
         """A rejection's note of the device's earlier strikes; this round becomes one."""
         before = self.recent_strikes(device)
         self.strike(device)
@@ -169,7 +169,7 @@ def by_trend(j: Judging, candidates: list[Candidate]) -> tuple[list[Candidate], 
             j.forgive(c, f"cosine {trends[i][0]:.2f}")
             pending.append(c)
         else:
-            j.reject(c, reason + j.history(c.reply.device), rejected)
+            j.reject(c, reason + j.note_strike(c.reply.device), rejected)
     return pending, rejected
 
 
@@ -246,7 +246,7 @@ def worst_first(j: Judging, candidates: list[Candidate]) -> tuple[list[Screen | 
             return screens, rejected
         worst = max(failing, key=lambda i: severity(screens[i], j.robust))
         device, sc = candidates[worst].reply.device, screens[worst]
-        note = j.history(device) if pulls_back(sc, j.robust) else ""
+        note = j.note_strike(device) if pulls_back(sc, j.robust) else ""
         j.reject(candidates[worst], failing[worst] + note, rejected)
         alive.remove(worst)
 

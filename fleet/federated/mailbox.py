@@ -118,7 +118,7 @@ class Mailbox:
             pause = min(2 * pause, POLL_S)
 
     def _pull(self) -> list[tuple[str, Reply]]:
-        return self.link.receive(dict(self.sent)) if self.sent else []
+        return self.link.receive(self.sent) if self.sent else []  # read only: popped once it returns
 
     def forget_old(self, server_round: int) -> None:
         """Stop pulling messages of rounds long closed (a dead device never answers)."""

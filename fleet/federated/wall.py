@@ -83,3 +83,11 @@ def learn_work(previous: ServerWork | None, sample: ServerWork) -> ServerWork:
     if previous is None:
         return sample
     return ServerWork(learned(previous.after_train_s, sample.after_train_s), learned(previous.close_s, sample.close_s))
+
+
+def work_of(timings: dict[str, float], wall_s: float) -> ServerWork:
+    """The server's own seconds of a round from its laps: after the train wait up to the evaluation
+    wait, and whatever came after that."""
+    after = sum(timings.get(k, 0.0) for k in AFTER_TRAIN_WAIT)
+    before = sum(timings.get(k, 0.0) for k in (*BEFORE_TRAIN_WAIT, *WAIT_LAPS))
+    return ServerWork(after_train_s=after, close_s=max(0.0, wall_s - before - after))

@@ -12,13 +12,14 @@ Every reply carries the device's name in a ConfigRecord (MetricRecords hold numb
 
 from __future__ import annotations
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SType
 
 from fleet.federated import keys, tasks
 from fleet.federated.config import config_from_run_config
-from fleet.federated.npy import tensor_from_npy
+from fleet.federated.npy import npy_view
+from fleet.federated.packing import owned_tensors, pack, unpack
 
 app = ClientApp()
 
@@ -29,13 +30,21 @@ def device_of(context: Context) -> tasks.Device:
     return tasks.Device.from_configs(config_from_run_config(run_config), context.node_config, long_lived=simulated)
 
 
-def _reply(msg: Message, device: tasks.Device, metrics: dict, arrays: ArrayRecord | None = None) -> Message:
+def _reply(msg: Message, device: tasks.Device, metrics: dict, arrays: dict | None = None) -> Message:
     content = RecordDict(
         {keys.METRICS: MetricRecord(metrics), keys.DEVICE: ConfigRecord({keys.DEVICE_NAME: device.name})}
     )
     if arrays is not None:
-        content[keys.ARRAYS] = arrays
+        put_arrays(content, arrays)
     return Message(content, reply_to=msg)
+
+
+def put_arrays(content: RecordDict, arrays: dict) -> None:
+    """``arrays`` (name -> tensor) into ``content`` as the wire carries them: packed, a few buffers and their
+    index (fleet.federated.packing)."""
+    packed = pack(arrays)
+    content[keys.ARRAYS] = ArrayRecord({k: Array(v) for k, v in packed.buffers.items()})
+    content[keys.PACKING] = ConfigRecord(packed.index)
 
 
 @app.query()
@@ -53,7 +62,7 @@ def train_device(msg: Message, device: tasks.Device) -> Message:
     """The train reply of ``device`` (the robustness bench hands in one that trains on altered data)."""
     weights = global_weights(msg)
     result = tasks.train(device, weights, msg.content[keys.CONFIG])
-    return _reply(msg, device, result.metrics, ArrayRecord.from_torch_state_dict(result.arrays))
+    return _reply(msg, device, result.metrics, result.arrays)
 
 
 @app.evaluate()
@@ -68,9 +77,14 @@ def evaluate(msg: Message, context: Context) -> Message:
 def global_weights(msg: Message) -> dict:
     """The global model a message carries, name -> torch tensor, each copied once out of the message's bytes into
     the tensor the device's model takes over (``to_torch_state_dict`` copies each twice: 45 MB a message)."""
-    weights = {}
-    for name, arr in msg.content[keys.ARRAYS].items():
+    return owned_tensors(arrays_of(msg.content))
+
+
+def arrays_of(content: RecordDict) -> dict:
+    """The tensors ``content`` carries (packed), name -> read-only view of its bytes."""
+    buffers = {}
+    for name, arr in content[keys.ARRAYS].items():
         if arr.stype != SType.NUMPY:
-            raise TypeError(f"tensor {name!r}: serialization type {arr.stype!r} is not {SType.NUMPY!r}")
-        weights[name] = tensor_from_npy(arr.data)
-    return weights
+            raise TypeError(f"buffer {name!r}: serialization type {arr.stype!r} is not {SType.NUMPY!r}")
+        buffers[name] = npy_view(arr.data)
+    return unpack(buffers, dict(content[keys.PACKING]))

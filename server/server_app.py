@@ -21,6 +21,8 @@ from fleet.federated import keys
 from fleet.federated.config import config_from_run_config
 from fleet.federated.mailbox import Sent
 from fleet.federated.npy import npy_view
+from fleet.federated.packing import pack
+from fleet.federated.packing import unpack as unpack_arrays
 from fleet.federated.records import EVALUATE, QUERY, TRAIN, Reply, TrainOrder
 from fleet.federated.server_loop import run_fleet
 
@@ -66,7 +68,9 @@ def messages(
     """One message of ``kind`` per node, all carrying the same content: the arrays and the order, if any."""
     content = RecordDict({keys.CONFIG: ConfigRecord({} if order is None else order.to_config())})
     if arrays is not None:
-        content[keys.ARRAYS] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+        packed = pack(arrays)
+        content[keys.ARRAYS] = ArrayRecord({k: Array(v) for k, v in packed.buffers.items()})
+        content[keys.PACKING] = ConfigRecord(packed.index)
     return [Message(content, dst_node_id=int(n), message_type=MESSAGE_TYPES[kind]) for n in nodes]
 
 
@@ -86,15 +90,20 @@ def unpack(sent: Sent, msg: Message) -> Reply:
         reply.problem = f"no '{keys.METRICS}' MetricRecord"
     if sent.kind != TRAIN:
         return reply
-    if len(content.array_records) != 1:
-        reply.problem = f"expected one ArrayRecord, got {len(content.array_records)}"
+    if len(content.array_records) != 1 or keys.PACKING not in content.config_records:
+        reply.problem = f"expected one ArrayRecord and its '{keys.PACKING}', got {len(content.array_records)}"
         return reply
+    buffers = {}
     for name, arr in next(iter(content.array_records.values())).items():
         try:
-            reply.arrays[name] = array_view(arr)
+            buffers[name] = array_view(arr)
         except Exception as exc:  # a corrupt payload is the device's fault, not the round's
-            reply.problem = reply.problem or f"tensor {name!r} cannot be decoded ({type(exc).__name__})"
-            break
+            reply.problem = reply.problem or f"buffer {name!r} cannot be decoded ({type(exc).__name__})"
+            return reply
+    try:
+        reply.arrays = unpack_arrays(buffers, dict(content.config_records[keys.PACKING]))
+    except ValueError as exc:
+        reply.problem = reply.problem or f"its tensors cannot be unpacked: {exc}"
     return reply
 
 

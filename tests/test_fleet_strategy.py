@@ -279,51 +279,55 @@ def flower_reply(node: int, content=None, error: str | None = None, kind: str = 
 
 
 def test_the_server_app_unpacks_flower_replies_into_records_and_keeps_the_checks():
-    from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+    from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+    from client.client_app import put_arrays
     from server.server_app import unpack
 
     arrays = {"a": np.full((2, 2), 2.0, np.float32)}
-    good = RecordDict(
-        {
-            "arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
-            "metrics": MetricRecord(device_metrics(10, 1)),
-            "device": ConfigRecord({"device-name": "pi-11"}),
-        }
-    )
+    name = ConfigRecord({"device-name": "pi-11"})
+    good = RecordDict({"metrics": MetricRecord(device_metrics(10, 1)), "device": name})
+    put_arrays(good, arrays)
     r = unpack(*flower_reply(11, good))
     assert (r.node_id, r.kind, r.server_round, r.name, r.error, r.problem) == (11, TRAIN, 1, "pi-11", None, None)
     np.testing.assert_array_equal(r.arrays["a"], arrays["a"])
     assert r.metrics == device_metrics(10, 1) and r.by_device
     failed = unpack(*flower_reply(13, error=RELAYED))
     two = RecordDict({"x": ArrayRecord({}), "y": ArrayRecord({}), "metrics": MetricRecord({})})
-    no_metrics = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()})})
+    no_metrics = RecordDict({})
+    put_arrays(no_metrics, arrays)
     s = coordinator(GLOBAL)
     out = train(s, 1, [r, failed, unpack(*flower_reply(14, two)), unpack(*flower_reply(15, no_metrics))])
     reasons = [j.reason for j in s.state.replies.rejections]
     assert reasons == [
         "device failed: OSError: [Errno 28] No space left on device",
-        "expected one ArrayRecord, got 2",
+        "expected one ArrayRecord and its 'packing', got 2",
         "no 'metrics' MetricRecord",
     ]
     np.testing.assert_allclose(out["a"], 2.0)
 
 
-def test_reply_tensors_are_read_in_place_and_a_payload_that_is_not_a_plain_npy_is_refused():
-    """The server reads a reply's tensors from the message's bytes, without a copy; a truncated payload, an
-    object array (np.load would need pickle) or junk is the device's fault: its reply is refused, named."""
-    import io
-
-    from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
+def packed_reply(buffer, index: dict | None = None):
+    """A train reply whose one float32 buffer holds tensor ``a`` of shape (2, 3) (or as ``index`` says)."""
+    from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
     from server.server_app import unpack
 
-    def with_tensor(array: Array):
-        content = {"arrays": ArrayRecord({"a": array}), "metrics": MetricRecord(device_metrics(10, 1))}
-        return unpack(*flower_reply(11, RecordDict(content)))
+    index = index or {"names": ["a"], "dtypes": ["float32"], "ndims": [2], "shapes": [2, 3]}
+    content = {"arrays": ArrayRecord({"float32": buffer}), "packing": ConfigRecord(index)}
+    return unpack(*flower_reply(11, RecordDict({**content, "metrics": MetricRecord(device_metrics(10, 1))})))
 
-    sent = Array(np.arange(6, dtype=np.float32).reshape(2, 3))
-    got = with_tensor(sent).arrays["a"]
+
+def test_reply_tensors_are_read_in_place_and_a_payload_that_is_not_a_plain_npy_is_refused():
+    """The server reads a reply's tensors from the message's bytes, without a copy; a truncated payload, an
+    object array (np.load would need pickle), junk or a layout that does not fit is the device's fault: its
+    reply is refused, named."""
+    import io
+
+    from flwr.app import Array
+
+    sent = Array(np.arange(6, dtype=np.float32))
+    got = packed_reply(sent).arrays["a"]
     np.testing.assert_array_equal(got, np.arange(6, dtype=np.float32).reshape(2, 3))
     assert np.shares_memory(got, np.frombuffer(sent.data, np.uint8))  # a view of the message's bytes, no copy
     pickled = io.BytesIO()
@@ -334,29 +338,35 @@ def test_reply_tensors_are_read_in_place_and_a_payload_that_is_not_a_plain_npy_i
         "junk": b"not a tensor at all",
     }
     for what, data in bad.items():
-        reply = with_tensor(Array(dtype="float32", shape=(2, 3), stype="numpy.ndarray", data=data))
-        assert reply.problem is not None and reply.problem.startswith("tensor 'a' cannot be decoded"), what
+        reply = packed_reply(Array(dtype="float32", shape=(6,), stype="numpy.ndarray", data=data))
+        assert reply.problem is not None and reply.problem.startswith("buffer 'float32' cannot be decoded"), what
+    wide = {"names": ["a"], "dtypes": ["float32"], "ndims": [2], "shapes": [2, 4]}
+    assert packed_reply(sent, wide).problem == (
+        "its tensors cannot be unpacked: tensor 'a': its buffer 'float32' ends before it does"
+    )
 
 
 def test_a_device_takes_the_global_model_out_of_the_message_in_one_writable_copy():
-    """The ClientApp's tensors equal Flower's own ``to_torch_state_dict``, Fortran order included, own their
-    memory (the model trains them in place) and share none with the message; a foreign serialization is refused."""
+    """The ClientApp's tensors equal the arrays the server packed, Fortran order included, own their memory
+    (the model trains them in place) and share none with the message; a foreign serialization is refused."""
     import torch
-    from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+    from flwr.app import Array, ConfigRecord, RecordDict
 
-    from client.client_app import global_weights
+    from client.client_app import global_weights, put_arrays
 
     arrays = {"w": np.asfortranarray(np.arange(12, dtype=np.float32).reshape(3, 4)), "n": np.array(7, np.int64)}
-    record = ArrayRecord({k: Array(v) for k, v in arrays.items()})
-    _, msg = flower_reply(1, RecordDict({"arrays": record, "config": ConfigRecord({})}))
-    got, flower = global_weights(msg), record.to_torch_state_dict()
-    assert list(got) == ["w", "n"]
+    content = RecordDict({"config": ConfigRecord({})})
+    put_arrays(content, arrays)
+    _, msg = flower_reply(1, content)
+    got = global_weights(msg)
+    assert list(got) == ["w", "n"] and len(content["arrays"]) == 2  # one buffer per dtype
     for name, tensor in got.items():
-        assert torch.equal(tensor, flower[name]) and tensor.dtype == flower[name].dtype
-        assert np.asarray(tensor).flags.writeable
-        assert not np.shares_memory(tensor.numpy(), np.frombuffer(record[name].data, np.uint8))
-    record["x"] = Array(dtype="float32", shape=(1,), stype="torch.Tensor", data=b"1234")
-    with pytest.raises(TypeError, match="tensor 'x': serialization type"):
+        assert torch.equal(tensor, torch.from_numpy(np.array(arrays[name], order="C")))
+        assert tensor.dtype == torch.from_numpy(arrays[name]).dtype and np.asarray(tensor).flags.writeable
+        buffer = content["arrays"][arrays[name].dtype.name]
+        assert not np.shares_memory(tensor.numpy(), np.frombuffer(buffer.data, np.uint8))
+    content["arrays"]["float32"] = Array(dtype="float32", shape=(1,), stype="torch.Tensor", data=b"1234")
+    with pytest.raises(TypeError, match="buffer 'float32': serialization type"):
         global_weights(msg)
 
 

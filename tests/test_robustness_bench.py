@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, Metadata, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MessageType, Metadata, RecordDict
 
 from client import client_app
 from fleet.base.errors import ConfigError
@@ -71,12 +71,13 @@ def device(tmp_path_factory):
             run_id=1, node_id=7, node_config={"partition-id": partition}, state=RecordDict(), run_config=run_config
         )
 
-    glob = ArrayRecord.from_torch_state_dict(model.state_dict())
+    glob = RecordDict({})
+    client_app.put_arrays(glob, model.state_dict())
     deadline = 0.5 * full_round_time(cfg, profile)  # half the round: the honest device trains a subset
     train_cfg = ConfigRecord({keys.SERVER_ROUND: 1, keys.STRATEGY: "fleet", keys.DEADLINE_S: deadline})
-    train_msg = incoming(MessageType.TRAIN, RecordDict({keys.ARRAYS: glob, keys.CONFIG: train_cfg}))
+    train_msg = incoming(MessageType.TRAIN, RecordDict({**glob, keys.CONFIG: train_cfg}))
     eval_cfg = ConfigRecord({keys.SERVER_ROUND: 1, keys.RUN_TAG: ""})
-    eval_msg = incoming(MessageType.EVALUATE, RecordDict({keys.ARRAYS: glob, keys.CONFIG: eval_cfg}))
+    eval_msg = incoming(MessageType.EVALUATE, RecordDict({**glob, keys.CONFIG: eval_cfg}))
     honest = client_app.train(train_msg, context(0))
     return {
         "cfg": cfg,
@@ -148,11 +149,11 @@ def test_under_float16_transfers_an_attack_works_on_values_and_sends_changes_as_
     received, honest = device["state_dict"], values(device, device["honest"])
     content = device["honest"].content
     wire = RecordDict({keys.METRICS: content[keys.METRICS], keys.DEVICE: content[keys.DEVICE]})
-    wire[keys.ARRAYS] = ArrayRecord.from_torch_state_dict(encode_upload(honest, received, "float16"))
+    client_app.put_arrays(wire, encode_upload(honest, received, "float16"))
     honest16 = Message(wire, reply_to=device["train_msg"])
     gen = torch.Generator().manual_seed(0)
     bad = adv.poison_train_reply("scaled_update", device["train_msg"], honest16, gen, transfer="float16")
-    sent = bad.content[keys.ARRAYS].to_torch_state_dict()
+    sent = client_app.global_weights(bad)
     assert all(t.dtype == torch.float16 for t in sent.values() if t.is_floating_point())
     meant = adv.uploaded_values(device["train_msg"], bad, "float16")[0]
     name = next(n for n in honest if not adv.is_norm_statistic(n) and n in adv.trainable_names(device["train_msg"]))
@@ -418,7 +419,7 @@ def test_honest_devices_leave_their_update_for_the_next_rounds_adversaries(devic
         assert (adv.spy_dir(ctx3, 1) / "3.pt").is_file()
         content = device["train_msg"].content
         config = ConfigRecord({**dict(content[keys.CONFIG]), keys.SERVER_ROUND: 2})
-        round2 = incoming(MessageType.TRAIN, RecordDict({keys.ARRAYS: content[keys.ARRAYS], keys.CONFIG: config}))
+        round2 = incoming(MessageType.TRAIN, RecordDict({**content, keys.CONFIG: config}))
         seen = adv.spied_updates(device["context"](0), round2)
         assert len(seen) == 1 and set(seen[0]) <= set(adv.trainable_names(device["train_msg"]))
         assert adv.spied_updates(device["context"](0), device["train_msg"]) == []  # round 1: nothing before it

@@ -26,13 +26,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from client import client_app
 from fleet.bench import attacks
 from fleet.bench.attack_names import ATTACKS, DATA_ATTACKS, KNOWING
-from fleet.federated import keys, tasks
+from fleet.federated import keys, packing, tasks
 from fleet.federated.config import config_from_run_config, run_dir
 from fleet.federated.split import DeviceData
 from fleet.federated.transfer import encode_upload, upload_values
@@ -150,8 +150,8 @@ def uploaded_values(
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The values an honest train reply stands for, and the model its device received: the attacks work on
     values; what they send is encoded as an honest upload is (``federation.transfer``)."""
-    received = msg.content[keys.ARRAYS].to_torch_state_dict()
-    return upload_values(reply.content[keys.ARRAYS].to_torch_state_dict(), received, transfer), received
+    received = client_app.global_weights(msg)
+    return upload_values(client_app.global_weights(reply), received, transfer), received
 
 
 def transfer_of(context: Context) -> str:
@@ -183,7 +183,7 @@ def poison_train_reply(
     else:
         arrays = poison_arrays(attack, sent, received, gen)
     new = RecordDict({keys.METRICS: MetricRecord(metrics), keys.DEVICE: content[keys.DEVICE]})
-    new[keys.ARRAYS] = ArrayRecord.from_torch_state_dict(encode_upload(arrays, received, transfer))
+    client_app.put_arrays(new, encode_upload(arrays, received, transfer))
     return Message(new, reply_to=msg)
 
 
@@ -224,10 +224,10 @@ _NAMES: dict[str, list[str]] = {}
 def trainable_names(msg: Message) -> list[str]:
     """The model's trainable tensors in the message's order: the floats a BatchNorm does not keep as
     statistics (what a device may claim as trained)."""
-    arrays = msg.content[keys.ARRAYS]
-    key = ",".join(arrays.keys())
+    names = msg.content[keys.PACKING][packing.NAMES]
+    key = ",".join(names)
     if key not in _NAMES:
-        _NAMES[key] = [n for n in arrays.keys() if not is_norm_statistic(n) and not n.endswith("num_batches_tracked")]
+        _NAMES[key] = [n for n in names if not is_norm_statistic(n) and not n.endswith("num_batches_tracked")]
     return _NAMES[key]
 
 

@@ -9,7 +9,8 @@ and client/, server/ and the tracking use these names, never string literals.
 from __future__ import annotations
 
 # --- records inside a Message's RecordDict ----------------------------------------------
-ARRAYS = "arrays"  # ArrayRecord: the global model (to a device), the trained tensors (from it)
+ARRAYS = "arrays"  # ArrayRecord: the global model (to a device), the trained tensors (from it), packed
+PACKING = "packing"  # ConfigRecord: how ARRAYS' buffers hold the tensors (fleet.federated.packing's index)
 CONFIG = "config"  # ConfigRecord: what the server asks of the round
 METRICS = "metrics"  # MetricRecord: what the device reports
 DEVICE = "device"  # ConfigRecord in a query reply: who the device says it is (MetricRecords hold numbers only)

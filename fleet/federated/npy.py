@@ -13,7 +13,6 @@ import io
 import math
 
 import numpy as np
-import torch
 from numpy.lib import format as npy
 
 HEADERS = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}  # what np.save writes
@@ -32,9 +31,3 @@ def npy_view(data: bytes) -> np.ndarray:
         raise TypeError("object arrays are not tensors")
     values = np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=head.tell())
     return values.reshape(shape, order="F" if fortran_order else "C")
-
-
-def tensor_from_npy(data: bytes) -> torch.Tensor:
-    """The tensor ``data`` holds, in memory of its own (a device's model trains it in place): one copy out of the
-    message's bytes, where ``ArrayRecord.to_torch_state_dict`` makes two."""
-    return torch.from_numpy(npy_view(data).copy())

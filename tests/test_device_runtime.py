@@ -37,6 +37,10 @@ FLOWER_API = {
         "pull_task_input": ("client",),
         "push_message": ("client", "message", "context"),
         "push_task_output": ("client", "context", "sub_status", "details"),
+        "pull_and_inflate_object_from_tree": ("object_tree", "pull_object_fn", "initial_backoff", "backoff_cap"),
+    },
+    "flwr.supercore.inflatable.inflatable_utils": {
+        "pull_objects": ("object_ids", "pull_object_fn", "initial_backoff", "backoff_cap"),
     },
     "flwr.app.error": {"Error": ("code", "reason")},
     "flwr.supercore.superexec.executor.types": {"LaunchResult": (), "ExecutionSpec": ()},
@@ -267,3 +271,32 @@ def kill_a_task(runtime: subprocess.Popen, metrics: Path, timeout: float = 600) 
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-m", "slow", "-x", "-q"]))
+
+
+def test_a_task_pulls_its_message_once_the_root_is_in_polling_one_object_at_short_intervals():
+    """The task polls only the message's root, every READY_POLL_S, until the SuperNode has stored the message,
+    then pulls the whole tree with retries as short: not Flower's 1, 2, 4 ... 10 s per object."""
+    from types import SimpleNamespace
+
+    from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError
+
+    from fleet.commands.device_runtime import READY_POLL_S, pull_when_ready
+
+    calls, ready_at, started = [], time.monotonic() + 0.35, time.monotonic()
+
+    def pull_object(object_id: str) -> bytes:
+        calls.append(object_id)
+        if time.monotonic() < ready_at:
+            raise ObjectUnavailableError(object_id)
+        return b"x"
+
+    def flower_pull_tree(object_tree, pull_object_fn, **kwargs):
+        return object_tree.object_id, kwargs
+
+    task = SimpleNamespace(pull_and_inflate_object_from_tree=flower_pull_tree)
+    pull_when_ready(task)
+    got, kwargs = task.pull_and_inflate_object_from_tree(SimpleNamespace(object_id="root"), pull_object)
+    waited = time.monotonic() - started
+    assert got == "root" and kwargs == {"initial_backoff": READY_POLL_S, "backoff_cap": READY_POLL_S}
+    assert set(calls) == {"root"} and 3 <= len(calls) <= 6  # one object polled, about every 0.1 s
+    assert 0.35 <= waited < 0.35 + 2 * READY_POLL_S  # in as soon as it is there, give or take a poll

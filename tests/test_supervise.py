@@ -64,3 +64,22 @@ def test_an_unreachable_superlink_is_waited_out_not_refused():
     down = "Using SuperLink: dead (127.0.0.1:1)\n\nConnection to the SuperLink is unavailable. Please check"
     assert refusal({"success": False, "error-message": down}) is None
     assert refusal({"success": True, "run-id": 3}) is None and refusal(None) is None
+
+
+def test_an_unreachable_superlink_is_said_from_the_first_try(monkeypatch, capsys):
+    """The first try's "unreachable" was never printed (its status equalled the initial one), so a supervisor
+    whose SuperLink was down said nothing at all while it retried."""
+    from fleet.commands import supervise
+
+    calls = []
+    monkeypatch.setattr(supervise, "flwr", lambda args, app, timeout_s=120: calls.append(args[0]))  # None: down
+
+    def stop(seconds: float) -> None:
+        if len(calls) >= 4:  # two rounds of tries: printed once, not once per try
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(supervise.time, "sleep", stop)
+    assert main(["supervise", "pis", "--config", "simulations/fleet-tiny.yaml", "--poll-s", "7"]) == 130
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == ["supervise: no run submitted yet: SuperLink pis unreachable; asking again every 7 s"]
+    assert calls == ["run"] * 4  # `flwr run` retried each poll, never taken for a refusal

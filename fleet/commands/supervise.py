@@ -124,10 +124,19 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--app: {args.app} holds no pyproject.toml; give the fleet repo, the app `flwr run` packs")
 
 
+def shown(args: argparse.Namespace, run_id: int | None, status: str | None) -> str:
+    """The status line: the run's status, or that the SuperLink did not answer and is asked again (a silent
+    wait read as a hang, and the first try's failure used to go unprinted)."""
+    if status is not None:
+        return f"run {run_id}: {status}"
+    what = "no run submitted yet" if run_id is None else f"run {run_id}"
+    return f"{what}: SuperLink {args.connection} unreachable; asking again every {args.poll_s:g} s"
+
+
 def run(args: argparse.Namespace) -> int:
     check_args(args)
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    run_id, restarts, last = None, 0, None
+    run_id, restarts, last = None, 0, ""  # "": nothing printed yet, so the first try's outcome is shown too
     while True:
         if run_id is None:
             run_id = submit(args, resume=restarts > 0)
@@ -135,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"supervise: submitted run {run_id}" + (" (resume=true)" if restarts else ""), flush=True)
         status = None if run_id is None else status_of(args, run_id)
         if status != last:
-            print(f"supervise: run {run_id}: {status or 'SuperLink unreachable'}", flush=True)
+            print(f"supervise: {shown(args, run_id, status)}", flush=True)
             last = status
         step = next_step(status, restarts, args.max_restarts)
         if step == "done":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 import random
+import re
 import statistics
 
 import pytest
@@ -166,23 +167,43 @@ def _huge_bytes_pickle() -> bytes:
 @pytest.mark.parametrize(
     "name, content, message",
     [
-        ("cap.pkl", _huge_bytes_pickle(), "declares an object larger than this machine's memory"),
+        ("cap.pkl", _huge_bytes_pickle(), "declares 1,099,511,627,776 bytes at offset 2, where 1 remain"),
         ("cap.json", b"[" * 100_000 + b"]" * 100_000, "nested too deeply to read"),
-        ("cap.pkl", pickle.dumps({1: {"computation": 10**400, "communication": 8000.0}}), "share no client"),
-        ("cap.json", b'{"1": {"computation": 1' + b"0" * 400 + b', "communication": 8000.0}}', "share no client"),
+        ("cap.pkl", pickle.dumps({1: {"computation": 10**400}}), "an integer of 167 bytes, wider than any float"),
+        ("cap.json", b'{"1": {"computation": 1' + b"0" * 400 + b"}}", "an integer of 401 digits, wider than any"),
+        ("cap.pkl", pickle.dumps({10**5000: {}}), "an integer of 2,077 bytes"),  # str() of the id raised
+        ("cap.pkl", b"\x80\x04}" + b")" + b"\x85" * 1_000_000 + b"Ns.", "nested more than 64 levels deep"),
     ],
-    ids=["1-TiB-pickle", "deep-json", "400-digit-pickle", "400-digit-json"],
+    ids=["1-TiB-pickle", "deep-json", "400-digit-pickle", "400-digit-json", "5000-digit-id", "deep-tuple-id"],
 )
 def test_a_hostile_capacity_file_is_one_line_not_a_crash(tmp_path, name, content, message):
+    """The 1 TiB was asked of the allocator before anything was read; 1,000,000 nested tuples as a client id
+    were hashed by C recursion, which killed the process with a segmentation fault."""
     (tmp_path / name).write_bytes(content)
     _, beh = write(tmp_path, ".pkl")
-    with pytest.raises(ConfigError, match=message) as err:
+    with pytest.raises(ConfigError, match=f"fedscale_capacity: {re.escape(str(tmp_path / name))} .*{message}") as err:
         load_clients(str(tmp_path / name), beh)
     assert "\n" not in str(err.value)
 
 
-def test_a_400_digit_time_in_a_behaviour_file_drops_that_client_only(tmp_path):
+def test_a_400_digit_time_in_a_behaviour_file_is_refused_naming_it(tmp_path):
+    """No measurement is wider than a float; the file is refused in one line, not its client dropped silently."""
     cap, _ = write(tmp_path, ".pkl")
     behaviour = {**BEHAVIOUR, 2: {"active": [10**400], "inactive": [40], "finish_time": 100}}
     (tmp_path / "beh.pkl").write_bytes(pickle.dumps(behaviour))
-    assert [c.client_id for c in load_clients(cap, str(tmp_path / "beh.pkl")).clients] == ["1", "3"]
+    with pytest.raises(ConfigError, match=r"fedscale_behaviour: .*beh.pkl is refused: it holds an integer of 167"):
+        load_clients(cap, str(tmp_path / "beh.pkl"))
+
+
+def test_a_real_sized_trace_reads_back_whole(tmp_path):
+    """20,000 clients (FedScale's files hold about 100,000): the walk before the load refuses none of them."""
+    rng = random.Random(0)
+    capacity = {
+        i: {"computation": rng.uniform(5, 500), "communication": rng.uniform(100, 10**5)} for i in range(20_000)
+    }
+    behaviour = {i: {"active": [0], "inactive": [rng.randint(1, 99)], "finish_time": 100} for i in range(20_000)}
+    (tmp_path / "cap.pkl").write_bytes(pickle.dumps(capacity))
+    (tmp_path / "beh.pkl").write_bytes(pickle.dumps(behaviour))
+    table = load_clients(str(tmp_path / "cap.pkl"), str(tmp_path / "beh.pkl"))
+    assert len(table.clients) == 20_000
+    assert table.median_ms == statistics.median(c["computation"] for c in capacity.values())

@@ -16,9 +16,14 @@ ms per sample over the median's.
 Design notes:
 
 * *Pickles run code.* A pickle can name any importable callable and have the loader call it. The
-  :class:`DataOnly` unpickler refuses every global, so only the pickle opcodes for dicts, lists,
-  tuples, numbers and strings get through; anything else is one line, and nothing in the file runs.
-* *JSON too.* The same two mappings are accepted as ``.json`` files, which need no trust at all.
+  :class:`~fleet.federated.plain_pickle.DataOnly` unpickler refuses every global, so only the pickle
+  opcodes for dicts, lists, tuples, numbers and strings get through; anything else is one line, and
+  nothing in the file runs.
+* *Pickles claim sizes.* The unpickler allocates what a file declares before reading it, and hashes
+  nesting by C recursion; :mod:`fleet.federated.plain_pickle` walks the opcodes first and refuses a
+  length past the file's end, nesting past 64 levels and an integer wider than a float.
+* *JSON too.* The same two mappings are accepted as ``.json`` files, which need no trust at all; their
+  integers are bounded as a pickle's are.
 """
 
 from __future__ import annotations
@@ -36,36 +41,29 @@ from fleet.base.errors import ConfigError
 from fleet.base.numbers import is_real
 from fleet.federated.online import Trace
 from fleet.federated.paths import resolve_path
+from fleet.federated.plain_pickle import json_int, load_plain
 
 FEDSCALE_STREAM = 31  # the seeded draw of a device's client
 MAX_TRACE_BYTES = 512 * 2**20  # FedScale's behaviour file is about 60 MB; a larger file is not one of its traces
 
 
-class DataOnly(pickle.Unpickler):
-    """Unpickles plain data only: any class or function a pickle names is refused before it is looked up."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"it names {module}.{name}, and only dicts, lists, numbers and strings are read")
-
-
 def read_data_file(path: str, where: str) -> dict:
-    """A ``.json`` file, or a pickle read by :class:`DataOnly`; a mapping at the top, else a one-line error."""
+    """A ``.json`` file, or a pickle read by :func:`~fleet.federated.plain_pickle.load_plain` (its lengths,
+    nesting and numbers bounded before anything is built); a mapping at the top, else a one-line error."""
     file = resolve_path(path)
     if not file.is_file():
         raise ConfigError(f"{where}: {path} is not a file; give FedScale's device file (pickle) or the same as .json")
     if file.stat().st_size > MAX_TRACE_BYTES:
         raise ConfigError(f"{where}: {path} is over {MAX_TRACE_BYTES >> 20} MB; give FedScale's device file")
     try:
-        with open(file, "rb") as f:
-            data = json.load(f) if file.suffix == ".json" else DataOnly(f).load()
+        raw = file.read_bytes()
+        data = json.loads(raw, parse_int=json_int) if file.suffix == ".json" else load_plain(raw)
     except (pickle.UnpicklingError, ValueError, EOFError, TypeError, IndexError, KeyError, AttributeError) as exc:
         raise ConfigError(f"{where}: {path} is refused: {exc}; give FedScale's device file as plain data") from None
-    except RecursionError:
+    except RecursionError:  # JSON's parser recurses per bracket
         raise ConfigError(f"{where}: {path} is nested too deeply to read; give FedScale's device file") from None
-    except MemoryError:  # a counted string whose declared length the unpickler allocates before reading it
-        raise ConfigError(
-            f"{where}: {path} declares an object larger than this machine's memory; give FedScale's device file"
-        ) from None
+    except OSError as exc:
+        raise ConfigError(f"{where}: {path} cannot be read ({exc.strerror or exc}); give a readable file") from None
     if not isinstance(data, dict) or not data:
         raise ConfigError(f"{where}: {path} holds no mapping of client ids; give FedScale's device file")
     return data

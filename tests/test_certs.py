@@ -108,3 +108,35 @@ def test_bad_flags_are_one_line_and_write_nothing(tmp_path, capsys, argv, messag
     assert main(["certs", "--out", str(out), *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err and not out.exists()
+
+
+def test_a_write_that_fails_leaves_none_of_the_files(tmp_path, capsys, monkeypatch):
+    """All or none: a full disk at the third file removed the two before it, so the rerun is not refused."""
+    from fleet.commands import certs
+
+    real, calls = certs._write, []
+
+    def full_disk(path, data, secret):
+        calls.append(path.name)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        real(path, data, secret)
+
+    monkeypatch.setattr(certs, "_write", full_disk)
+    out = tmp_path / "certs"
+    assert main(["certs", "--out", str(out), "--san", "10.0.0.5", "--device", "pi1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: --out: cannot write {out / 'server.pem'} (No space left on device); nothing was " + (
+        "written, mend it and run again"
+    )
+    assert calls == ["ca.crt", "ca.key", "server.pem"] and not [p for p in out.rglob("*") if p.is_file()]
+    monkeypatch.setattr(certs, "_write", real)
+    assert main(["certs", "--out", str(out), "--san", "10.0.0.5", "--device", "pi1"]) == 0  # the rerun goes through
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == [
+        "ca.crt",
+        "ca.key",
+        "pi1",
+        "pi1.pub",
+        "server.key",
+        "server.pem",
+    ]

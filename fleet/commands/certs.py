@@ -7,7 +7,9 @@ device an ECDSA P-384 key pair in OpenSSH format (``keys/<name>``, ``keys/<name>
 being what ``flwr supernode register`` takes. Made with the ``cryptography`` library that Flower itself
 uses, so no openssl command lines to get right.
 
-Nothing is overwritten: an existing file is named in one line and nothing is written. A call with
+Nothing is overwritten: an existing file is named in one line and nothing is written. Every flag is checked
+and every file made in memory before the first is written, and a write that fails removes the others, so a
+run leaves all of its files or none. A call with
 ``--device`` names alone (no ``--san``) only adds their key pairs.
 """
 
@@ -123,11 +125,34 @@ def check_args(args: argparse.Namespace) -> tuple[Path, list, bool]:
     return out, sans, with_server
 
 
+Files = dict[Path, tuple[bytes, bool]]  # what to write: each file's bytes and whether it is secret (mode 0600)
+
+
 def _write(path: Path, data: bytes, secret: bool) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if secret else 0o644)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+    except OSError:
+        path.unlink(missing_ok=True)  # made by the open above, so ours: no half-written key is left
+        raise
+
+
+def write_all(files: Files) -> None:
+    """Write every file (none overwritten) or none: on the first that fails (a full disk, a file made
+    meanwhile) those already written are removed, so a rerun is not refused for half a set."""
+    written: list[Path] = []
+    for path, (data, secret) in files.items():
+        try:
+            _write(path, data, secret)
+        except OSError as exc:
+            for done in written:
+                done.unlink(missing_ok=True)
+            raise ConfigError(
+                f"--out: cannot write {path} ({exc.strerror or exc}); nothing was written, mend it and run again"
+            ) from None
+        written.append(path)
 
 
 def _certificate(subject: str, key, issuer: str, signer, days: int, extensions: list):
@@ -150,8 +175,8 @@ def _certificate(subject: str, key, issuer: str, signer, days: int, extensions: 
     return builder.sign(signer, hashes.SHA256())
 
 
-def make_server(out: Path, sans: list, days: int) -> None:
-    """The CA and the SuperLink's certificate for ``sans`` (and 127.0.0.1), signed by it."""
+def make_server(out: Path, sans: list, days: int) -> Files:
+    """The CA and the SuperLink's certificate for ``sans`` (and 127.0.0.1), signed by it, to write."""
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -178,15 +203,17 @@ def make_server(out: Path, sans: list, days: int) -> None:
     )
     pem, pkcs8 = serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8
     plain = serialization.NoEncryption()
-    _write(out / "ca.crt", ca.public_bytes(pem), secret=False)
-    _write(out / "ca.key", ca_key.private_bytes(pem, pkcs8, plain), secret=True)
-    _write(out / "server.pem", server.public_bytes(pem), secret=False)
-    _write(out / "server.key", key.private_bytes(pem, pkcs8, plain), secret=True)
+    return {
+        out / "ca.crt": (ca.public_bytes(pem), False),
+        out / "ca.key": (ca_key.private_bytes(pem, pkcs8, plain), True),
+        out / "server.pem": (server.public_bytes(pem), False),
+        out / "server.key": (key.private_bytes(pem, pkcs8, plain), True),
+    }
 
 
-def make_device_keys(out: Path, name: str) -> None:
+def make_device_keys(out: Path, name: str) -> Files:
     """``keys/<name>`` (private, stays on the device) and ``keys/<name>.pub`` (to register), as ssh-keygen
-    -t ecdsa -b 384 would make them."""
+    -t ecdsa -b 384 would make them, to write."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
@@ -195,18 +222,20 @@ def make_device_keys(out: Path, name: str) -> None:
     pem, openssh = serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH
     private = key.private_bytes(pem, openssh, serialization.NoEncryption())  # the "OPENSSH PRIVATE KEY" block
     public = key.public_key().public_bytes(ssh, serialization.PublicFormat.OpenSSH) + f" {name}\n".encode()
-    _write(out / "keys" / name, private, secret=True)
-    _write(out / "keys" / f"{name}.pub", public, secret=False)
+    return {out / "keys" / name: (private, True), out / "keys" / f"{name}.pub": (public, False)}
 
 
 def run(args: argparse.Namespace) -> int:
+    """Check every flag and file, make every certificate and key in memory, then write them all or none."""
     out, sans, with_server = check_args(args)
+    files: Files = make_server(out, sans, args.days) if with_server else {}
+    for name in args.device:
+        files.update(make_device_keys(out, name))
+    write_all(files)
     if with_server:
-        make_server(out, sans, args.days)
         shown = ", ".join(s.value if isinstance(s.value, str) else str(s.value) for s in sans)
         print(f"wrote {out}/ca.crt (give it to every device and flwr), ca.key (keep it here, private)")
         print(f"wrote {out}/server.pem and server.key for {shown} and 127.0.0.1 (the SuperLink's --ssl-* flags)")
     for name in args.device:
-        make_device_keys(out, name)
         print(f"wrote {out}/keys/{name} (copy to the device, private) and {name}.pub (flwr supernode register)")
     return 0

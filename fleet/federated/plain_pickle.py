@@ -44,6 +44,16 @@ class DataOnly(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names {module}.{name}, and only dicts, lists, numbers and strings are read")
 
 
+_NAMED = {  # the opcodes the walk follows by name
+    "MARK": MARK,
+    "MEMOIZE": MEMOIZE,
+    "STOP": STOP,
+    "FRAME": FRAME,
+    **dict.fromkeys(("PUT", "BINPUT", "LONG_BINPUT"), PUT),
+    **dict.fromkeys(("GET", "BINGET", "LONG_BINGET"), GET),
+}
+
+
 def _plan(op: pickletools.OpcodeInfo) -> tuple[int, int, int, int]:
     """(kind, fixed, width, lines) of an opcode: what it does to the stack, then its argument's extent: a fixed
     number of bytes, or a count ``width`` bytes wide (negative: signed) and that many bytes, or ``lines``
@@ -61,17 +71,7 @@ def _plan(op: pickletools.OpcodeInfo) -> tuple[int, int, int, int]:
             pickletools.TAKEN_FROM_ARGUMENT4U: 4,
             pickletools.TAKEN_FROM_ARGUMENT8U: 8,
         }[n]
-    named = {
-        "MARK": MARK,
-        "PUT": PUT,
-        "BINPUT": PUT,
-        "LONG_BINPUT": PUT,
-        "MEMOIZE": MEMOIZE,
-        "STOP": STOP,
-        "FRAME": FRAME,
-    }
-    named.update(GET=GET, BINGET=GET, LONG_BINGET=GET)
-    kind = named.get(op.name)
+    kind = _NAMED.get(op.name)
     if kind is None and not op.stack_before and not op.name.startswith("EMPTY_") and op.name not in _NUMBERS:
         kind = SCALAR if len(op.stack_after) == 1 else NOTHING if not op.stack_after else OTHER
     return kind if kind is not None else OTHER, fixed, width, lines

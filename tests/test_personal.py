@@ -248,3 +248,24 @@ def test_a_state_saved_whole_by_an_earlier_version_is_still_scored(tmp_path):
     torch.save(raw, path)
     got = tasks.evaluate(dev, {k: v.clone() for k, v in weights.items()}, {keys.RUN_TAG: "t"})
     assert got[keys.PERSONAL_ACCURACY] == result.state.personal_accuracy
+
+
+def test_ready_s_leaves_out_the_scoring_of_the_received_model(tmp_path, monkeypatch):
+    """``ready_s`` is start-up; scoring the last round's model on a pipelined train message is evaluation,
+    timed as eval_time_s: a slow scoring must not read as a slow start."""
+    import time
+
+    dev, weights = device(tmp_path, "none")
+    born = time.monotonic()
+    monkeypatch.setattr(tasks, "process_age_s", lambda: time.monotonic() - born)
+    scoring = tasks.score_received
+
+    def slow_scoring(*args):
+        time.sleep(1.0)
+        return scoring(*args)
+
+    monkeypatch.setattr(tasks, "score_received", slow_scoring)
+    tasks._HANDLED[0] = 0
+    result = tasks.train(dev, dict(weights), {**round_config(2), keys.SCORE_RECEIVED: True})
+    assert keys.GLOBAL_ACCURACY in result.metrics and keys.EVAL_TIME_S in result.metrics  # it was scored
+    assert result.metrics[keys.READY_S] < 1.0  # it was 1 s more with the scoring counted as start-up

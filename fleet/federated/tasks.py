@@ -168,10 +168,10 @@ def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[s
     state = load_state(state_path, order.run_tag) or DeviceState(run_tag=order.run_tag)
     personal = personal_names(model, cfg.personalization.policy)
     overlay_personal(model, personal, state.personal)
-    received = score_received(device, model, state) if order.score_received else {}
     data = device.data().train
+    ready = readiness()  # before the last round's scoring: that is evaluation work, timed as eval_time_s
+    received = score_received(device, model, state) if order.score_received else {}
     device_round = DeviceRound(cfg, model, profile, data, device.seed, state, memory, personal, device.bandwidth)
-    ready = readiness()
     result = device_round.train(order)
     result.arrays = encode_upload(result.arrays, sent, cfg.federation.transfer)  # as the message carries it
     result.metrics.update({**device.identity(), **ready, **received})

@@ -120,6 +120,8 @@ class Loopback:
     `flwr supernode register` before it starts (unless it is meant to be refused).
     database: the SuperLink's `--database` file (default: none, the state lives in memory).
     tls_ips (secure only): more IP addresses the server certificate is valid for, e.g. a proxy's.
+    Secure SuperNodes run as ``fleet device supernode`` (Flower's SuperNode without its idle sleeps), so TLS,
+    authentication and the proxy are tested through it; plain ones run Flower's ``flower-supernode`` itself.
     """
 
     def __init__(
@@ -194,7 +196,8 @@ class Loopback:
                 self.node_ids.append(int(reg["node-id"]))
             auth = ["--auth-supernode-private-key", str(key_path)]
         link = ["--superlink", superlink or f"127.0.0.1:{self.port}", "--port", str(free_port())]
-        args = [str(BIN / "flower-supernode"), *self.node_tls, *auth, *link, "--node-config", node_config]
+        node = [str(BIN / "fleet"), "device", "supernode", "--"] if self.secure else [str(BIN / "flower-supernode")]
+        args = [*node, *self.node_tls, *auth, *link, "--node-config", node_config]
         return self.start(name or f"supernode{i}", args)
 
     def online_nodes(self, want: int, timeout: float = 60) -> list[dict]:

@@ -152,11 +152,12 @@ def test_ready_s_leaves_out_the_messages_download(monkeypatch):
 
 
 class WarmLoopback(Loopback):
-    """Loopback's SuperNodes in ``--isolation process``, each served by its own ``fleet device runtime``."""
+    """Loopback's SuperNodes (``fleet device supernode``) in ``--isolation process``, each served by its own
+    ``fleet device runtime``: a device as docs/pi.md sets it up."""
 
     def start_warm_node(self, i: int, node_config: str) -> tuple[subprocess.Popen, subprocess.Popen]:
         port = free_port()
-        args = [str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}"]
+        args = [str(BIN / "fleet"), "device", "supernode", "--", "--insecure", "--superlink", f"127.0.0.1:{self.port}"]
         node = self.start(
             f"supernode{i}", [*args, "--port", str(port), "--node-config", node_config, "--isolation", "process"]
         )

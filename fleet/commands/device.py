@@ -6,14 +6,14 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fleet.commands import device_runtime
+from fleet.commands import device_runtime, device_supernode
 
 if TYPE_CHECKING:  # the reader pulls in torch; the CLI imports it only when the command runs
     from fleet.data.folders import OwnedData
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("device", help="a device's own data (the images on the device)")
+    p = sub.add_parser("device", help="a device: its own data, its warm runtime, its SuperNode")
     device_sub = p.add_subparsers(dest="device_command", required=True, metavar="ACTION")
     check = device_sub.add_parser(
         "check", help="read a device's image tree as the fleet would and print its label mapping and counts"
@@ -27,6 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     check.set_defaults(func=run_check)
     device_runtime.register(device_sub)
+    device_supernode.register(device_sub)
 
 
 def run_check(args: argparse.Namespace) -> int:

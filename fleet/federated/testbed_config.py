@@ -70,9 +70,10 @@ class TestbedConfig:
     # activation budget. Measured: simulations/testbed.yaml's devices peaked at 1,224-1,376 MB (page cache included)
     runtime_mb: float = 1200.0
     timeout_s: float = 3600.0  # the whole testbed run's bound in wall seconds; past it everything is stopped
-    # how a device serves Flower's messages: "warm", a `fleet device runtime` beside the SuperNode forks each task
-    # from a process that has imported torch and Flower once (the default wherever a device runs: docs/pi.md);
-    # "subprocess", Flower's own SuperExec starting a fresh flwr-clientapp per message, to compare against
+    # how a device serves Flower's messages: "warm", a `fleet device runtime` beside the SuperNode (`fleet device
+    # supernode`, Flower's without its idle sleeps) forks each task from a process that has imported torch and
+    # Flower once (the default wherever a device runs: docs/pi.md); "subprocess", Flower's own flower-supernode
+    # and SuperExec starting a fresh flwr-clientapp per message, to compare against
     runtime: str = "warm"
 
     RULES: ClassVar[dict[str, Rule]] = {

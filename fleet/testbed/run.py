@@ -175,15 +175,12 @@ class Testbed:
         c = device.cls
         device.cgroup = cgroup.Cgroup(device.name, c.cpu, c.memory_mb).create()
         device.link = network.Link(device.name, device.index, c.uplink_mbps, c.downlink_mbps, c.latency_ms).create()
-        node = [
-            str(BIN / "flower-supernode"),
-            "--insecure",
-            "--superlink",
-            f"{device.link.server_address}:{PORT}",
-            "--node-config",
-            device.node_config(self.cfg.testbed.runtime_mb),
-        ]
         warm = self.cfg.testbed.runtime == "warm"
+        # warm: a device as docs/pi.md sets it up (Flower's SuperNode without its idle sleeps, tasks served by
+        # the warm runtime); subprocess: Flower's own flower-supernode, unchanged, to compare against
+        node = [str(BIN / "fleet"), "device", "supernode", "--"] if warm else [str(BIN / "flower-supernode")]
+        node += ["--insecure", "--superlink", f"{device.link.server_address}:{PORT}"]
+        node += ["--node-config", device.node_config(self.cfg.testbed.runtime_mb)]
         inside = device.cgroup.join_command() + device.link.exec_prefix()  # its cgroup, then its namespace
         device.proc = self._spawn(device.name, inside + node + (["--isolation", "process"] if warm else []))
         if warm:  # the device's runtime serves the SuperNode's Runtime API on the namespace's own loopback

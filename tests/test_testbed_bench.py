@@ -20,6 +20,7 @@ from fleet.bench.testbed import (
     mean_accuracy,
     memory_entries,
     method_entry,
+    overhead_share,
     regime_of,
     regime_ratio,
     simulation_config,
@@ -102,7 +103,20 @@ def test_class_figures_are_medians_of_each_rounds_slowest_device(tmp_path):
     of_run = {"pi-0": "pi", "pi-1": "pi", "board-0": "board"}
     assert slowest_by_class(run.records, "wall_s", lambda d: of_run[d["device"]]) == {"pi": 50, "board": 21}
     assert class_start_s(run, "pi") == 20 and class_start_s(run, "board") == 5
-    assert device_entries(run, run.records, 0)["pi-0"]["round_s"] == 45
+    pi0 = device_entries(run, run.records, 0)["pi-0"]
+    # its rounds of 40, 45 and 90 s each spent 3 s computing and 4 s uploading (4 MB at 8 Mbit/s)
+    assert pi0["round_s"] == 45 and pi0["overhead_share"] == pytest.approx(1 - 7 / 45)
+
+
+def test_the_overhead_is_the_slowest_class_share_in_the_worst_method():
+    def method(*shares: tuple[float | None, float | None]) -> dict:
+        rows = [("pi", 0.2, shares[0]), ("pi", 0.2, shares[1]), ("board", 0.4, 0.9), ("host", None, 0.9)]
+        return {"devices": {f"d{i}": {"cpu": c, "overhead_share": s} for i, (_, c, s) in enumerate(rows)}}
+
+    # medians over the pi class, 0.2 and 0.06; the unlimited and faster classes do not count
+    assert overhead_share({"fedavg": method(0.1, 0.3), "fleet": method(0.05, 0.07)}) == pytest.approx(0.2)
+    assert overhead_share({"fleet": method(None, 0.07)}) == pytest.approx(0.07)
+    assert overhead_share({"fleet": method(None, None)}) is None
 
 
 def test_the_simulator_gets_each_class_profile_links_and_what_else_its_rounds_cost(tmp_path):
@@ -145,6 +159,7 @@ def report_of(seed: int = 0, fleet_time: float | None = 200.0, fleet_final: floa
         "regime": "compute",
         "seed": seed,
         "compute_to_transfer": 2.4,
+        "overhead_share": 0.12,
         "start_accuracy": 0.6,
         "target_accuracy": 0.83,
         "budget_s": 600.0,
@@ -187,6 +202,7 @@ def test_the_report_says_which_target_was_missed_and_by_what():
         "fedavg_reaches_target_late": True,
         "fleet_3x_sooner_than_fedavg": False,
         "fleet_final_within_half_a_point": True,
+        "slowest_class_overhead_at_most_15pct": True,
         "simulator_within_15pct_every_class": True,
         "memory_limited_devices_train_to_the_end": True,
     }

@@ -29,6 +29,7 @@ def seed_entry(report: dict) -> dict:
         "final_minus_fedavg": diff("final_server_accuracy"),
         "mean_accuracy_minus_fedavg": diff("mean_accuracy"),
         "compute_to_transfer": report["compute_to_transfer"],
+        "overhead_share": report.get("overhead_share"),  # None in a report made before the bench measured it
         "regime": report["regime"],
         "targets": report["targets"],
     }
@@ -56,6 +57,7 @@ def combine(reports: Sequence[dict]) -> dict:
             "speedup_vs_fedavg": _spread([r["speedup_vs_fedavg"] for r in rows]),
             "final_minus_fedavg": _spread([r["final_minus_fedavg"] for r in rows]),
             "mean_accuracy_minus_fedavg": _spread([r["mean_accuracy_minus_fedavg"] for r in rows]),
+            "overhead_share": _spread([r["overhead_share"] for r in rows]),
         }
     return out
 
@@ -98,5 +100,6 @@ def combined_table(combined: dict) -> str:
             f"{_times(speed and speed['median'])} sooner than FedAvg (median; {per_seed})",
             f"  final accuracy less FedAvg's {_range(r['final_minus_fedavg'], 100, ' points')}",
             f"  mean accuracy over the budget less FedAvg's {_range(r['mean_accuracy_minus_fedavg'], 100, ' points')}",
+            f"  the slowest class's round neither compute nor transfer {_range(r['overhead_share'], 100, '%')}",
         ]
     return "\n".join(lines)

@@ -18,7 +18,8 @@ from fleet.federated.classes import (
 )
 from fleet.federated.config import load_fleet_config
 from fleet.federated.coordinator import Coordinator
-from fleet.federated.device import simulated_names, tier_of
+from fleet.federated.device import tier_of
+from fleet.federated.names import simulated_names
 from fleet.federated.records import Member, TrainReply
 from fleet.federated.state import ServerState
 

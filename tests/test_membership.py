@@ -9,8 +9,9 @@ import pytest
 from fleet.base.errors import ConfigError, FleetError
 from fleet.federated import membership as m
 from fleet.federated.config import fleet_config_from_dict
-from fleet.federated.device import device_name_of, partition_of, state_dir_of, tier_of
+from fleet.federated.device import partition_of, state_dir_of, tier_of
 from fleet.federated.mailbox import Mailbox
+from fleet.federated.names import device_name_of
 from fleet.federated.prepare import simulated_fleet
 from fleet.federated.records import Member
 from fleet.federated.server_loop import wait_for_devices

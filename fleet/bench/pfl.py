@@ -50,7 +50,7 @@ from fleet.bench.launch import progress_log
 from fleet.bench.regimes import run_profile
 from fleet.engine.device_profile import DeviceProfile
 from fleet.federated.config import load_fleet_config, run_dir
-from fleet.federated.device import DEVICES_DIR
+from fleet.federated.names import DEVICES_DIR
 from fleet.federated.newcomer import mean_curve, personalize_newcomer
 from fleet.federated.prepare import prepare
 from fleet.federated.state import CHECKPOINT_FILE, load_checkpoint

@@ -33,7 +33,7 @@ from fleet.engine.config import NULL
 from fleet.engine.experiment import model_with_weights
 from fleet.engine.trainer import accuracy
 from fleet.federated.config import FleetConfig, load_fleet_config, run_dir
-from fleet.federated.device import DEVICES_DIR, simulated_names
+from fleet.federated.names import DEVICES_DIR, simulated_names
 from fleet.federated.prepare import prepare
 from fleet.federated.server_eval import server_test_set
 from fleet.federated.state import load_checkpoint

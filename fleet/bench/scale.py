@@ -35,7 +35,7 @@ from fleet.base.errors import ConfigError
 from fleet.bench.floor_app import BUSY_KEY, FLOOR_FILE
 from fleet.bench.launch import HONEST_APP, Log, MemoryWatch, launch, progress_log, shared_start
 from fleet.federated.config import load_fleet_config, run_dir
-from fleet.federated.device import DEVICES_DIR
+from fleet.federated.names import DEVICES_DIR
 from fleet.federated.prepare import prepare
 from fleet.federated.tracking import read_records
 

@@ -48,7 +48,7 @@ from fleet.engine.config import config_to_dict
 from fleet.engine.device_profile import DeviceProfile
 from fleet.federated.class_config import DeviceClassConfig
 from fleet.federated.config import FleetConfig, pipelined, run_dir
-from fleet.federated.device import DEVICES_DIR
+from fleet.federated.names import DEVICES_DIR
 from fleet.federated.testbed_config import TestbedConfig
 from fleet.federated.tracking import honest_rejections, read_records
 from fleet.testbed.run import TestbedRun, run_testbed

@@ -36,6 +36,7 @@ from fleet.federated.class_config import DeviceClassConfig, check_classes
 from fleet.federated.paths import resolve_path
 from fleet.federated.personal import METHODS as PERSONAL_METHODS
 from fleet.federated.personal import POLICIES as PERSONAL_POLICIES
+from fleet.federated.personal import method_of, models_of
 from fleet.federated.testbed_config import TestbedConfig, check_testbed
 
 STRATEGIES = ("fleet", "naive", "fedavg", "ditto")
@@ -474,6 +475,13 @@ def _check_rules(cfg: FleetConfig) -> None:
             f"model.num_classes={cfg.model.num_classes}; "
             "use labels of the model's classes"
         )
+
+
+def compute_steps(cfg: FleetConfig) -> int:
+    """Training steps a round costs a device: Ditto trains two models, the shared update and the device's
+    personal model, ``local_steps`` each, and its elastic budget covers both."""
+    fed = cfg.federation
+    return fed.local_steps * models_of(method_of(fed.strategy, cfg.personalization.method))
 
 
 def pipelined(cfg: FleetConfig, simulated: bool) -> bool:

@@ -44,9 +44,8 @@ from fleet.federated.aggregate import (
     weight_problem,
 )
 from fleet.federated.classes import FleetClasses
-from fleet.federated.config import FleetConfig, pipelined
+from fleet.federated.config import FleetConfig, compute_steps, pipelined
 from fleet.federated.defense import Candidate, Judging, defend, loss_problems, sample_cap
-from fleet.federated.device import DEVICE_NAME
 from fleet.federated.membership import (
     EVAL_STREAM,
     Refusal,
@@ -60,6 +59,7 @@ from fleet.federated.membership import (
     record_attendance,
     sample,
 )
+from fleet.federated.names import DEVICE_NAME
 from fleet.federated.personal import personal_names
 from fleet.federated.records import (
     EVALUATE,
@@ -73,7 +73,6 @@ from fleet.federated.records import (
     TrainReply,
 )
 from fleet.federated.robust import plausible, plausible_times, robust_average, scale_update, upload_problem
-from fleet.federated.round import compute_steps
 from fleet.federated.server_eval import reference_loss, server_accuracy
 from fleet.federated.split import known_data_sizes
 from fleet.federated.state import RoundReplies, ServerState

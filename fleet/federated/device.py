@@ -7,8 +7,6 @@ each lookup validates what it reads and names the field in its error.
 from __future__ import annotations
 
 import math
-import re
-import socket
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -24,14 +22,11 @@ from fleet.engine.experiment import check_profile, make_model, obtain_profile, r
 from fleet.federated import keys
 from fleet.federated.classes import bandwidth_of, class_of
 from fleet.federated.config import FleetConfig, run_dir
+from fleet.federated.names import DEVICES_DIR
 from fleet.federated.owned import device_roots
 from fleet.federated.paths import resolve_path
 from fleet.federated.state_lock import reading, write_locked
 from fleet.memory.budgeted import MemoryBudget
-
-DEVICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # safe as a file name and a plot label
-
-DEVICES_DIR = "devices"  # a simulated run's folder of device state, one sub-folder per device
 
 
 def tier_of(cfg: FleetConfig, partition_id: int | None, node_config: dict[str, Any]) -> float:
@@ -123,33 +118,6 @@ def partition_of(cfg: FleetConfig, node_config: dict[str, Any]) -> int | None:
             "(devices.num_devices); pick a partition the fleet has"
         )
     return int(pid)
-
-
-def check_device_name(name: str, where: str) -> str:
-    """``name`` if it can name a device everywhere it is used (metrics, plots, a state directory)."""
-    if not DEVICE_NAME.fullmatch(name):
-        raise ConfigError(
-            f"{where}: {name!r} cannot name a device; use 1-64 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
-        )
-    return name
-
-
-def device_name_of(cfg: FleetConfig, node_config: dict[str, Any], partition_id: int | None) -> str:
-    """node config ``device-name``; else the device's folder under ``data.device_roots``; else
-    ``device-<partition-id>``; else the host name."""
-    if node_config.get(keys.NODE_DEVICE_NAME):
-        return check_device_name(str(node_config[keys.NODE_DEVICE_NAME]), "node config device-name")
-    if partition_id is not None and cfg.data.device_roots and not node_config.get(keys.NODE_DATA_ROOT):
-        return check_device_name(device_roots(cfg)[partition_id].name, "data.device_roots sub-folder")
-    if partition_id is not None:
-        return f"device-{partition_id}"
-    return check_device_name(socket.gethostname(), "the host name (node config device-name unset)")
-
-
-def simulated_names(cfg: FleetConfig) -> dict[str, int]:
-    """Every simulated device's name and partition, as the devices name themselves."""
-    return {device_name_of(cfg, {}, pid): pid for pid in range(cfg.devices.num_devices)}
 
 
 def data_root_of(cfg: FleetConfig, node_config: dict[str, Any], partition_id: int | None) -> tuple[Path, str] | None:

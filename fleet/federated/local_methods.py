@@ -33,21 +33,10 @@ from torch import nn
 
 from fleet.engine.accelerator import host_copy, module_device
 
-TWO_MODELS = ("ditto", "apfl")  # methods that train a second model on every step
 ALA_FIRST_PASSES = 5  # a device's first merge learns its weights for at most this many passes (FedALA: to convergence)
 ALA_CONVERGED_STD = 0.1  # ... stopping once its last ALA_WINDOW losses' std falls below this (FedALA's threshold)
 ALA_WINDOW = 10
 ALA_LR = 1.0  # FedALA's eta for the merge weights
-
-
-def method_of(strategy: str, method: str) -> str:
-    """The personal-model method a round runs: the ``ditto`` strategy is naive selection with Ditto's."""
-    return "ditto" if strategy == "ditto" else method
-
-
-def models_of(method: str) -> int:
-    """Models a round's every step trains: two under Ditto and APFL (the shared one and the personal one)."""
-    return 2 if method in TWO_MODELS else 1
 
 
 def body_only(names: list[str], mask: list[bool], head: frozenset[str]) -> list[bool]:

@@ -23,7 +23,18 @@ from fleet.engine.models import head_parameter_names
 
 POLICIES = ("none", "head", "norms", "head+norms")
 METHODS = ("none", "ditto", "fedrep", "fedala", "apfl")  # how a round makes the personal model (local_methods.py)
+TWO_MODELS = ("ditto", "apfl")  # methods that train a second model on every step
 NORM_LAYERS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
+
+
+def method_of(strategy: str, method: str) -> str:
+    """The personal-model method a round runs: the ``ditto`` strategy is naive selection with Ditto's."""
+    return "ditto" if strategy == "ditto" else method
+
+
+def models_of(method: str) -> int:
+    """Models a round's every step trains: two under Ditto and APFL (the shared one and the personal one)."""
+    return 2 if method in TWO_MODELS else 1
 
 
 def personal_names(model: nn.Module, policy: str) -> frozenset[str]:

@@ -18,7 +18,7 @@ from fleet.base.errors import ConfigError
 from fleet.engine.config import config_to_dict
 from fleet.engine.experiment import check_model_fits_data, load_data, make_model, obtain_profile
 from fleet.federated.config import FleetConfig, run_dir
-from fleet.federated.device import check_device_name
+from fleet.federated.names import check_device_name
 from fleet.federated.owned import device_roots
 from fleet.federated.paths import resolve_path
 from fleet.federated.state import keep_previous_run

@@ -38,19 +38,17 @@ from fleet.engine.policies import Blend, SelectionPolicy, Window
 from fleet.engine.selection import select_tensors
 from fleet.engine.trainer import RESTORE_PROBE_STEPS, Trainer
 from fleet.federated import keys
-from fleet.federated.config import FleetConfig
+from fleet.federated.config import FleetConfig, compute_steps
 from fleet.federated.device import DeviceState
 from fleet.federated.local_methods import (
     ALA_FIRST_PASSES,
-    TWO_MODELS,
     Apfl,
     ala_names,
     body_only,
     head_mask,
     learn_ala,
-    method_of,
-    models_of,
 )
+from fleet.federated.personal import TWO_MODELS, method_of, models_of
 from fleet.federated.records import TrainOrder, speedup
 from fleet.federated.transfer import wire_bytes
 from fleet.memory.budgeted import MemoryBudget
@@ -67,13 +65,6 @@ class RoundResult:
     # the device's whole personalized model after the round, to be scored now: the state keeps only what the
     # next global model will not give back (see DeviceRound.kept)
     personalized: dict[str, torch.Tensor] | None = None
-
-
-def compute_steps(cfg: FleetConfig) -> int:
-    """Training steps a round costs a device: Ditto trains two models, the shared update and the device's
-    personal model, ``local_steps`` each, and its elastic budget covers both."""
-    fed = cfg.federation
-    return fed.local_steps * models_of(method_of(fed.strategy, cfg.personalization.method))
 
 
 def full_round_time(cfg: FleetConfig, profile: DeviceProfile) -> float:

@@ -19,7 +19,7 @@ from fleet.engine.experiment import make_model
 from fleet.federated.classes import FleetClasses
 from fleet.federated.config import FleetConfig, run_dir
 from fleet.federated.coordinator import Coordinator, out_of_time
-from fleet.federated.device import simulated_names
+from fleet.federated.names import simulated_names
 from fleet.federated.server_eval import reference_set, server_test_set
 from fleet.federated.state import ServerState, check_resumable, keep_previous_run, load_checkpoint, save_checkpoint
 from fleet.federated.tracking import Tracker, plot_run, progress_line, write_progress

@@ -33,7 +33,6 @@ from fleet.federated.device import (
     DeviceState,
     data_root_of,
     device_memory,
-    device_name_of,
     device_profile,
     load_state,
     memory_budget_of,
@@ -45,6 +44,7 @@ from fleet.federated.device import (
     train_device_of,
     uplink_of,
 )
+from fleet.federated.names import device_name_of
 from fleet.federated.personal import overlay_personal, personal_names
 from fleet.federated.records import TrainOrder
 from fleet.federated.round import DeviceRound, RoundResult, full_round_time

@@ -87,12 +87,12 @@ class TrainConfig:
     interval: int = 1  # re-select every `interval` epochs or steps
     interval_unit: str = "epoch"  # what `interval` counts: epoch or step
     # samples an importance probe uses (null: a whole batch). The probe trains every tensor for a step and takes
-    # another gradient: on a whole batch it cost about 17% of elastic training (`fleet bench personalize`)
+    # another gradient, so fewer samples make it cheaper and noisier (its cost: `fleet bench personalize`)
     probe_samples: int | None = None
     # train: the probe's two passes are two training steps on one batch, kept, so only their difference from elastic
     # steps is spent (Trainer.training_probe). restore: the spec's probe, a step on every tensor that is undone, then
-    # a second gradient (2 full steps plus copies). On `fleet bench personalize`, seeds 0-2, train ended 1.4 points
-    # higher at 60% of the probes' share (docs/results.md, "The probe's cost")
+    # a second gradient (2 full steps plus copies). train by default: it costs the round less and trained to a higher
+    # accuracy (docs/results.md, "The probe's cost")
     probe: str = "train"
     prunetrain_lambda: float = 1e-4  # L1 group penalty weight (prunetrain)
     seed: int = 0  # seeds the model's initialization, shuffling and caps; in a fleet also the split and sampling

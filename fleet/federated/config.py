@@ -71,16 +71,16 @@ class FederationConfig:
     timeout_s: float = 600.0  # bounds waiting for min_devices, and a simulated round (its wall time is not the clock's)
     # FedAvgM: the server keeps a momentum of each tensor's aggregated update, moved only in rounds where some device
     # trained that tensor (null: off, the plain masked average). server_lr scales the step the momentum takes.
-    # Off by default: 0.7 at lr 0.3 halved the global model's swing on the tight-deadline bench but cost 0.6-0.9 points
-    # of personalized mean (docs/results.md, "Server momentum, measured"); 0.9 at lr 1 oscillated
+    # Off by default: it steadies the global model but costs the personalized mean (docs/results.md, "Server
+    # momentum, measured")
     server_momentum: float | None = None
     server_lr: float = 1.0  # with server_momentum: each tensor moves by server_lr times its momentum
     # the precision a device's momentum is saved in between its rounds (float16 | float32): float16 halves a
-    # thousand devices' state on disk and is restored to float32 when the device trains again; over 5 paired seeds
-    # it moved the final global accuracy by +0.26 points (95% interval -0.34 to +0.87; docs/results.md, "Scale")
+    # thousand devices' state on disk and is restored to float32 when the device trains again; paired seeds found
+    # no accuracy cost (docs/results.md, "Scale")
     state_precision: str = "float16"
     # how the model's float tensors cross the network (float32 | float16): float16 halves what a round moves both
-    # ways (a ResNet-18: 22.4 MB, not 44.7; up, each tensor's change from the model sent), decoded at the boundary.
+    # ways (up, each tensor's change from the model sent), decoded at the boundary.
     # float16 by default: at the same deadline, paired seeds found the encoding level with float32 (docs/results.md,
     # "Compact transfers"); float32 for a byte-exact comparison with older runs
     transfer: str = "float16"
@@ -225,8 +225,8 @@ class MembershipConfig:
 class RobustConfig:
     """Robust aggregation: every reply is untrusted, so no single device can move the model or the clocks far."""
 
-    # mean | trimmed_mean | median, per tensor over the devices that trained it; trimmed_mean by default: with one
-    # or two of 8 devices adversarial it lost 2.0-2.6 points to a scaled update where mean lost 7-12 (docs/results.md)
+    # mean | trimmed_mean | median, per tensor over the devices that trained it; trimmed_mean by default: one
+    # device's scaled update cannot carry the tensor with it, as it carries a mean (docs/results.md, robustness)
     aggregation: str = "trimmed_mean"
     trim_fraction: float = 0.25  # trimmed_mean: drop this share of the values at each end, per coordinate
     # an update's norm may be this multiple of the median norm per tensor (else clipped to it), and a device's
@@ -238,8 +238,8 @@ class RobustConfig:
     # attackers alone trained (docs/results.md: the measured ranges); null: off
     min_pull: float | None = -0.5
     # ... and one whose update's cosine with the global model's last step (median over the tensors it sent) is below
-    # this, however small (IPM, mask abuse): honest devices kept 0.1 to 0.8 on the robustness bench, and went down
-    # to -0.47 in the main job (docs/results.md; hence strikes below); null: off
+    # this, however small (IPM, mask abuse); an honest non-IID device can dip below it in one round, hence the
+    # strikes below (docs/results.md has the measured ranges); null: off
     min_cos: float | None = -0.3
     # ... and one whose share of rising coordinates is this far from the others' (ALIE, Min-Max); null: off
     max_sign_skew: float | None = 0.2

@@ -67,7 +67,7 @@ class TestbedConfig:
     classes: list[TestbedClassConfig] = field(default_factory=list)  # the kinds of device; none: no testbed
     # what a device's processes hold besides activations (the SuperNode and its ClientApp: Python, torch and Flower,
     # the model with its gradients and optimizer state, its data), subtracted from its memory limit to give its
-    # activation budget. Measured: simulations/testbed.yaml's devices peaked at 1,224-1,376 MB (page cache included)
+    # activation budget (docs/testbed.md has what the reference devices' processes peaked at)
     runtime_mb: float = 1200.0
     timeout_s: float = 3600.0  # the whole testbed run's bound in wall seconds; past it everything is stopped
     # how a device serves Flower's messages: "warm", a `fleet device runtime` beside the SuperNode (`fleet device

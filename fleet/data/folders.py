@@ -26,6 +26,7 @@ import torch
 
 from fleet.base.errors import DataError
 from fleet.data.datasets import IMAGE_EXTENSIONS, ArrayDataset, class_dirs, find_idx, image_files, read_idx, read_image
+from fleet.data.decoded import cached_decode
 
 IDX_IMAGES = "train-images-idx3-ubyte"
 IDX_LABELS = "train-labels-idx1-ubyte"
@@ -49,6 +50,7 @@ class _Spec:
     mode: str  # PIL mode: "L" for one channel, "RGB" for three
     size: int
     field: str
+    cache_dir: Path | None  # where a folder's decoded images are kept between processes; None: not kept
 
 
 def load_owned(
@@ -62,14 +64,17 @@ def load_owned(
     test_fraction: float,
     seed: int,
     field: str,
+    cache_dir: Path | None = None,
 ) -> OwnedData:
     """Read the device's tree at ``root`` into uint8 (N, C, size, size) train and test sets.
 
     ``field`` names the setting that pointed at ``root`` ("node config data-root", "data.device_roots")
     and starts every error message, so the user knows what to fix. ``mean``/``std`` are fixed by the
     fleet (:func:`fleet.data.datasets.norm_stats`), never measured here: every device must normalise alike.
+    With ``cache_dir`` (the device's state directory) a folder's decoded images are kept there for the next
+    process that reads the unchanged tree (:mod:`fleet.data.decoded`).
     """
-    spec = _spec(class_names, channels, size, test_fraction, field)
+    spec = _spec(class_names, channels, size, test_fraction, field, cache_dir)
     root = Path(root).expanduser()
     if not root.is_dir():
         raise DataError(
@@ -99,7 +104,14 @@ def load_owned(
     )
 
 
-def _spec(class_names: Sequence[str] | None, channels: int, size: int, test_fraction: float, field: str) -> _Spec:
+def _spec(
+    class_names: Sequence[str] | None,
+    channels: int,
+    size: int,
+    test_fraction: float,
+    field: str,
+    cache_dir: Path | None,
+) -> _Spec:
     if class_names is None:
         raise DataError(
             "data.class_names: not set; list the fleet's class names in order (e.g. [cat, dog, bird]) so each "
@@ -111,7 +123,7 @@ def _spec(class_names: Sequence[str] | None, channels: int, size: int, test_frac
         raise DataError(f"size: got {size!r}; use a positive number of pixels")
     if not 0 < test_fraction < 1:
         raise DataError(f"test_fraction: got {test_fraction!r}; use a number in (0, 1)")
-    return _Spec(tuple(class_names), "L" if channels == 1 else "RGB", size, field)
+    return _Spec(tuple(class_names), "L" if channels == 1 else "RGB", size, field, cache_dir)
 
 
 def detect_layout(root: Path, class_names: Sequence[str]) -> str:
@@ -128,11 +140,15 @@ def _read_folder(folder: Path, spec: _Spec) -> tuple[np.ndarray, np.ndarray]:
     files_by_class = _class_files(folder, spec)
     files = [f for files in files_by_class.values() for f in files]
     labels = np.asarray([spec.names.index(c) for c, fs in files_by_class.items() for _ in fs], dtype=np.int64)
-    channels = 1 if spec.mode == "L" else 3
-    images = np.empty((len(files), channels, spec.size, spec.size), dtype=np.uint8)
-    for i, path in enumerate(files):
-        images[i] = read_image(path, spec.mode, (spec.size, spec.size), spec.field)
-    return images, labels
+    shape = (len(files), 1 if spec.mode == "L" else 3, spec.size, spec.size)
+
+    def decode() -> np.ndarray:
+        images = np.empty(shape, dtype=np.uint8)
+        for i, path in enumerate(files):
+            images[i] = read_image(path, spec.mode, shape[2:], spec.field)
+        return images
+
+    return cached_decode(folder, files, shape, spec.mode, spec.cache_dir, decode), labels
 
 
 def _class_files(folder: Path, spec: _Spec) -> dict[str, list[Path]]:

@@ -17,8 +17,9 @@ from fleet.federated.config import FleetConfig
 from fleet.federated.paths import resolve_path
 
 
-def owned_data(cfg: FleetConfig, root: str | Path, field: str) -> OwnedData:
-    """The device's train and held-out test sets from the tree at ``root``; ``field`` names where ``root`` came from.
+def owned_data(cfg: FleetConfig, root: str | Path, field: str, cache_dir: Path | None = None) -> OwnedData:
+    """The device's train and held-out test sets from the tree at ``root``; ``field`` names where ``root`` came from;
+    with ``cache_dir``, its decoded images are kept there for the next process (:mod:`fleet.data.decoded`).
 
     The normalisation is the fleet's fixed one (:func:`fleet.data.datasets.norm_stats`), never the device's own.
     """
@@ -34,6 +35,7 @@ def owned_data(cfg: FleetConfig, root: str | Path, field: str) -> OwnedData:
         test_fraction=cfg.devices.test_fraction,
         seed=cfg.train.seed,
         field=field,
+        cache_dir=cache_dir,
     )
     if len(data.train) == 0 or len(data.test) == 0:
         raise DataError(

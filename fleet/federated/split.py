@@ -88,9 +88,10 @@ def device_data(cfg: FleetConfig, partition_id: int) -> DeviceData:
     return DeviceData(shift_dataset(data.train, shift), shift_dataset(data.test, shift))
 
 
-def own_device_data(cfg: FleetConfig, root: Path, field: str) -> DeviceData:
+def own_device_data(cfg: FleetConfig, root: Path, field: str, cache_dir: Path | None = None) -> DeviceData:
     """A device's own files (its ImageFolder tree) and the split it holds out of them; read once per
-    process for consecutive messages to the same device."""
+    process for consecutive messages to the same device, and with ``cache_dir`` decoded once while the tree
+    is unchanged (a deployed device's process lasts one message)."""
     if cfg.devices.shift.active:
         raise ConfigError(
             f"devices.shift: this device reads its own files ({field} {root}), which are already its own "
@@ -99,7 +100,7 @@ def own_device_data(cfg: FleetConfig, root: Path, field: str) -> DeviceData:
     key = repr((str(root), cfg.data, cfg.model.in_channels, cfg.devices.test_fraction, cfg.train.seed))
     if key not in _OWNED:
         _OWNED.clear()
-        owned = owned_data(cfg, root, field)
+        owned = owned_data(cfg, root, field, cache_dir)
         _OWNED[key] = DeviceData(owned.train, owned.test)
     return _OWNED[key]
 

@@ -53,6 +53,7 @@ from fleet.federated.transfer import encode_upload, keep_received
 from fleet.memory.budgeted import MemoryBudget
 
 STATE_FILE = "state.pt"
+DECODED_DIR = "decoded-images"  # a deployed device's decoded images, kept for its next message (fleet.data.decoded)
 
 
 @dataclass
@@ -87,9 +88,12 @@ class Device:
         return self.partition_id if self.partition_id is not None else zlib.crc32(self.name.encode()) % 100_000
 
     def data(self) -> DeviceData:
-        """Its own files when it has them (node config data-root, data.device_roots), else its slice."""
+        """Its own files when it has them (node config data-root, data.device_roots), else its slice. A deployed
+        device keeps its decoded images in its state directory: its process lasts one message."""
         own = data_root_of(self.cfg, self.node_config, self.partition_id)
-        return device_data(self.cfg, self.partition_id) if own is None else own_device_data(self.cfg, *own)
+        if own is None:
+            return device_data(self.cfg, self.partition_id)
+        return own_device_data(self.cfg, *own, cache_dir=None if self.long_lived else self.state_dir / DECODED_DIR)
 
     def profile(self, model: nn.Module | None = None) -> DeviceProfile:
         """Its measured profile times its tier (checked against ``model`` when given)."""

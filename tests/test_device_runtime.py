@@ -8,9 +8,11 @@ runtime is restarted, and the next rounds still count every device or name why i
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +24,7 @@ import pytest
 
 from fleet.base.process import PULL_ENV, task_pull_s
 from fleet.commands import device_runtime
+from fleet.federated.paths import APP_ROOT
 from fleet.federated.tracking import read_progress
 from tests.test_deploy_loopback import BIN, Loopback, free_port, tiny_deploy_config, wait_port
 from tests.test_devices_loopback import trained
@@ -38,7 +41,10 @@ FLOWER_API = {
         "push_message": ("client", "message", "context"),
         "push_task_output": ("client", "context", "sub_status", "details"),
         "pull_and_inflate_object_from_tree": ("object_tree", "pull_object_fn", "initial_backoff", "backoff_cap"),
+        "install_from_fab": ("fab_file", "skip_prompt"),
+        "get_load_client_app_fn": ("default_app_ref", "app_path", "multi_app"),
     },
+    "flwr.common.config": {"get_project_dir": ("fab_id", "fab_version", "fab_hash")},
     "flwr.supercore.inflatable.inflatable_utils": {
         "pull_objects": ("object_ids", "pull_object_fn", "initial_backoff", "backoff_cap"),
     },
@@ -301,3 +307,54 @@ def test_a_task_pulls_its_message_once_the_root_is_in_polling_one_object_at_shor
     assert got == "root" and kwargs == {"initial_backoff": READY_POLL_S, "backoff_cap": READY_POLL_S}
     assert set(calls) == {"root"} and 3 <= len(calls) <= 6  # one object polled, about every 0.1 s
     assert 0.35 <= waited < 0.35 + 2 * READY_POLL_S  # in as soon as it is there, give or take a poll
+
+
+def test_an_installed_fab_is_not_unpacked_again_and_a_new_one_is_installed(tmp_path, monkeypatch):
+    """Flower's own install, on this project's real FAB: the first task installs it, the next finds the same
+    directory without unpacking; a FAB its hash does not vouch for, or one whose directory is gone, is
+    installed as Flower would."""
+    from flwr.cli.build import build_fab_from_disk
+    from flwr.cli.install import install_from_fab
+    from flwr.common.config import get_project_dir
+
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
+    fab = build_fab_from_disk(APP_ROOT)
+    digest = hashlib.sha256(fab).hexdigest()
+    run = types.SimpleNamespace(fab_id="fleet/fleet", fab_version="0.1.0")
+    unpacked: list[int] = []
+
+    def counted_install(fab_file, *args, **kwargs):
+        unpacked.append(len(fab_file))
+        return install_from_fab(fab_file, *args, **kwargs)
+
+    def task_for(content: bytes, hash_str: str) -> types.SimpleNamespace:
+        got = ("message", "context", run, types.SimpleNamespace(content=content, hash_str=hash_str))
+        task = types.SimpleNamespace(pull_task_input=lambda client: got, install_from_fab=counted_install)
+        device_runtime.install_once(task)
+        task.pull_task_input("client")
+        return task
+
+    path = get_project_dir("fleet/fleet", "0.1.0", digest)
+    assert task_for(fab, digest).install_from_fab(fab, skip_prompt=True) == path and unpacked == [len(fab)]
+    assert (path / "client" / "client_app.py").is_file()
+    assert task_for(fab, digest).install_from_fab(fab, skip_prompt=True) == path and len(unpacked) == 1
+    assert task_for(fab, "0" * 64).install_from_fab(fab, skip_prompt=True) == path and len(unpacked) == 2  # unvouched
+    shutil.rmtree(path)  # gone (or never installed on this device): installed as Flower does
+    assert task_for(fab, digest).install_from_fab(fab, skip_prompt=True) == path and len(unpacked) == 3
+    assert (path / "pyproject.toml").is_file()
+
+
+def test_the_loaded_app_is_frozen_out_of_the_collectors_scans():
+    import gc
+
+    made: list = []
+    task = types.SimpleNamespace(get_load_client_app_fn=lambda **kw: lambda *ids: made.append(ids) or "app")
+    device_runtime.frozen_once_loaded(task)
+    load = task.get_load_client_app_fn(default_app_ref="", app_path=None, multi_app=True)
+    gc.unfreeze()
+    try:
+        assert gc.get_freeze_count() == 0
+        assert load("fleet/fleet", "0.1.0", "hash") == "app" and made == [("fleet/fleet", "0.1.0", "hash")]
+        assert gc.get_freeze_count() > 1000  # everything alive once the app is loaded
+    finally:
+        gc.unfreeze()

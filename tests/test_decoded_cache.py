@@ -106,3 +106,18 @@ def test_a_deployed_device_keeps_its_images_in_its_state_directory(tmp_path: Pat
         device = Device.from_configs(cfg, node, long_lived=long_lived)
         assert len(device.data().train) == 9
         assert len(list((device.state_dir / DECODED_DIR).glob("*.npy"))) == kept, long_lived
+
+
+def test_a_file_gone_since_the_listing_is_decodings_own_error(tmp_path: Path, fashion) -> None:
+    from fleet.data.decoded import cached_decode
+
+    gone = tmp_path / "bag" / "gone.png"
+    with pytest.raises(DataError, match="gone.png cannot be read"):
+        cached_decode(
+            tmp_path,
+            [gone],
+            (1, 1, 16, 16),
+            "L",
+            tmp_path / "decoded",
+            lambda: folders.read_image(gone, "L", (16, 16), "x"),
+        )

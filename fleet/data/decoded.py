@@ -44,7 +44,10 @@ def cached_decode(
     if cache_dir is None:
         return decode()
     prefix = _digest(str(Path(folder).absolute()))[:12]
-    entry = cache_dir / f"{prefix}-{_listing_key(files, shape, tag)}.npy"
+    try:
+        entry = cache_dir / f"{prefix}-{_listing_key(files, shape, tag)}.npy"
+    except OSError:  # a file gone since the listing: decoding names it in its own error
+        return decode()
     cached = _read(entry, shape)
     if cached is not None:
         return cached

@@ -20,6 +20,12 @@ Design notes:
 * **The app's own code is never preloaded.** The child drops every module of the app's packages
   (``APP_PACKAGES``) before loading the ClientApp, so each task imports fleet from its run's FAB, as
   ``flwr-clientapp`` would: a new app version is picked up by the next task.
+* **The app stays imported, per FAB.** Importing the app from the FAB is itself 0.2 CPU-seconds of every
+  message. So each task notes the FAB it installed, and between tasks the runtime starts an app server for it
+  (:mod:`fleet.commands.app_server`): a child of the fork server that imports that FAB's app once and forks
+  the next tasks from itself. A task of another FAB drops those modules and imports its own, and the server
+  is replaced once no task is running. A server that fails, dies or stops answering only sends tasks back to
+  the fork server.
 * **What the fork server loaded is never scanned again.** A child starts with every object of torch, flwr and
   numpy that the fork server imported, and Python's cyclic collector walks them all whenever its oldest
   generation is due: 0.15 of the 0.28 CPU-seconds a ResNet-18 device spent between loading its app and
@@ -53,31 +59,37 @@ Design notes:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import multiprocessing
 import os
-import sys
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fleet.base.process import PULL_ENV
+from fleet.commands.app_server import AppNote, AppServer, ServedChild, drop_app_modules, read_note, write_note
 
 # What every task imports: loaded once in the fork server (torch alone is most of a ClientApp's start).
 PRELOAD = ("numpy", "yaml", "torch", "torchvision", "PIL.Image", "flwr.app", "flwr.supernode.runtime.run_clientapp")
 APP_PACKAGES = ("fleet", "client", "server")  # the FAB's packages (pyproject's fab-include): loaded per task
 READY_POLL_S = 0.1  # how often a task looks whether its message is in: the SuperNode stores it all at once
+APP_START_S = 120.0  # how long an app server may take to import the app (a second or two at a fifth of a core)
 POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"  # Flower's SuperExec reads its poll interval from here
 log = logging.getLogger("fleet.device_runtime")
 
 
-def serve_task(spec: Any) -> None:
-    """One task in a child of the fork server: ``flwr-clientapp``'s work, on the preloaded libraries."""
+def serve_task(spec: Any, note: str | None = None, loaded: str | None = None) -> None:
+    """One task in a child of the fork server: ``flwr-clientapp``'s work, on the preloaded libraries. ``note``:
+    where it tells the runtime which FAB it installed; ``loaded``: the hash of the FAB whose app its parent (an
+    app server) has imported, which it keeps if its own FAB is that one."""
     gc.freeze()  # design note: what the fork server loaded is never scanned again
-    for name in [m for m in sys.modules if m.split(".")[0] in APP_PACKAGES]:
-        del sys.modules[name]  # the FAB's copy of fleet is imported by the ClientApp, not the daemon's
+    if loaded is None:
+        drop_app_modules(APP_PACKAGES)  # the FAB's copy of fleet is imported by the ClientApp, not the daemon's
     if spec.suppress_output:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
@@ -86,7 +98,7 @@ def serve_task(spec: Any) -> None:
 
     owe_reply(flower_task)
     pull_when_ready(flower_task)
-    install_once(flower_task)
+    install_once(flower_task, note, loaded)
     frozen_once_loaded(flower_task)
     certificates = None
     if not spec.insecure and spec.root_certificates_path is not None:
@@ -157,10 +169,11 @@ def pull_when_ready(flower_task: Any) -> None:
     flower_task.pull_and_inflate_object_from_tree = pulled_when_ready
 
 
-def install_once(flower_task: Any) -> None:
+def install_once(flower_task: Any, note: str | None = None, loaded: str | None = None) -> None:
     """The task's FAB installed only when no app directory holds it yet (design note: an installed FAB is not
     unpacked again). Flower unzips and re-verifies the FAB on every message, then returns the directory an
-    earlier message installed it to without copying anything: about 0.1 CPU-second of each message."""
+    earlier message installed it to without copying anything: about 0.1 CPU-second of each message. The
+    installed FAB is noted for the runtime (``note``), and an app loaded for another FAB (``loaded``) dropped."""
     import hashlib
 
     from flwr.common.config import get_project_dir
@@ -175,11 +188,18 @@ def install_once(flower_task: Any) -> None:
 
     def installed_or_install(fab_file: Any, *args: Any, **kwargs: Any) -> Any:
         run, fab = pulled.get("run"), pulled.get("fab")
-        if run is not None and isinstance(fab_file, bytes) and hashlib.sha256(fab_file).hexdigest() == fab.hash_str:
-            path = get_project_dir(run.fab_id, run.fab_version, fab.hash_str)
-            if (path / "pyproject.toml").is_file():
-                return path
-        return install(fab_file, *args, **kwargs)
+        vouched = (
+            run is not None and isinstance(fab_file, bytes) and hashlib.sha256(fab_file).hexdigest() == fab.hash_str
+        )
+        path = get_project_dir(run.fab_id, run.fab_version, fab.hash_str) if vouched else None
+        if path is None or not (path / "pyproject.toml").is_file():
+            path = install(fab_file, *args, **kwargs)
+        if loaded is not None and loaded != (fab.hash_str if vouched else None):
+            drop_app_modules(APP_PACKAGES)  # another version than its app server's: imported from its own FAB
+        if note is not None and vouched:
+            with contextlib.suppress(OSError):
+                write_note(note, AppNote(fab.hash_str, str(path)))
+        return path
 
     flower_task.pull_task_input, flower_task.install_from_fab = noted_pull, installed_or_install
 
@@ -208,6 +228,9 @@ class ForkExecutor:
 
     context: Any = field(default_factory=lambda: multiprocessing.get_context("forkserver"))
     children: dict[int, Any] = field(default_factory=dict)  # task id -> its child process
+    notes: str = ""  # the folder a task notes its installed FAB in (design note: the app stays imported)
+    app: AppServer | None = None  # the server that keeps the last noted FAB's app imported, once started
+    refused: set[str] = field(default_factory=set)  # FABs whose app server could not start: not tried again
 
     def start(self) -> ForkExecutor:
         """The fork server up and its imports done now, so the first task finds it warm."""
@@ -215,7 +238,12 @@ class ForkExecutor:
         from multiprocessing import forkserver
 
         forkserver.ensure_running()
+        self.notes = tempfile.mkdtemp(prefix="fleet-runtime-")
         return self
+
+    @property
+    def note(self) -> str:
+        return os.path.join(self.notes, "installed.json")
 
     def get_eligible_capacity(self, supported_task_types: set, **_: Any) -> tuple[set, set[str]]:
         return supported_task_types, set()  # a fork has no capacity gate, like Flower's subprocess executor
@@ -226,13 +254,43 @@ class ForkExecutor:
     def launch(self, spec: Any) -> Any:
         from flwr.supercore.superexec.executor.types import LaunchResult
 
+        if self.app is not None:
+            pid = self.app.launch(spec) if self.app.alive() else None
+            if pid is not None:
+                self.children[spec.task_id] = ServedChild(self.app, pid)
+                return LaunchResult.accepted()
+            log.warning("the app server stopped answering; tasks are forked from the plain fork server")
+            self.refused.add(self.app.note.fab_hash)  # not started again for this FAB
+            self.app.stop()
+            self.app = None
         try:
-            child = self.context.Process(target=serve_task, args=(spec,), name=f"task-{spec.task_id}")
+            child = self.context.Process(target=serve_task, args=(spec, self.note), name=f"task-{spec.task_id}")
             child.start()
         except OSError as exc:  # the fork failed (out of memory, too many processes): Flower's expiry applies
             return LaunchResult.failed(f"could not fork the task: {exc}")
         self.children[spec.task_id] = child
         return LaunchResult.accepted()
+
+    def refresh_app(self) -> None:
+        """Between tasks, an app server for the FAB the last task installed, when it differs from the one
+        running (design note: the app stays imported)."""
+        note = read_note(self.note) if self.notes else None
+        if note is None or note.fab_hash in self.refused or (self.app is not None and self.app.note == note):
+            return
+        if any(child.is_alive() for child in self.children.values()):
+            return
+        if self.app is not None:
+            self.app.stop()
+        self.app = AppServer.start(self.context, note, APP_PACKAGES, serve_task, (self.note, note.fab_hash))
+        why = self.app.ready(APP_START_S)
+        if why is None:
+            log.info("the app of FAB %s is imported once: tasks are forked from its app server", note.fab_hash[:8])
+        else:
+            log.warning(
+                "the app of FAB %s stays imported per task: its app server did not start (%s)", note.fab_hash[:8], why
+            )
+            self.refused.add(note.fab_hash)
+            self.app = None
 
     def reconcile(self) -> None:
         """Reap finished children; one line for a child that died by a signal (a crash, the OOM killer)."""
@@ -243,10 +301,14 @@ class ForkExecutor:
             if child.exitcode is not None and child.exitcode < 0:
                 log.warning("task %d: its process was killed by signal %d", task_id, -child.exitcode)
             del self.children[task_id]
+        self.refresh_app()
 
     def close(self) -> None:
         """Children end with the daemon (Flower's parent monitor in each); reap what has ended."""
         self.reconcile()
+        if self.app is not None:
+            self.app.stop()
+        shutil.rmtree(self.notes, ignore_errors=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -358,3 +358,11 @@ def test_the_loaded_app_is_frozen_out_of_the_collectors_scans():
         assert gc.get_freeze_count() > 1000  # everything alive once the app is loaded
     finally:
         gc.unfreeze()
+
+
+def test_the_runtimes_poller_does_not_hold_torch():
+    """The poller is a process of its own in the device's memory limit: torch (300 MB) belongs to the fork server
+    alone. An import of torch slipped into the poller once, and a 1,202 MB pi4 went out of memory at its query."""
+    code = "import sys, fleet.commands.device_runtime; print(sorted({'torch', 'torchvision'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -14,8 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-import torch
-
 
 def write_atomic(path: str | os.PathLike, write: Callable[[IO], object], *, binary: bool = False) -> Path:
     """Call ``write(fh)`` on a temporary file beside ``path``, fsync it, then rename it over ``path``."""
@@ -46,11 +44,15 @@ def write_json(path: str | os.PathLike, data: dict) -> Path:
 
 def save_torch(path: str | os.PathLike, obj: dict) -> Path:
     """Atomic torch.save of a checkpoint or device state."""
+    import torch  # here, not above: the device runtime's poller writes files and must not hold torch
+
     return write_atomic(path, lambda fh: torch.save(obj, fh), binary=True)
 
 
 def torch_bytes(obj: dict) -> bytes:
     """What :func:`save_torch` would write, as bytes."""
+    import torch
+
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
@@ -60,6 +62,8 @@ def load_torch(path: str | os.PathLike) -> dict | None:
     """What :func:`save_torch` wrote, or None when the file is absent or unreadable (never a crash).
 
     ``weights_only=True``: a file that crosses a boundary must not run code when loaded."""
+    import torch
+
     path = Path(path)
     if not path.is_file():
         return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import numpy as np
@@ -289,6 +290,19 @@ def test_a_device_with_a_bad_node_config_is_refused_when_it_joins(setup, tmp_pat
     ):
         with pytest.raises(FleetError, match=re.escape(message)):  # the refusal's reason, in one line
             tasks.query(tasks.Device.from_configs(cfg, {**base, **extra}))
+
+
+def test_a_deployed_device_measures_its_activation_memory_when_it_joins(setup, tmp_path):
+    """Measured once, at its query, and kept in its state directory: its first train message starts as warm
+    as the later ones (a fifth of a core once spent 13 s of its first round on it)."""
+    cfg, profile = setup
+    node = {"partition-id": 1, "profile": str(profile.save(tmp_path / "own.yaml")), "state-dir": str(tmp_path / "s")}
+    kept = tmp_path / "s" / cfg.name / "memory-profile.json"
+    tasks.query(tasks.Device.from_configs(cfg, node, long_lived=True))
+    tasks.query(tasks.Device.from_configs(cfg, node))
+    assert not kept.exists()  # a simulation worker, or a device without a budget: nothing to measure
+    tasks.query(tasks.Device.from_configs(cfg, {**node, "memory-budget-mb": 40}))
+    assert json.loads(kept.read_text())["blocks"]
 
 
 def test_round_under_a_memory_budget(setup, tmp_path):

@@ -17,7 +17,7 @@ Design notes:
 * **Fork server, not fork of the poller.** The poller holds threads and HTTP connections; forking a threaded
   process can inherit a held lock. ``multiprocessing``'s fork server is a separate single-threaded process that
   only imports (``PRELOAD``) and forks, and is restarted if it dies.
-* **The app's own code is never preloaded.** The child drops every module of the app's packages
+* **The fork server never preloads the app's own code.** Its child drops every module of the app's packages
   (``APP_PACKAGES``) before loading the ClientApp, so each task imports fleet from its run's FAB, as
   ``flwr-clientapp`` would: a new app version is picked up by the next task.
 * **The app stays imported, per FAB.** Importing the app from the FAB is itself 0.2 CPU-seconds of every
@@ -76,7 +76,7 @@ from fleet.commands.app_server import AppNote, AppServer, ServedChild, drop_app_
 
 # What every task imports: loaded once in the fork server (torch alone is most of a ClientApp's start).
 PRELOAD = ("numpy", "yaml", "torch", "torchvision", "PIL.Image", "flwr.app", "flwr.supernode.runtime.run_clientapp")
-APP_PACKAGES = ("fleet", "client", "server")  # the FAB's packages (pyproject's fab-include): loaded per task
+APP_PACKAGES = ("fleet", "client", "server")  # the FAB's packages (pyproject's fab-include): loaded per FAB, not here
 READY_POLL_S = 0.1  # how often a task looks whether its message is in: the SuperNode stores it all at once
 APP_START_S = 120.0  # how long an app server may take to import the app (a second or two at a fifth of a core)
 POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"  # Flower's SuperExec reads its poll interval from here
@@ -84,7 +84,8 @@ log = logging.getLogger("fleet.device_runtime")
 
 
 def serve_task(spec: Any, note: str | None = None, loaded: str | None = None) -> None:
-    """One task in a child of the fork server: ``flwr-clientapp``'s work, on the preloaded libraries. ``note``:
+    """One task in a child of the fork server or of an app server: ``flwr-clientapp``'s work, on the preloaded
+    libraries. ``note``:
     where it tells the runtime which FAB it installed; ``loaded``: the hash of the FAB whose app its parent (an
     app server) has imported, which it keeps if its own FAB is that one."""
     gc.freeze()  # design note: what the fork server loaded is never scanned again

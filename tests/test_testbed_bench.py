@@ -103,6 +103,9 @@ def test_class_figures_are_medians_of_each_rounds_slowest_device(tmp_path):
     of_run = {"pi-0": "pi", "pi-1": "pi", "board-0": "board"}
     assert slowest_by_class(run.records, "wall_s", lambda d: of_run[d["device"]]) == {"pi": 50, "board": 21}
     assert class_start_s(run, "pi") == 20 and class_start_s(run, "board") == 5
+    run.records[0]["devices"].append({"device": "pi-1", "global_accuracy": 0.5})  # scored only: not yet a member
+    run.records[1]["devices"][0]["ready_s"] = 26.0
+    assert class_start_s(run, "pi") == 20  # a row with no start is no start, not a crash at the report's end
     pi0 = device_entries(run, run.records, 0)["pi-0"]
     # its rounds of 40, 45 and 90 s each spent 3 s computing and 4 s uploading (4 MB at 8 Mbit/s)
     assert pi0["round_s"] == 45 and pi0["overhead_share"] == pytest.approx(1 - 7 / 45)

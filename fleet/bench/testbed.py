@@ -174,7 +174,7 @@ def start_accuracy(cfg: FleetConfig) -> float:
 def class_start_s(run: TestbedRun, cls: str) -> float:
     """The median ``ready_s`` of a class's devices over a run's rounds: what every message costs them."""
     names = {n for n, c in run.classes.items() if c.name == cls}
-    ready = [d["ready_s"] for r in run.records for d in r.get("devices", []) if d.get("device") in names]
+    ready = [d.get("ready_s") for r in run.records for d in r.get("devices", []) if d.get("device") in names]
     return _median([v for v in ready if v is not None]) or 0.0
 
 

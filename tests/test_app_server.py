@@ -147,14 +147,17 @@ def test_the_executor_starts_an_app_server_per_noted_fab_between_tasks_and_falls
     executor.children[7] = types.SimpleNamespace(is_alive=lambda: True)
     executor.refresh_app()
     assert executor.app is None  # a task is running: replaced between tasks only
-    executor.children.clear()
-    executor.refresh_app()
+    executor.children[7] = types.SimpleNamespace(is_alive=lambda: False, join=lambda: None, exitcode=0)
+    executor.reconcile()  # the task that noted its FAB has ended: its app server starts now
     assert executor.app.note == first and FakeServer.started == [(HASH, (executor.note, HASH))]
+    assert not executor.children
     assert executor.launch(types.SimpleNamespace(task_id=8)).status == "accepted"
     assert executor.children[8].pid == 4242
     executor.children.clear()
     write_note(executor.note, second)  # a task of a new version noted its FAB
     old = executor.app
+    executor.reconcile()
+    assert executor.app is old  # no task ended since: the note is not read on every poll
     executor.refresh_app()
     assert old.stopped and executor.app.note == second
     executor.app.answers = False  # stops answering: the task goes to the fork server, this FAB is not retried

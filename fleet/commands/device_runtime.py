@@ -85,9 +85,8 @@ log = logging.getLogger("fleet.device_runtime")
 
 def serve_task(spec: Any, note: str | None = None, loaded: str | None = None) -> None:
     """One task in a child of the fork server or of an app server: ``flwr-clientapp``'s work, on the preloaded
-    libraries. ``note``:
-    where it tells the runtime which FAB it installed; ``loaded``: the hash of the FAB whose app its parent (an
-    app server) has imported, which it keeps if its own FAB is that one."""
+    libraries. ``note``: where it tells the runtime which FAB it installed; ``loaded``: the hash of the FAB whose
+    app its parent (an app server) has imported, which it keeps if its own FAB is that one."""
     gc.freeze()  # design note: what the fork server loaded is never scanned again
     if loaded is None:
         drop_app_modules(APP_PACKAGES)  # the FAB's copy of fleet is imported by the ClientApp, not the daemon's
@@ -294,15 +293,17 @@ class ForkExecutor:
             self.app = None
 
     def reconcile(self) -> None:
-        """Reap finished children; one line for a child that died by a signal (a crash, the OOM killer)."""
-        for task_id, child in list(self.children.items()):
-            if child.is_alive():
-                continue
+        """Reap finished children; one line for a child that died by a signal (a crash, the OOM killer). Only
+        after a task has ended can there be a new note, so only then is the app server looked at: Flower calls
+        this on every poll."""
+        ended = [task_id for task_id, child in self.children.items() if not child.is_alive()]
+        for task_id in ended:
+            child = self.children.pop(task_id)
             child.join()
             if child.exitcode is not None and child.exitcode < 0:
                 log.warning("task %d: its process was killed by signal %d", task_id, -child.exitcode)
-            del self.children[task_id]
-        self.refresh_app()
+        if ended:
+            self.refresh_app()
 
     def close(self) -> None:
         """Children end with the daemon (Flower's parent monitor in each); reap what has ended."""

@@ -435,6 +435,7 @@ SIDES: dict[str, tuple[str, ...]] = {
     ),  # fmt: skip
     "shared": (
         "records",
+        "round_record",
         "keys",
         "schema",
         "npy",

@@ -92,7 +92,7 @@ def round_one(coord: Coordinator, connected: set[str]) -> tuple[dict, dict[str, 
     failed = Reply(103, EVALUATE, 1, error="ValueError: no test split")
     scored = [evaluate_reply("101", 1, 0.5, 0.6, 10), evaluate_reply("102", 1, 0.7, 0.8, 30), failed]
     coord.close_evaluate(1, coord.take(1, EVALUATE, scored, connected))
-    return coord.close_round(plan, started), sent, plan.deadline_s
+    return coord.close_round(plan, started).to_json(), sent, plan.deadline_s
 
 
 def round_two(coord: Coordinator, connected: set[str]) -> tuple[dict, dict[str, np.ndarray], dict]:
@@ -106,7 +106,7 @@ def round_two(coord: Coordinator, connected: set[str]) -> tuple[dict, dict[str, 
     coord.close_train(plan, coord.take(2, TRAIN, replies, connected))
     assert coord.evaluates(2)
     coord.close_evaluate(2, coord.take(2, EVALUATE, [], connected))  # nobody answered in time
-    return coord.close_round(plan, started), sent, plan.order.to_config()
+    return coord.close_round(plan, started).to_json(), sent, plan.order.to_config()
 
 
 def round_three(coord: Coordinator, connected: set[str]) -> dict:
@@ -116,7 +116,7 @@ def round_three(coord: Coordinator, connected: set[str]) -> dict:
     replies = [train_reply(n, 3, coord.arrays, 0.1) for n in NODES if n != "104"]
     coord.close_train(plan, coord.take(3, TRAIN, replies, connected))
     coord.close_evaluate(3, [])
-    return coord.close_round(plan, started)
+    return coord.close_round(plan, started).to_json()
 
 
 def run_rounds() -> dict:

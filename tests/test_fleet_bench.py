@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fleet.bench.figures import SIM_CLOCK, WALL_CLOCK, speedup, time_to_target
@@ -17,19 +19,22 @@ from fleet.bench.fleet import (
 )
 from fleet.federated.config import fleet_config_from_dict
 from fleet.federated.coordinator import out_of_time
+from fleet.federated.round_record import RoundRecord
 from fleet.federated.state import ServerState
 
 
-def hist(points: list[tuple[float, float]]) -> list[dict]:
+def hist(points: list[tuple[float, float]]) -> list[RoundRecord]:
     return [
-        {
-            "round": i + 1,
-            "sim_time_s": t,
-            "global_accuracy": a,
-            "personal_accuracy": a + 0.05,
-            "personal_accuracy_p10": a - 0.1,
-            "bytes_uploaded": 100,
-        }
+        RoundRecord.from_json(
+            {
+                "round": i + 1,
+                "sim_time_s": t,
+                "global_accuracy": a,
+                "personal_accuracy": a + 0.05,
+                "personal_accuracy_p10": a - 0.1,
+                "bytes_uploaded": 100,
+            }
+        )
         for i, (t, a) in enumerate(points)
     ]
 
@@ -42,10 +47,10 @@ def test_time_to_target_and_horizon():
     h = hist([(10, 0.5), (20, 0.7), (30, 0.8), (40, 0.9)])
     assert time_to_target(h, 0.75, clock=SIM_CLOCK) == 30
     assert time_to_target(h, 0.95, clock=SIM_CLOCK) is None
-    walled = [{**r, WALL_CLOCK: 3 * r[SIM_CLOCK]} for r in h]
+    walled = [dataclasses.replace(r, wall_time_s=3 * r.sim_time_s) for r in h]
     assert time_to_target(walled, 0.75, clock=WALL_CLOCK) == 90  # the same round, read on the other clock
     assert speedup(90, 30) == 3.0 and speedup(90, None) is None and speedup(None, 30) is None
-    assert [r["round"] for r in within(h, 30.0)] == [1, 2, 3]
+    assert [r.round for r in within(h, 30.0)] == [1, 2, 3]
     assert within(h, None) == h
     assert final_accuracy(h, 3) == pytest.approx((0.7 + 0.8 + 0.9) / 3)
     assert final_accuracy(h, 1) == pytest.approx(0.9)
@@ -168,7 +173,7 @@ def test_bench_plot_draws_every_seed(tmp_path):
     histories["fleet"] = histories["naive"]
     for m, h in histories.items():
         (tmp_path / m).mkdir()
-        (tmp_path / m / "summary.json").write_text(json.dumps({"history": h}))
+        (tmp_path / m / "summary.json").write_text(json.dumps({"history": [r.to_json() for r in h]}))
     rep = seed_report(
         {m: summary(str(tmp_path / m)) for m in histories}, histories, target_fraction=0.95, final_rounds=1
     )
@@ -322,7 +327,7 @@ def test_the_global_accuracy_swing_is_the_mean_change_between_evaluated_rounds()
     from fleet.bench.fleet import accuracy_swing
 
     h = hist([(10, 0.5), (20, 0.7), (30, 0.6)])
-    h.insert(1, {"round": 9, "sim_time_s": 15, "global_accuracy": None})  # a round without evaluation
+    h.insert(1, RoundRecord(round=9, sim_time_s=15))  # a round without evaluation
     assert accuracy_swing(h) == pytest.approx(0.15)
     assert accuracy_swing(hist([(10, 0.5)])) is None
     entry = seed_report(

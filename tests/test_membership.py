@@ -119,6 +119,7 @@ def test_sampling_more_devices_than_the_simulated_fleet_is_one_line(section, fie
 def test_a_run_whose_rounds_trained_nobody_says_so(tmp_path):
     """The summary lists the rounds in which no training reply was accepted (`fleet simulate` turns
     them into one error line and exit 2 instead of a 'global accuracy 0.00%' success)."""
+    from fleet.federated.round_record import RoundRecord
     from fleet.federated.tracking import Tracker
 
     tracker = Tracker(tmp_path, resume_round=None)
@@ -126,18 +127,8 @@ def test_a_run_whose_rounds_trained_nobody_says_so(tmp_path):
     trained["bytes_uploaded"] = 8
     rejection = {"round": 1, "node_id": 5, "device": "device-0", "reason": "metric 'loss' must be finite, got nan"}
     for r, devices, rejections in ((1, [], [rejection]), (2, [trained], [])):
-        tracker.add(
-            {
-                "round": r,
-                "sim_time_s": r,
-                "global_accuracy": 0.1,
-                "personal_accuracy": 0.1,
-                "personal_accuracy_p10": 0.1,
-                "bytes_uploaded": 0,
-                "rejections": rejections,
-                "devices": devices,
-            }
-        )
+        line = {"round": r, "sim_time_s": r, "global_accuracy": 0.1, "personal_accuracy": 0.1}
+        tracker.add(RoundRecord.from_json({**line, "rejections": rejections, "devices": devices}))
     summary = tracker.summary({"name": "x", "strategy": "fleet", "run_dir": str(tmp_path)})
     assert summary["rounds_without_training"] == [1] and summary["first_rejection"] == rejection["reason"]
 

@@ -13,6 +13,7 @@ import pytest
 from fleet.base.errors import ConfigError
 from fleet.bench.launch import MemoryWatch
 from fleet.bench.scale import floor_work, parse_fleets, round_figures, state_figures
+from fleet.federated.round_record import DeviceRow, RoundRecord
 from fleet.federated.tracking import METRICS_FILE, read_records
 from tests.test_fleet_simulation import TINY, run_fleet
 
@@ -26,9 +27,9 @@ def test_fleet_specs_are_checked():
 
 
 def test_round_figures_leave_out_the_first_round_and_divide_work_by_the_workers():
-    def rec(wall: float, sim: float, work: list[tuple[float, float]]) -> dict:
-        devices = [{"measured_time_s": t, "eval_time_s": e} for t, e in work]
-        return {"round_wall_s": wall, "round_time_s": sim, "devices": devices}
+    def rec(wall: float, sim: float, work: list[tuple[float, float]]) -> RoundRecord:
+        devices = [DeviceRow(measured_time_s=t, eval_time_s=e) for t, e in work]
+        return RoundRecord(round_wall_s=wall, round_time_s=sim, devices=devices)
 
     records = [rec(30.0, 9.0, [(1.0, 0.5)]), rec(6.0, 4.0, [(2.0, 1.0), (2.0, 1.0)]), rec(9.0, 5.0, [(3.0, 0.0)] * 2)]
     fig = round_figures(records, parallel=2)
@@ -39,8 +40,8 @@ def test_round_figures_leave_out_the_first_round_and_divide_work_by_the_workers(
 
 
 def test_a_floor_device_sleeps_for_the_median_work_its_tier_measured_after_the_first_round():
-    def rec(work: list[tuple[float, float, float]]) -> dict:
-        return {"devices": [{"tier": tier, "measured_time_s": t, "eval_time_s": e} for tier, t, e in work]}
+    def rec(work: list[tuple[float, float, float]]) -> RoundRecord:
+        return RoundRecord(devices=[DeviceRow(tier=tier, measured_time_s=t, eval_time_s=e) for tier, t, e in work])
 
     records = [rec([(1.0, 9.0, 9.0)]), rec([(1.0, 1.0, 0.2), (4.0, 3.0, 0.0)]), rec([(1.0, 2.0, 0.4), (4.0, 0.0, 0.3)])]
     work = floor_work(records)  # zeros are devices that did not do that part
@@ -109,14 +110,14 @@ def test_the_scale_bench_prints_its_figures_for_each_fleet(tmp_path):
 def test_read_records_stops_at_a_line_cut_short(tmp_path):
     assert read_records(tmp_path) == []  # a run that wrote no rounds
     (tmp_path / METRICS_FILE).write_text('{"round": 1}\n\n{"round": 2}\n{"round": 3, "dev')
-    assert read_records(tmp_path) == [{"round": 1}, {"round": 2}]
+    assert read_records(tmp_path) == [RoundRecord(round=1), RoundRecord(round=2)]
 
 
 def test_scoring_the_personalized_model_after_training_counts_as_device_work_and_as_floor_training():
     """A train reply's score_time_s is evaluation the device did: the overhead ratio divides by it, and the
     floor's trainers sleep it with their training."""
-    row = {"tier": 2.0, "measured_time_s": 2.0, "score_time_s": 0.5, "eval_time_s": 0.5}
-    records = [{"round_wall_s": 9.0, "round_time_s": 1.0, "devices": [row]}] * 2
+    row = DeviceRow(tier=2.0, measured_time_s=2.0, score_time_s=0.5, eval_time_s=0.5)
+    records = [RoundRecord(round_wall_s=9.0, round_time_s=1.0, devices=[row])] * 2
     assert round_figures(records, parallel=1)["overhead_ratio"] == pytest.approx(9.0 / 3.0)
     work = floor_work(records)
     assert (work["train_s"], work["eval_s"], work["train_s_by_tier"]) == (2.5, 0.5, {"2.0": 2.5})

@@ -20,6 +20,7 @@ from fleet.federated import keys
 from fleet.federated.coordinator import Coordinator
 from fleet.federated.mailbox import Mailbox, Sent
 from fleet.federated.records import EVALUATE, QUERY, TRAIN, Reply, TrainOrder
+from fleet.federated.round_record import RoundRecord
 from fleet.federated.server_loop import run_round
 from fleet.federated.server_run import initial_arrays
 from fleet.federated.state import ServerState
@@ -102,6 +103,11 @@ def pipelined_coordinator() -> Coordinator:
     return Coordinator(cfg, ServerState(run_tag="loop"), initial_arrays(cfg), simulated=True)
 
 
+def lines(records: list[RoundRecord]) -> list[dict]:
+    """The records as metrics.jsonl holds them."""
+    return [r.to_json() for r in records]
+
+
 @pytest.fixture(scope="module")
 def rounds() -> dict:
     coord = pipelined_coordinator()
@@ -109,7 +115,7 @@ def rounds() -> dict:
     link.holding.add("105")  # its round-1 reply comes only in round 2
     box = Mailbox(link)
     start = dict(coord.arrays)
-    out = [run_round(coord, box, 1)]
+    out = [lines(run_round(coord, box, 1))]
     after1 = dict(coord.arrays)
     link.release("105")
     link.holding.clear()
@@ -118,8 +124,8 @@ def rounds() -> dict:
     with pytest.MonkeyPatch.context() as mp:
         seen: list[str] = []
         mp.setattr(with_logs, "warning", lambda msg, *a: seen.append(msg % a))
-        out.append(run_round(coord, box, 2))
-    out.append(run_round(coord, box, 3))
+        out.append(lines(run_round(coord, box, 2)))
+    out.append(lines(run_round(coord, box, 3)))
     return {"released": out, "link": link, "coord": coord, "warnings": seen, "start": start, "after1": after1}
 
 

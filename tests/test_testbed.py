@@ -21,6 +21,7 @@ from fleet.base.errors import ConfigError
 from fleet.engine.device_profile import DeviceProfile
 from fleet.federated.config import fleet_config_from_dict, load_fleet_config
 from fleet.federated.coordinator import shared_bytes
+from fleet.federated.round_record import DeviceRow, RoundRecord
 from fleet.federated.server_run import initial_arrays
 from fleet.testbed import cgroup, network
 from fleet.testbed.calibrate import MIN_CPU, measure_full_step, search_quota
@@ -113,7 +114,8 @@ def test_a_device_is_told_its_threads_uplink_and_memory_budget(tmp_path):
 
 
 def test_class_round_times_take_each_class_slowest_device():
-    rec = {"devices": [{"device": "a-0", "wall_s": 3.0}, {"device": "a-1", "wall_s": 5.0}, {"device": "b-0"}]}
+    rows = [DeviceRow(device="a-0", wall_s=3.0), DeviceRow(device="a-1", wall_s=5.0), DeviceRow(device="b-0")]
+    rec = RoundRecord(round=1, devices=rows)
     assert class_round_times(rec, {"a-0": "a", "a-1": "a", "b-0": "b"}) == {"a": 5.0}
 
 

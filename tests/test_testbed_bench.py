@@ -32,6 +32,7 @@ from fleet.bench.testbed_seeds import combine, combined_table, read_reports
 from fleet.engine.config import config_to_dict
 from fleet.federated import keys, tasks
 from fleet.federated.config import fleet_config_from_dict
+from fleet.federated.round_record import DeviceRow, RejectionRow, RoundRecord
 from fleet.federated.testbed_config import TestbedClassConfig
 from fleet.testbed.run import TestbedRun
 
@@ -39,9 +40,9 @@ PI = TestbedClassConfig(name="pi", count=2, cpu=0.2, uplink_mbps=8, downlink_mbp
 BOARD = TestbedClassConfig(name="board", count=1, cpu=0.4, uplink_mbps=80, downlink_mbps=160)
 
 
-def row(device: str, wall: float, ready: float | None = 20.0, up: int = 4_000_000) -> dict:
+def row(device: str, wall: float, ready: float | None = 20.0, up: int = 4_000_000) -> DeviceRow:
     d = {"device": device, "wall_s": wall, "measured_time_s": 3.0, "bytes_uploaded": up, "trained_fraction": 0.5}
-    return {**d, "steps": 10, **({} if ready is None else {"ready_s": ready})}
+    return DeviceRow(**d, steps=10, ready_s=ready)
 
 
 def fake_run(tmp_path: Path, walls: list[tuple[float, float, float]], accuracy: list[float]) -> TestbedRun:
@@ -50,14 +51,14 @@ def fake_run(tmp_path: Path, walls: list[tuple[float, float, float]], accuracy: 
         clock += max(a, b, c) + 10
         devices = [row("pi-0", a), row("pi-1", b), row("board-0", c, ready=5.0)]
         records.append(
-            {
-                "round": k,
-                "wall_time_s": clock,
-                "global_accuracy": acc,
-                "server_accuracy": acc - 0.01,
-                "personal_accuracy": acc + 0.02,
-                "devices": devices,
-            }
+            RoundRecord(
+                round=k,
+                wall_time_s=clock,
+                global_accuracy=acc,
+                server_accuracy=acc - 0.01,
+                personal_accuracy=acc + 0.02,
+                devices=devices,
+            )
         )
     classes = {"pi-0": PI, "pi-1": PI, "board-0": BOARD}
     return TestbedRun(records, None, {"pi-0": (900.0, 0)}, {"pi-0": (0, 0)}, classes, tmp_path)
@@ -65,9 +66,9 @@ def fake_run(tmp_path: Path, walls: list[tuple[float, float, float]], accuracy: 
 
 def test_a_method_is_judged_on_its_rounds_within_the_budget(tmp_path):
     run = fake_run(tmp_path, [(40, 50, 20)] * 4, [0.70, 0.80, 0.85, 0.90])
-    assert [r["wall_time_s"] for r in run.records] == [60, 120, 180, 240]
+    assert [r.wall_time_s for r in run.records] == [60, 120, 180, 240]
     assert len(within(run.records, 180)) == 3 and len(within(run.records, None)) == 4
-    assert first_reaching(run.records, 0.84, ACCURACY)["round"] == 3
+    assert first_reaching(run.records, 0.84, ACCURACY).round == 3
     assert first_reaching(run.records, 0.95, ACCURACY) is None
     entry = method_entry(run, 180, 0.79, start=0.6, down=8_000_000)
     assert entry["rounds"] == 3 and entry["time_to_target_s"] == 120 and entry["target_round"] == 2
@@ -101,10 +102,10 @@ def test_the_regime_is_read_off_the_slowest_class_under_fedavg():
 def test_class_figures_are_medians_of_each_rounds_slowest_device(tmp_path):
     run = fake_run(tmp_path, [(40, 50, 20), (45, 41, 22), (90, 42, 21)], [0.7, 0.8, 0.9])
     of_run = {"pi-0": "pi", "pi-1": "pi", "board-0": "board"}
-    assert slowest_by_class(run.records, "wall_s", lambda d: of_run[d["device"]]) == {"pi": 50, "board": 21}
+    assert slowest_by_class(run.records, lambda d: d.wall_s, lambda d: of_run[d.device]) == {"pi": 50, "board": 21}
     assert class_start_s(run, "pi") == 20 and class_start_s(run, "board") == 5
-    run.records[0]["devices"].append({"device": "pi-1", "global_accuracy": 0.5})  # scored only: not yet a member
-    run.records[1]["devices"][0]["ready_s"] = 26.0
+    run.records[0].devices.append(DeviceRow(device="pi-1", global_accuracy=0.5))  # scored only: not yet a member
+    run.records[1].devices[0].ready_s = 26.0
     assert class_start_s(run, "pi") == 20  # a row with no start is no start, not a crash at the report's end
     pi0 = device_entries(run, run.records, 0)["pi-0"]
     # its rounds of 40, 45 and 90 s each spent 3 s computing and 4 s uploading (4 MB at 8 Mbit/s)
@@ -145,9 +146,9 @@ def test_the_simulator_gets_each_class_profile_links_and_what_else_its_rounds_co
 def test_a_memory_limited_device_whose_reply_was_rejected_still_trained_that_round(tmp_path):
     small = TestbedClassConfig(name="pi", count=1, cpu=0.2, memory_mb=1202)
     records = [
-        {"round": 1, "sampled": ["pi-0"], "missed": [], "rejections": [], "devices": [row("pi-0", 50)]},
-        {"round": 2, "sampled": ["pi-0"], "missed": [], "rejections": [{"device": "pi-0"}], "devices": []},
-        {"round": 3, "sampled": ["pi-0"], "missed": ["pi-0"], "rejections": [], "devices": []},
+        RoundRecord(round=1, sampled=["pi-0"], devices=[row("pi-0", 50)]),
+        RoundRecord(round=2, sampled=["pi-0"], rejections=[RejectionRow(round=2, device="pi-0")]),
+        RoundRecord(round=3, sampled=["pi-0"], missed=["pi-0"]),
     ]
     run = TestbedRun(records, None, {"pi-0": (1201.5, 0)}, {"pi-0": (0, 0)}, {"pi-0": small}, tmp_path)
     entry = memory_entries({"fleet": run})["pi-0"]["fleet"]

@@ -39,6 +39,7 @@ from fleet.bench.regimes import run_profile
 from fleet.engine.config import config_to_dict
 from fleet.federated.config import FleetConfig, load_fleet_config, run_dir
 from fleet.federated.prepare import EFFECTIVE_CONFIG, prepare
+from fleet.federated.round_record import RoundRecord
 from fleet.federated.tracking import SUMMARY_FILE, honest_rejections, read_records
 
 METHODS = ("fedavg", "naive", "fleet")
@@ -57,38 +58,39 @@ FIGURES = (
 )
 
 
-def within(history: list[dict], horizon_s: float | None) -> list[dict]:
+def within(history: list[RoundRecord], horizon_s: float | None) -> list[RoundRecord]:
     """The rounds that ended by the horizon (all of them without one)."""
     if horizon_s is None:
         return list(history)
-    return [r for r in history if r["sim_time_s"] <= horizon_s * (1 + 1e-9)]
+    return [r for r in history if r.sim_time_s <= horizon_s * (1 + 1e-9)]
 
 
-def final_accuracy(history: list[dict], final_rounds: int) -> float | None:
-    accs = [r["global_accuracy"] for r in history if r["global_accuracy"] is not None][-final_rounds:]
+def scored(history: list[RoundRecord]) -> list[float]:
+    """The global accuracies of the rounds that were evaluated, in order."""
+    return [r.global_accuracy for r in history if r.global_accuracy is not None]
+
+
+def final_accuracy(history: list[RoundRecord], final_rounds: int) -> float | None:
+    accs = scored(history)[-final_rounds:]
     return float(statistics.fmean(accs)) if accs else None
 
 
 LATE_FRACTION = 0.3  # late_accuracy: the rounds that end in this last fraction of the horizon
 
 
-def late_accuracy(history: list[dict], horizon_s: float | None) -> float | None:
+def late_accuracy(history: list[RoundRecord], horizon_s: float | None) -> float | None:
     """Mean global accuracy of the rounds ending in the last ``LATE_FRACTION`` of the horizon."""
     if horizon_s is None:
         return None
-    accs = [
-        r["global_accuracy"]
-        for r in history
-        if r["global_accuracy"] is not None and r["sim_time_s"] >= (1 - LATE_FRACTION) * horizon_s
-    ]
+    accs = scored([r for r in history if r.sim_time_s >= (1 - LATE_FRACTION) * horizon_s])
     return float(statistics.fmean(accs)) if accs else None
 
 
-def time_mean_accuracy(history: list[dict], start_s: float, end_s: float) -> float | None:
+def time_mean_accuracy(history: list[RoundRecord], start_s: float, end_s: float) -> float | None:
     """Mean of the accuracy-against-time step curve over ``[start_s, end_s]``: a round's accuracy
     holds from its end until the next round ends. Methods with rounds of different lengths are
     weighted by time, not by round, so the figure compares them at equal time."""
-    points = [(r["sim_time_s"], r["global_accuracy"]) for r in history if r["global_accuracy"] is not None]
+    points = [(r.sim_time_s, r.global_accuracy) for r in history if r.global_accuracy is not None]
     if not points or end_s <= start_s or points[0][0] > start_s * (1 + 1e-9):
         return None
     area = 0.0
@@ -99,24 +101,29 @@ def time_mean_accuracy(history: list[dict], start_s: float, end_s: float) -> flo
     return area / (end_s - start_s)
 
 
-def accuracy_swing(history: list[dict]) -> float | None:
+def accuracy_swing(history: list[RoundRecord]) -> float | None:
     """The mean absolute change of global accuracy from one evaluated round to the next: how steady the
     global model is (a device that personalizes from a bad round starts worse)."""
-    accs = [r["global_accuracy"] for r in history if r.get("global_accuracy") is not None]
+    accs = scored(history)
     steps = [abs(b - a) for a, b in zip(accs, accs[1:])]
     return float(statistics.fmean(steps)) if steps else None
 
 
+def summary_history(summary: dict) -> list[RoundRecord]:
+    """A run's rounds as its summary.json's history holds them (its clock, accuracies and bytes)."""
+    return [RoundRecord.from_json(r) for r in summary["history"]]
+
+
 def method_entry(
     summary: dict,
-    history: list[dict],
+    history: list[RoundRecord],
     target: float,
     final_rounds: int,
     horizon_s: float | None = None,
     common_start_s: float | None = None,
 ) -> dict:
     """The bench figures of one method's run, over the rounds in ``history``."""
-    last = history[-1] if history else {}
+    last = history[-1] if history else None
     return {
         "time_to_target_s": time_to_target(history, target, clock=SIM_CLOCK),
         "final_accuracy": final_accuracy(history, final_rounds),
@@ -126,28 +133,28 @@ def method_entry(
             if horizon_s is not None and common_start_s is not None
             else None
         ),
-        "last_round_accuracy": last.get("global_accuracy"),
+        "last_round_accuracy": None if last is None else last.global_accuracy,
         "global_accuracy_swing": accuracy_swing(history),
-        "personalized_accuracy_mean": last.get("personal_accuracy", summary["personalized_accuracy_mean"]),
-        "personalized_accuracy_p10": last.get("personal_accuracy_p10", summary["personalized_accuracy_p10"]),
-        "bytes_uploaded": int(sum(r.get("bytes_uploaded", 0) for r in history)),
+        "personalized_accuracy_mean": last.personal_accuracy if last else summary["personalized_accuracy_mean"],
+        "personalized_accuracy_p10": last.personal_accuracy_p10 if last else summary["personalized_accuracy_p10"],
+        "bytes_uploaded": int(sum(r.bytes_uploaded for r in history)),
         "honest_rejected": honest_rejections(within(read_records(Path(summary["run_dir"])), horizon_s)),
         "rounds": len(history),
-        "sim_time_s": last.get("sim_time_s", 0.0),
+        "sim_time_s": 0.0 if last is None else last.sim_time_s,
         "classes": summary.get("classes") or {},  # per device class, over the whole run (devices.device_classes)
         "run_dir": summary["run_dir"],
     }
 
 
 def seed_report(
-    summaries: dict[str, dict], histories: dict[str, list[dict]], *, target_fraction: float, final_rounds: int
+    summaries: dict[str, dict], histories: dict[str, list[RoundRecord]], *, target_fraction: float, final_rounds: int
 ) -> dict:
     """One seed's comparison: FedAvg's run sets the horizon and the target."""
-    horizon = histories["fedavg"][-1]["sim_time_s"] if histories["fedavg"] else None
+    horizon = histories["fedavg"][-1].sim_time_s if histories["fedavg"] else None
     cut = {m: within(h, horizon) for m, h in histories.items()}
     fedavg_final = final_accuracy(cut["fedavg"], final_rounds)
     target = target_fraction * fedavg_final if fedavg_final is not None else float("inf")
-    firsts = [h[0]["sim_time_s"] for h in cut.values() if h]
+    firsts = [h[0].sim_time_s for h in cut.values() if h]
     start = max(firsts) if len(firsts) == len(cut) else None  # the first moment every method has a model
     methods = {m: method_entry(summaries[m], cut[m], target, final_rounds, horizon, start) for m in summaries}
     f = methods["fedavg"]["time_to_target_s"]
@@ -388,7 +395,7 @@ def _run_seed(
             summaries[method] = json.loads((run_dir(cfg) / "summary.json").read_text())
         if method == "fedavg":
             horizon = summaries[method]["sim_time_s"]
-    return summaries, {m: s["history"] for m, s in summaries.items()}
+    return summaries, {m: summary_history(s) for m, s in summaries.items()}
 
 
 def bench_fleet(
@@ -458,10 +465,10 @@ def plot_bench(report: dict, path: Path) -> Path:
         ax.set_visible(False)
     for ax, (seed, rep) in zip(axes.flat, seeds.items()):
         for method, entry in rep["methods"].items():
-            history = json.loads((Path(entry["run_dir"]) / "summary.json").read_text())["history"]
-            history = [r for r in history if r["global_accuracy"] is not None]  # rounds without evaluation
-            xs = [r["sim_time_s"] for r in history]
-            ys = [100 * r["global_accuracy"] for r in history]
+            history = summary_history(json.loads((Path(entry["run_dir"]) / SUMMARY_FILE).read_text()))
+            history = [r for r in history if r.evaluated]  # rounds without evaluation
+            xs = [r.sim_time_s for r in history]
+            ys = [100 * r.global_accuracy for r in history]
             sp = entry.get("speedup_vs_fedavg")
             label = f"{method}: final {100 * (entry['final_accuracy'] or 0):.1f}%" + (
                 f", {sp:.2f}x to target" if sp else ""

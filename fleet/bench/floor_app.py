@@ -37,6 +37,7 @@ from flwr.serverapp.strategy import FedAvg
 from fleet.engine.experiment import make_model
 from fleet.federated.config import config_from_run_config, run_dir
 from fleet.federated.device import partition_of, tier_of
+from fleet.federated.round_record import DeviceRow, RoundRecord
 from fleet.federated.tracking import METRICS_FILE, SUMMARY_FILE
 
 FLOOR_FILE = "floor.json"
@@ -67,17 +68,13 @@ class TimedFedAvg(FedAvg):
         replies = list(replies)
         out = super().aggregate_evaluate(server_round, replies)
         trained = self.trained.get(server_round, [])
-        devices = [{"measured_time_s": s, "eval_time_s": 0.0} for s in trained]
-        devices += [{"measured_time_s": 0.0, "eval_time_s": s} for s in worked(replies)]
-        record = {
-            "round": server_round,
-            "round_wall_s": time.perf_counter() - self.started[server_round],
-            "round_time_s": 0.0,
-            "devices": devices,
-        }
+        devices = [DeviceRow(measured_time_s=s, eval_time_s=0.0) for s in trained]
+        devices += [DeviceRow(measured_time_s=0.0, eval_time_s=s) for s in worked(replies)]
+        wall = time.perf_counter() - self.started[server_round]
+        record = RoundRecord(round=server_round, round_wall_s=wall, devices=devices)
         with self.metrics.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        print(f"floor round {server_round}: {record['round_wall_s']:.2f}s wall, {len(trained)} trained", flush=True)
+            f.write(json.dumps(record.to_json()) + "\n")
+        print(f"floor round {server_round}: {wall:.2f}s wall, {len(trained)} trained", flush=True)
         return out
 
 

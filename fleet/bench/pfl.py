@@ -44,6 +44,7 @@ from fleet.bench.fleet import (
     elastic_round_cap,
     mean_ci95,
     reused_summary,
+    summary_history,
     within,
 )
 from fleet.bench.launch import progress_log
@@ -53,6 +54,7 @@ from fleet.federated.config import load_fleet_config, run_dir
 from fleet.federated.names import DEVICES_DIR
 from fleet.federated.newcomer import mean_curve, personalize_newcomer
 from fleet.federated.prepare import prepare
+from fleet.federated.round_record import DeviceRow, RoundRecord
 from fleet.federated.state import CHECKPOINT_FILE, load_checkpoint
 from fleet.federated.tracking import SUMMARY_FILE, honest_rejections, p10, read_records
 
@@ -110,15 +112,14 @@ PROTOCOL = {
 }
 
 
-def personalized_key(method: str) -> str:
-    """The history field that is a method's personalized accuracy."""
-    return "finetuned_accuracy" if method == BASELINE else "personal_accuracy"
+def personalized(method: str, row: DeviceRow) -> float | None:
+    """A device row's personalized accuracy as ``method`` makes it: for the baseline, its fine-tuned model's."""
+    return row.finetuned_accuracy if method == BASELINE else row.personal_accuracy
 
 
-def device_rounds(records: list[dict], method: str) -> list[tuple[float, list[float]]]:
+def device_rounds(records: list[RoundRecord], method: str) -> list[tuple[float, list[float]]]:
     """Per evaluated round of ``records``: its simulated time and each device's personalized accuracy."""
-    key = personalized_key(method)
-    rounds = [(r["sim_time_s"], [d[key] for d in r["devices"] if key in d]) for r in records]
+    rounds = [(r.sim_time_s, [v for d in r.devices if (v := personalized(method, d)) is not None]) for r in records]
     return [(t, values) for t, values in rounds if values]
 
 
@@ -133,18 +134,18 @@ def personalized_curve(rounds: list[tuple[float, list[float]]]) -> list[dict]:
 def method_figures(summary: dict, method: str, horizon: float | None) -> dict[str, Any]:
     """One method's figures in one seed, over its rounds within the horizon (the target comes later: it
     follows the best baseline, known only over every seed)."""
-    history = within(summary["history"], horizon)
+    history = within(summary_history(summary), horizon)
     records = within(read_records(Path(summary["run_dir"])), horizon)
     rounds = device_rounds(records, method)
     devices = rounds[-1][1] if rounds else []
     return {
         "personalized_accuracy_mean": statistics.fmean(devices) if devices else None,
         "personalized_accuracy_p10": p10(devices),
-        "bytes_uploaded": int(sum(r.get("bytes_uploaded", 0) for r in history)),
+        "bytes_uploaded": int(sum(r.bytes_uploaded for r in history)),
         "honest_rejected": honest_rejections(records),  # nobody attacks here
         "global_accuracy_swing": accuracy_swing(history),
         "rounds": len(history),
-        "sim_time_s": history[-1]["sim_time_s"] if history else 0.0,
+        "sim_time_s": history[-1].sim_time_s if history else 0.0,
         "device_accuracies": devices,
         "curve": personalized_curve(rounds),
         "run_dir": summary["run_dir"],
@@ -272,7 +273,8 @@ def with_target(seeds: dict[str, dict], best: str) -> None:
         final = rep["methods"][best]["personalized_accuracy_mean"]
         rep["target_accuracy"] = target = final - TARGET_MARGIN if final is not None else float("inf")
         for entry in rep["methods"].values():
-            entry["time_to_target_s"] = time_to_target(entry["curve"], target, clock=SIM_CLOCK)
+            curve = [RoundRecord.from_json(point) for point in entry["curve"]]
+            entry["time_to_target_s"] = time_to_target(curve, target, clock=SIM_CLOCK)
         t_best = rep["methods"][best]["time_to_target_s"]
         t_base = rep["methods"].get(BASELINE, {}).get("time_to_target_s")
         for entry in rep["methods"].values():

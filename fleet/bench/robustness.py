@@ -35,6 +35,7 @@ from fleet.engine.trainer import accuracy
 from fleet.federated.config import FleetConfig, load_fleet_config, run_dir
 from fleet.federated.names import DEVICES_DIR, simulated_names
 from fleet.federated.prepare import prepare
+from fleet.federated.round_record import RoundRecord
 from fleet.federated.server_eval import server_test_set
 from fleet.federated.state import load_checkpoint
 from fleet.federated.tracking import SUMMARY_FILE, honest_rejections, read_records
@@ -52,17 +53,18 @@ def _finite(value: Any) -> float | None:
 FINAL_ROUNDS = 3  # final accuracy: the mean of this many last rounds (one round's accuracy moves by points)
 
 
-def honest_accuracy(record: dict, honest_from: int) -> float | None:
+def honest_accuracy(record: RoundRecord, honest_from: int) -> float | None:
     """A round's global accuracy over the devices that are honest in every run of the bench
     (partitions >= ``honest_from``), weighted by their test samples: the same devices judge every run,
     whether or not an attack's evaluation replies were rejected."""
     rows = [
         d
-        for d in record.get("devices", [])
-        if d.get("partition_id", -1) >= honest_from and _finite(d.get("global_accuracy")) is not None
+        for d in record.devices
+        if (d.partition_id if d.partition_id is not None else -1) >= honest_from
+        and _finite(d.global_accuracy) is not None
     ]
-    total = sum(d.get("test_examples", 0) for d in rows)
-    return sum(d["global_accuracy"] * d["test_examples"] for d in rows) / total if total else None
+    total = sum(d.test_examples or 0 for d in rows)
+    return sum(d.global_accuracy * (d.test_examples or 0) for d in rows) / total if total else None
 
 
 def _mean(values: list[float]) -> float | None:
@@ -73,13 +75,13 @@ def run_figures(out: Path, error: str | None, honest_from: int, adversaries: lis
     """A run's figures from the rounds it wrote; a run without its summary.json crashed. ``adversaries``: the
     attacking devices' names (a rejection of any other is an honest device's)."""
     records = read_records(out)  # a line cut short by a crash ends them
-    server = [a for a in (_finite(r.get("server_accuracy")) for r in records) if a is not None][-FINAL_ROUNDS:]
+    server = [a for a in (_finite(r.server_accuracy) for r in records) if a is not None][-FINAL_ROUNDS:]
     honest = [a for a in (honest_accuracy(r, honest_from) for r in records) if a is not None][-FINAL_ROUNDS:]
     crashed = error is not None or not (out / SUMMARY_FILE).is_file()
     figures = {
         "final_accuracy": _mean(server),
         "honest_device_accuracy": _mean(honest),
-        "rejected_replies": sum(len(r.get("rejections", [])) for r in records),
+        "rejected_replies": sum(len(r.rejections) for r in records),
         "honest_rejected": honest_rejections(records, adversaries),
         "server_crashed": crashed,
         "rounds": len(records),

@@ -37,6 +37,7 @@ from fleet.bench.launch import HONEST_APP, Log, MemoryWatch, launch, progress_lo
 from fleet.federated.config import load_fleet_config, run_dir
 from fleet.federated.names import DEVICES_DIR
 from fleet.federated.prepare import prepare
+from fleet.federated.round_record import DeviceRow, RoundRecord
 from fleet.federated.tracking import read_records
 
 DEFAULT_CONFIG = "simulations/scale.yaml"
@@ -65,17 +66,17 @@ def workers(client_cpus: float) -> int:
     return max(1, int((os.cpu_count() or 1) // client_cpus))
 
 
-def round_figures(records: list[dict], parallel: int) -> dict[str, Any]:
+def round_figures(records: list[RoundRecord], parallel: int) -> dict[str, Any]:
     """Medians over the rounds after the first (all of them when there is only one); None for a fleet
     that recorded no round."""
     steady = records[1:] or records
-    work = [sum(device_work(d) for d in r["devices"]) for r in steady]
-    ratios = [r["round_wall_s"] / (w / parallel) for r, w in zip(steady, work) if w > 0]
+    work = [sum(device_work(d) for d in r.devices) for r in steady]
+    ratios = [r.round_wall_s / (w / parallel) for r, w in zip(steady, work) if w > 0]
     return {
-        "first_round_wall_s": records[0]["round_wall_s"] if records else None,
-        "wall_s_per_round": median_of([r["round_wall_s"] for r in steady], None),
+        "first_round_wall_s": records[0].round_wall_s if records else None,
+        "wall_s_per_round": median_of([r.round_wall_s for r in steady], None),
         "overhead_ratio": median_of(ratios, None),
-        "sim_s_per_round": median_of([r["round_time_s"] for r in steady], None),
+        "sim_s_per_round": median_of([r.round_time_s for r in steady], None),
         "device_work_s_per_round": median_of(work, None),
     }
 
@@ -95,21 +96,21 @@ def state_figures(devices_dir: Path) -> dict[str, Any]:
     }
 
 
-def device_work(row: dict) -> float:
+def device_work(row: DeviceRow) -> float:
     """A device's own seconds in a round: training, evaluating, and scoring its personalized model as its
     training ended (evaluation work its train reply carries)."""
-    return sum(row.get(k) or 0.0 for k in ("measured_time_s", "score_time_s", "eval_time_s"))
+    return sum(s or 0.0 for s in (row.measured_time_s, row.score_time_s, row.eval_time_s))
 
 
-def floor_work(records: list[dict]) -> dict[str, Any]:
+def floor_work(records: list[RoundRecord]) -> dict[str, Any]:
     """What a floor device sleeps for: the median seconds fleet's devices measured over the steady rounds, training
     (with the scoring its train reply carries) and evaluation apart; over all devices, and per tier
     (``train_s_by_tier``, keyed by the tier as text): an elastic fleet's slow tiers train less."""
     steady = records[1:] or records
-    rows = [d for r in steady for d in r["devices"]]
-    trainers = [d for d in rows if d.get("measured_time_s")]
-    train = [(d.get("tier"), d["measured_time_s"] + (d.get("score_time_s") or 0.0)) for d in trainers]
-    evaluate = [(d.get("tier"), d["eval_time_s"]) for d in rows if d.get("eval_time_s")]
+    rows = [d for r in steady for d in r.devices]
+    trainers = [d for d in rows if d.measured_time_s]
+    train = [(d.tier, d.measured_time_s + (d.score_time_s or 0.0)) for d in trainers]
+    evaluate = [(d.tier, d.eval_time_s) for d in rows if d.eval_time_s]
     return {
         "train_s": median_of([s for _, s in train]),
         "eval_s": median_of([s for _, s in evaluate]),

@@ -39,16 +39,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
-from fleet.bench.figures import WALL_CLOCK, first_reaching, speedup
+from fleet.bench.figures import WALL_CLOCK, first_reaching, speedup, time_to_target
 from fleet.engine.config import config_to_dict
 from fleet.engine.device_profile import DeviceProfile
 from fleet.federated.class_config import DeviceClassConfig
 from fleet.federated.config import FleetConfig, pipelined, run_dir
 from fleet.federated.names import DEVICES_DIR
+from fleet.federated.round_record import DeviceRow, RoundRecord
 from fleet.federated.testbed_config import TestbedConfig
 from fleet.federated.tracking import honest_rejections, read_records
 from fleet.testbed.run import TestbedRun, run_testbed
@@ -71,9 +73,9 @@ def method_config(cfg: FleetConfig, method: str, rounds: int, weights: str | Non
     return dataclasses.replace(cfg, name=f"{cfg.name}-{method}", federation=fed, model=model)
 
 
-def within(records: list[dict], budget_s: float | None) -> list[dict]:
+def within(records: list[RoundRecord], budget_s: float | None) -> list[RoundRecord]:
     """The rounds that ended within the wall-clock budget (all of them without one)."""
-    return [r for r in records if budget_s is None or r["wall_time_s"] <= budget_s + 1e-9]
+    return [r for r in records if budget_s is None or r.wall_time_s <= budget_s + 1e-9]
 
 
 def mean_accuracy(curve: list[list], start: float | None, budget_s: float) -> float | None:
@@ -90,8 +92,9 @@ def mean_accuracy(curve: list[list], start: float | None, budget_s: float) -> fl
     return (area + acc * (budget_s - t)) / budget_s
 
 
-def last_evaluated(records: list[dict], key: str) -> float | None:
-    values = [r[key] for r in records if r.get(key) is not None]
+def last_evaluated(records: list[RoundRecord], key: str) -> float | None:
+    """The last figure ``key`` (a :class:`RoundRecord` accuracy) the rounds made; None if none was."""
+    values = [v for r in records if (v := getattr(r, key)) is not None]
     return values[-1] if values else None
 
 
@@ -99,32 +102,32 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def device_entries(run: TestbedRun, records: list[dict], download_bytes: int) -> dict[str, dict]:
+def device_entries(run: TestbedRun, records: list[RoundRecord], download_bytes: int) -> dict[str, dict]:
     """Per device: its measured round, compute, start and transfers (medians over its rounds), its
     trained fraction, bytes and memory."""
     out = {}
     for name, cls in sorted(run.classes.items()):
-        rows = [d for r in records for d in r.get("devices", []) if d.get("device") == name and "wall_s" in d]
+        rows = [d for r in records for d in r.devices if d.device == name and d.wall_s is not None]
         if not rows:
             continue
         peak, kills = run.memory.get(name, (None, 0))
         sent, received = run.traffic.get(name, (None, None))
-        upload = [8 * d["bytes_uploaded"] / (cls.uplink_mbps * 1e6) for d in rows]
+        upload = [8 * d.bytes_uploaded / (cls.uplink_mbps * 1e6) for d in rows]
         download = 8 * download_bytes / (cls.downlink_mbps * 1e6)
-        work = [d["measured_time_s"] + up + download for d, up in zip(rows, upload, strict=True)]
+        work = [d.measured_time_s + up + download for d, up in zip(rows, upload, strict=True)]
         out[name] = {
             "class": cls.name,
             "cpu": cls.cpu,
             "rounds": len(rows),
-            "round_s": _median([d["wall_s"] for d in rows]),
-            "compute_s": _median([d["measured_time_s"] for d in rows]),
-            "ready_s": _median([d["ready_s"] for d in rows if d.get("ready_s") is not None]),
+            "round_s": _median([d.wall_s for d in rows]),
+            "compute_s": _median([d.measured_time_s for d in rows]),
+            "ready_s": _median([d.ready_s for d in rows if d.ready_s is not None]),
             "upload_s": _median(upload),
             "download_s": download,
             # the share of its round neither compute nor transfer (start, polling, serialization), per round
-            "overhead_share": _median([1 - w / d["wall_s"] for d, w in zip(rows, work, strict=True) if d["wall_s"]]),
-            "trained_fraction": statistics.fmean(d["trained_fraction"] for d in rows),
-            "bytes_uploaded": sum(d["bytes_uploaded"] for d in rows),
+            "overhead_share": _median([1 - w / d.wall_s for d, w in zip(rows, work, strict=True) if d.wall_s]),
+            "trained_fraction": statistics.fmean(d.trained_fraction for d in rows),
+            "bytes_uploaded": sum(d.bytes_uploaded for d in rows),
             "link_bytes_sent": sent,  # what its link carried up over the whole run, Flower's framing included
             "link_bytes_received": received,  # ... and down
             "memory_peak_mb": peak,
@@ -145,13 +148,13 @@ def download_bytes(cfg: FleetConfig) -> int:
 def method_entry(run: TestbedRun, budget_s: float, target: float, start: float | None, down: int) -> dict:
     """One method's figures over its rounds within the budget."""
     records = within(run.records, budget_s)
-    curve = [[r["wall_time_s"], r.get(ACCURACY)] for r in records]
+    curve = [[r.wall_time_s, getattr(r, ACCURACY)] for r in records]
     hit = first_reaching(records, target, ACCURACY)
     return {
         "rounds": len(records),
-        "wall_s": records[-1]["wall_time_s"] if records else 0.0,
-        "time_to_target_s": None if hit is None else hit[WALL_CLOCK],
-        "target_round": None if hit is None else hit["round"],
+        "wall_s": records[-1].wall_time_s if records else 0.0,
+        "time_to_target_s": time_to_target(records, target, clock=WALL_CLOCK, key=ACCURACY),
+        "target_round": None if hit is None else hit.round,
         "final_server_accuracy": last_evaluated(records, ACCURACY),
         "mean_accuracy": mean_accuracy(curve, start, budget_s),
         "final_accuracy": last_evaluated(records, "global_accuracy"),
@@ -174,7 +177,7 @@ def start_accuracy(cfg: FleetConfig) -> float:
 def class_start_s(run: TestbedRun, cls: str) -> float:
     """The median ``ready_s`` of a class's devices over a run's rounds: what every message costs them."""
     names = {n for n, c in run.classes.items() if c.name == cls}
-    ready = [d.get("ready_s") for r in run.records for d in r.get("devices", []) if d.get("device") in names]
+    ready = [d.ready_s for r in run.records for d in r.devices if d.device in names]
     return _median([v for v in ready if v is not None]) or 0.0
 
 
@@ -185,12 +188,12 @@ def class_fixed_s(run: TestbedRun, cls: str, down_bytes: int) -> float:
     names (docs/results.md: about 17 s of a pi4's round)."""
     rest = []
     for r in run.records:
-        for d in r.get("devices", []):
-            c = run.classes.get(d.get("device", ""))
-            if c is None or c.name != cls or "wall_s" not in d or d.get("measured_time_s") is None:
+        for d in r.devices:
+            c = run.classes.get(d.device or "")
+            if c is None or c.name != cls or d.wall_s is None or d.measured_time_s is None:
                 continue
-            transfers = 8 * d["bytes_uploaded"] / (c.uplink_mbps * 1e6) + 8 * down_bytes / (c.downlink_mbps * 1e6)
-            rest.append(d["wall_s"] - d["measured_time_s"] - transfers)
+            transfers = 8 * d.bytes_uploaded / (c.uplink_mbps * 1e6) + 8 * down_bytes / (c.downlink_mbps * 1e6)
+            rest.append(d.wall_s - d.measured_time_s - transfers)
     return max(0.0, _median(rest) or 0.0)
 
 
@@ -224,7 +227,7 @@ def simulation_config(cfg: FleetConfig, fleet: TestbedRun, fixed: dict[str, floa
     )
 
 
-def simulate(cfg: FleetConfig, log) -> list[dict]:
+def simulate(cfg: FleetConfig, log) -> list[RoundRecord]:
     """Run ``cfg`` with ``fleet simulate`` (its own session, killed whole); its metrics.jsonl records."""
     from fleet.base.errors import FleetError
     from fleet.bench.launch import HONEST_APP, launch
@@ -238,31 +241,35 @@ def simulate(cfg: FleetConfig, log) -> list[dict]:
     return read_records(run_dir(cfg))
 
 
-def slowest_by_class(records: list[dict], key: str, class_of) -> dict[str, float]:
-    """Per class, the median over rounds of its slowest device's ``key``."""
+def slowest_by_class(
+    records: list[RoundRecord], figure: Callable[[DeviceRow], float | None], class_of: Callable[[DeviceRow], str | None]
+) -> dict[str, float]:
+    """Per class, the median over rounds of its slowest device's ``figure``."""
     per_round: dict[str, list[float]] = {}
     for r in records:
         worst: dict[str, float] = {}
-        for d in r.get("devices", []):
-            cls = class_of(d)
-            if cls is not None and d.get(key) is not None:
-                worst[cls] = max(worst.get(cls, 0.0), float(d[key]))
+        for d in r.devices:
+            cls, value = class_of(d), figure(d)
+            if cls is not None and value is not None:
+                worst[cls] = max(worst.get(cls, 0.0), float(value))
         for cls, v in worst.items():
             per_round.setdefault(cls, []).append(v)
     return {cls: statistics.median(v) for cls, v in per_round.items()}
 
 
+def compute_upload_s(row: DeviceRow) -> float | None:
+    """A simulated row's round by the simulator's older model: compute and upload alone, without its fixed
+    start and download."""
+    return None if row.round_time_s is None else row.round_time_s - (row.fixed_s or 0.0)
+
+
 def class_entries(
-    cfg: FleetConfig, fleet: TestbedRun, fedavg: TestbedRun, simulated: list[dict], fixed: dict[str, float]
+    cfg: FleetConfig, fleet: TestbedRun, fedavg: TestbedRun, simulated: list[RoundRecord], fixed: dict[str, float]
 ) -> dict:
     """Per testbed class: its limits, its measured full step, and its measured against predicted round."""
-    measured = slowest_by_class(fleet.records, "wall_s", lambda d: _class(fleet, d))
-    predicted = slowest_by_class(simulated, "round_time_s", lambda d: d.get("class"))
-    for r in simulated:  # the simulator's older model: compute and upload alone, without start and download
-        for d in r.get("devices", []):
-            if "round_time_s" in d:
-                d["compute_upload_s"] = d["round_time_s"] - d.get("fixed_s", 0.0)
-    older = slowest_by_class(simulated, "compute_upload_s", lambda d: d.get("class"))
+    measured = slowest_by_class(fleet.records, lambda d: d.wall_s, lambda d: _class(fleet, d))
+    predicted = slowest_by_class(simulated, lambda d: d.round_time_s, lambda d: d.device_class)
+    older = slowest_by_class(simulated, compute_upload_s, lambda d: d.device_class)
     out = {}
     for c in cfg.testbed.classes:
         ran = next(k for n, k in fleet.classes.items() if k.name == c.name)
@@ -284,8 +291,8 @@ def class_entries(
     return out
 
 
-def _class(run: TestbedRun, row: dict) -> str | None:
-    cls = run.classes.get(row.get("device", ""))
+def _class(run: TestbedRun, row: DeviceRow) -> str | None:
+    cls = run.classes.get(row.device or "")
     return None if cls is None else cls.name
 
 
@@ -301,20 +308,18 @@ def memory_entries(runs: dict[str, TestbedRun]) -> dict[str, dict]:
                 continue
             path = run.run_dir / DEVICES_DIR / name / "memory-profile.json"
             unplanned = json.loads(path.read_text())["measured_peak_bytes"] if path.is_file() else None
-            rows = [d for r in run.records for d in r.get("devices", []) if d.get("device") == name and "steps" in d]
+            rows = [d for r in run.records for d in r.devices if d.device == name and d.steps is not None]
             peak, kills = run.memory.get(name, (None, 0))
             out.setdefault(name, {})[method] = {
                 "memory_mb": cls.memory_mb,
-                "budget_mb": rows[0].get("memory_budget_bytes", 0) / 2**20 if rows else None,
+                "budget_mb": (rows[0].memory_budget_bytes or 0) / 2**20 if rows else None,
                 "unplanned_activation_peak_mb": None if unplanned is None else unplanned / 2**20,
-                "planned_activation_peak_mb": max((d.get("memory_peak_bytes") or 0 for d in rows), default=0) / 2**20,
+                "planned_activation_peak_mb": max((d.memory_peak_bytes or 0 for d in rows), default=0) / 2**20,
                 "cgroup_peak_mb": peak,
                 "oom_kills": kills,
-                "rounds": sum(name in r.get("sampled", []) for r in run.records),
-                "rounds_trained": sum(
-                    name in r.get("sampled", []) and name not in r.get("missed", []) for r in run.records
-                ),
-                "rejected": sum(e.get("device") == name for r in run.records for e in r.get("rejections", [])),
+                "rounds": sum(name in r.sampled for r in run.records),
+                "rounds_trained": sum(name in r.sampled and name not in r.missed for r in run.records),
+                "rejected": sum(e.device == name for r in run.records for e in r.rejections),
             }
     return out
 
@@ -384,7 +389,7 @@ def run_methods(cfg: FleetConfig, rounds: int, log) -> tuple[dict[str, TestbedRu
     start = fedavg.run_dir / "pretrained.pt"
     if cfg.model.weights is None and start.is_file():
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, weights=str(start)))
-    budget = fedavg.records[-1]["wall_time_s"]
+    budget = fedavg.records[-1].wall_time_s
     runs = {"fedavg": fedavg}
     for method in METHODS[1:]:
         log(f"bench: {method} for FedAvg's {budget:.0f} wall seconds, from the same start")
@@ -396,7 +401,7 @@ def bench_testbed(cfg: FleetConfig, rounds: int, log) -> dict:
     """The whole bench: the three methods on the testbed, the simulator on its classes, the report."""
     runs, cfg = run_methods(cfg, rounds, log)
     down, start = download_bytes(cfg), start_accuracy(cfg)
-    budget = runs["fedavg"].records[-1]["wall_time_s"]
+    budget = runs["fedavg"].records[-1].wall_time_s
     target = (last_evaluated(runs["fedavg"].records, ACCURACY) or 0.0) - TARGET_DROP
     methods = {m: method_entry(runs[m], budget, target, start, down) for m in METHODS}
     log(f"bench: the simulator on the testbed's classes, {len(runs['fleet'].records)} rounds of fleet")

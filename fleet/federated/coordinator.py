@@ -73,10 +73,11 @@ from fleet.federated.records import (
     TrainReply,
 )
 from fleet.federated.robust import plausible, plausible_times, robust_average, scale_update, upload_problem
+from fleet.federated.round_record import RoundRecord
 from fleet.federated.server_eval import reference_loss, server_accuracy
 from fleet.federated.split import known_data_sizes
 from fleet.federated.state import RoundReplies, ServerState
-from fleet.federated.tracking import device_rows, round_record, round_time, with_evaluation
+from fleet.federated.tracking import device_rows, round_record, round_time, with_attendance, with_evaluation
 from fleet.federated.transfer import decode, encode, wire_bytes
 from fleet.federated.wall import Lap, evaluation_wait, expected_work, learn_work, round_bound, work_of
 
@@ -512,14 +513,14 @@ class Coordinator:
         if held is None:
             return
         scored = [
-            Reply(r.node_id, EVALUATE, held["round"], name=r.name, metrics=received_scores(r.metrics))
+            Reply(r.node_id, EVALUATE, held.round, name=r.name, metrics=received_scores(r.metrics))
             for r in replies
             if r.error is None and r.by_device and keys.GLOBAL_ACCURACY in r.metrics
         ]
-        rows = self.evaluation_rows(held["round"], scored)
+        rows = self.evaluation_rows(held.round, scored)
         self.state.held = with_evaluation(held, rows, self.classes, server_round)
 
-    def release(self, record: dict, rides: bool) -> list[dict]:
+    def release(self, record: RoundRecord, rides: bool) -> list[RoundRecord]:
         """The records to write now: the held one (scored by this round's trainers, or by none that answered),
         then this round's, unless its evaluation ``rides`` on the next round's training: then it is held."""
         out = [] if self.state.held is None else [self.state.held]
@@ -555,7 +556,7 @@ class Coordinator:
             rows.append(EvaluateReply.from_metrics(reply.node_id, self.device_of(reply), reply.metrics))
         return rows
 
-    def close_round(self, plan: PlannedRound, started: float) -> dict:
+    def close_round(self, plan: PlannedRound, started: float) -> RoundRecord:
         """Score the global model (``evaluation.server_test``), advance the clocks (fine-tuning before
         evaluation is on the devices' clock), learn the server's work and return the round's
         metrics.jsonl record."""
@@ -574,10 +575,9 @@ class Coordinator:
             log.warning("round %d took %.1fs of wall time, over its bound of %.1fs", plan.server_round, wall, bound)
         rows = device_rows(got.train, got.evaluation, self.classes, self.full_bytes, self.fixed_s)
         rec = round_record(state, self.cfg.federation.strategy, plan.deadline_s, round_time_s, self.names.params, rows)
-        rec.update({"round_wall_s": wall, "round_bound_s": bound, "train_bound_s": plan.train_bound_s})
-        rec.update({"eval_bound_s": plan.eval_bound_s, **got.attendance.as_dict()})
-        if scored is not None:
-            rec["server_accuracy"] = scored
+        rec.round_wall_s, rec.round_bound_s, rec.train_bound_s = wall, bound, plan.train_bound_s
+        rec.eval_bound_s, rec.server_accuracy = plan.eval_bound_s, scored
+        with_attendance(rec, got.attendance)
         return rec
 
 

@@ -20,7 +20,6 @@ Design notes:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -150,17 +149,3 @@ class Attendance:
     offline: list[str] = field(default_factory=list)  # simulated device classes: eligible, but not online
     online: int = 0  # eligible devices online when the round sampled (all of them without availability)
     sampled_at_s: float = 0.0  # the simulated clock when the round sampled: where a trace is read
-
-    def as_dict(self) -> dict:
-        return {
-            "connected": self.connected,
-            "sampled": self.sampled,
-            "missed": self.missed,
-            "miss_reasons": self.misses,
-            "joined": self.joined,
-            "refused": [dataclasses.asdict(r) for r in self.refused],
-            "benched": self.benched,
-            "offline": self.offline,
-            "online": self.online,
-            "sampled_at_s": self.sampled_at_s,
-        }

@@ -28,6 +28,7 @@ from fleet.federated.config import FleetConfig
 from fleet.federated.coordinator import Coordinator, PlannedRound, devices_wanted
 from fleet.federated.mailbox import Link, Mailbox
 from fleet.federated.records import EVALUATE, QUERY, TRAIN, Reply
+from fleet.federated.round_record import RoundRecord
 from fleet.federated.server_run import ServerRun
 from fleet.federated.wall import Lap
 
@@ -45,7 +46,7 @@ def run_fleet(link: Link, cfg: FleetConfig, *, resume: bool, simulated: bool = F
     return run.finish()
 
 
-def run_round(coord: Coordinator, box: Mailbox, server_round: int) -> list[dict]:
+def run_round(coord: Coordinator, box: Mailbox, server_round: int) -> list[RoundRecord]:
     """One round: admit, plan, train, evaluate, within the round's whole bound; returns the records to write now:
     its own, unless its evaluation rides on the next round's training (``evaluation.pipelined``), after the last
     round's, once this round's trainers have scored its model."""

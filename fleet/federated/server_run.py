@@ -20,6 +20,7 @@ from fleet.federated.classes import FleetClasses
 from fleet.federated.config import FleetConfig, run_dir
 from fleet.federated.coordinator import Coordinator, out_of_time
 from fleet.federated.names import simulated_names
+from fleet.federated.round_record import RoundRecord
 from fleet.federated.server_eval import reference_set, server_test_set
 from fleet.federated.state import ServerState, check_resumable, keep_previous_run, load_checkpoint, save_checkpoint
 from fleet.federated.tracking import Tracker, plot_run, progress_line, write_progress
@@ -83,7 +84,7 @@ class ServerRun:
                 return
             yield server_round
 
-    def keep(self, records: list[dict]) -> None:
+    def keep(self, records: list[RoundRecord]) -> None:
         """A finished round: the metrics lines it releases (its own, or the last round's: evaluation.pipelined
         holds a record until the next round's trainers have scored its model), the checkpoint, the progress lines."""
         for record in records:

@@ -27,6 +27,7 @@ from fleet.federated.aggregate import Rejection
 from fleet.federated.defense import DefenseReport
 from fleet.federated.membership import Attendance, Roster
 from fleet.federated.records import Accuracy, EvaluateReply, Member, TrainReply
+from fleet.federated.round_record import RoundRecord
 from fleet.federated.wall import ServerWork
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -83,7 +84,7 @@ class ServerState:
     server_work: ServerWork | None = None  # the server's own seconds around the waits, learned (fleet.federated.wall)
     # the last round's metrics.jsonl record, written once the next round's trainers have scored its model
     # (evaluation.pipelined); checkpointed, so a resumed run scores and writes it too
-    held: dict | None = None
+    held: RoundRecord | None = None
     replies: RoundReplies = field(default_factory=RoundReplies)
 
     def finish_round(self, server_round: int, round_time_s: float, wall_s: float) -> None:
@@ -97,6 +98,7 @@ class ServerState:
         meta = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in TENSORS}
         meta["roster"] = {node: m.as_dict() for node, m in self.roster.items()}
         meta["server_work"] = None if self.server_work is None else dataclasses.asdict(self.server_work)
+        meta["held"] = None if self.held is None else self.held.to_json()
         return meta
 
 
@@ -122,6 +124,8 @@ def load_checkpoint(out: Path) -> tuple[dict[str, torch.Tensor], ServerState] | 
     state = ServerState(**{k: v for k, v in obj["meta"].items() if k in known})
     state.roster = {node: Member.from_dict(m) for node, m in state.roster.items()}
     state.server_work = _work(obj["meta"].get("server_work"))
+    held = obj["meta"].get("held")
+    state.held = RoundRecord.from_json(held) if isinstance(held, dict) else None
     state.momentum = {k: v.numpy() for k, v in obj.get("momentum", {}).items()}
     return obj["model"], state
 

@@ -7,6 +7,7 @@ device's upload time (bytes / bandwidth).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Collection
@@ -16,7 +17,9 @@ import numpy as np
 
 from fleet.base.atomic import write_json, write_text_atomic
 from fleet.federated.classes import FleetClasses
+from fleet.federated.membership import Attendance
 from fleet.federated.records import Accuracy, EvaluateReply, TrainReply
+from fleet.federated.round_record import DeviceRow, RejectionRow, RoundRecord
 from fleet.federated.state import ServerState
 
 METRICS_FILE = "metrics.jsonl"
@@ -34,9 +37,9 @@ def round_time(
     return max((r.round_time_s(bandwidth(r.device), fixed(r.device)) for r in train), default=0.0)
 
 
-def device_key(row: dict) -> str:
+def device_key(row: DeviceRow) -> str:
     """A row's device: its name (the server's roster), else its node id."""
-    return str(row.get("device") or f"node-{row.get('node_id')}")
+    return str(row.device or f"node-{row.node_id}")
 
 
 def device_name(reply: TrainReply | EvaluateReply) -> str:
@@ -50,7 +53,7 @@ def device_rows(
     classes: FleetClasses,
     full_bytes: int,
     fixed: Callable[[str | None], float] = lambda name: 0.0,
-) -> list[dict]:
+) -> list[DeviceRow]:
     """One row per device, by name: its train reply joined with its evaluation, its class (simulated
     device classes), its round on the simulated clock and its round speedup (against training and
     uploading all ``full_bytes``; ``fixed`` of its name is what its round costs whatever it trains).
@@ -61,44 +64,47 @@ def device_rows(
     rows = []
     for name in sorted(trained.keys() | evaluated.keys()):
         t, e = trained.get(name), evaluated.get(name)
-        row = {**(t.row() if t else {}), **(e.row() if e else {}), "device": name}
+        row = DeviceRow.from_json({**(t.row() if t else {}), **(e.row() if e else {}), "device": name})
         if t is not None and e is not None and t.eval_time_s is not None and e.eval_time_s is not None:
-            row["eval_time_s"] = t.eval_time_s + e.eval_time_s  # it also scored the model it received
-        class_name = classes.class_name(name)
-        if class_name is not None:
-            row["class"] = class_name
+            row.eval_time_s = t.eval_time_s + e.eval_time_s  # it also scored the model it received
+        row.device_class = classes.class_name(name)
         if t is not None:
             bandwidth, fixed_s = classes.bandwidth(name), fixed(name)
-            row["round_time_s"] = t.round_time_s(bandwidth, fixed_s)
-            if fixed_s:
-                row["fixed_s"] = fixed_s  # of its round: its start and download
-            row["round_speedup"] = t.round_speedup(full_bytes, bandwidth, fixed_s)
+            row.round_time_s = t.round_time_s(bandwidth, fixed_s)
+            row.fixed_s = fixed_s or None  # of its round: its start and download
+            row.round_speedup = t.round_speedup(full_bytes, bandwidth, fixed_s)
         rows.append(row)
     return rows
 
 
-def with_evaluation(record: dict, evaluation: list[EvaluateReply], classes: FleetClasses, scored_in: int) -> dict:
+def with_evaluation(
+    record: RoundRecord, evaluation: list[EvaluateReply], classes: FleetClasses, scored_in: int
+) -> RoundRecord:
     """A held round's record (``evaluation.pipelined``) with the evaluation the trainers of round ``scored_in``
     made of its model: each evaluated device's scores joined to its row (a row of its own if it did not train in
     the held round), and the round's accuracies as :func:`round_record` weighs them."""
-    rows = {d["device"]: dict(d) for d in record["devices"]}
+    rows = {d.device: dataclasses.replace(d) for d in record.devices}
     for e in evaluation:
         name = device_name(e)
-        row = rows.setdefault(name, {})
-        row.update({**e.row(), "device": name})
-        class_name = classes.class_name(name)
-        if class_name is not None:
-            row["class"] = class_name
+        scores = DeviceRow.from_json({**e.row(), "device": name})
+        row = rows.setdefault(name, DeviceRow(device=name))
+        rows[name] = dataclasses.replace(row, **{k: v for k, v in vars(scores).items() if v is not None})
+        rows[name].device_class = classes.class_name(name) or rows[name].device_class
     devices = [rows[name] for name in sorted(rows)]
-    accuracy = Accuracy.of(evaluation)
-    return {
-        **record,
-        "global_accuracy": None if accuracy is None else accuracy.global_accuracy,
-        "personal_accuracy": None if accuracy is None else accuracy.personal_accuracy,
-        "personal_accuracy_p10": p10([d["personal_accuracy"] for d in devices if "personal_accuracy" in d]),
-        "evaluated_in_round": scored_in,
-        "devices": devices,
-    }
+    record = dataclasses.replace(record, devices=devices, evaluated_in_round=scored_in)
+    with_accuracy(record, Accuracy.of(evaluation))
+    return record
+
+
+def with_accuracy(record: RoundRecord, accuracy: Accuracy | None) -> None:
+    """The round's accuracies from its evaluation, and the p10s of its rows: the one place they are made."""
+    record.global_accuracy = None if accuracy is None else accuracy.global_accuracy
+    record.personal_accuracy = None if accuracy is None else accuracy.personal_accuracy
+    record.personal_accuracy_p10 = p10([d.personal_accuracy for d in record.devices if d.personal_accuracy is not None])
+    if accuracy is not None and accuracy.finetuned_accuracy is not None:
+        record.finetuned_accuracy = accuracy.finetuned_accuracy
+        tuned = [d.finetuned_accuracy for d in record.devices if d.finetuned_accuracy is not None]
+        record.finetuned_accuracy_p10 = p10(tuned)
 
 
 def round_record(
@@ -107,49 +113,47 @@ def round_record(
     deadline_s: float,
     round_time_s: float,
     param_names: list[str],
-    rows: list[dict],
-) -> dict:
+    rows: list[DeviceRow],
+) -> RoundRecord:
     """The metrics.jsonl line of the round ``state`` has just finished; ``rows``: its :func:`device_rows`."""
-    accuracy = state.replies.accuracy
-    return {
-        "round": state.round,
-        "strategy": strategy,
-        "deadline_s": deadline_s,
-        "round_time_s": round_time_s,
-        "sim_time_s": state.sim_time_s,
-        "wall_time_s": state.wall_time_s,
-        "global_accuracy": None if accuracy is None else accuracy.global_accuracy,
-        "personal_accuracy": None if accuracy is None else accuracy.personal_accuracy,
-        "personal_accuracy_p10": p10([d["personal_accuracy"] for d in rows if "personal_accuracy" in d]),
-        **finetuned_figures(accuracy, rows),
-        "bytes_uploaded": int(sum(r.bytes_uploaded for r in state.replies.train)),
-        "tensors_trained_by_nobody": sum(1 for k in param_names if k not in state.replies.senders),
-        "rejections": [r.as_dict() for r in state.replies.rejections],
-        "defense": state.replies.defense.as_dict(),
-        "server_s": state.replies.timings,  # the server's wall seconds per part of the round
-        "devices": rows,
-    }
+    got = state.replies
+    record = RoundRecord(
+        round=state.round,
+        strategy=strategy,
+        deadline_s=deadline_s,
+        round_time_s=round_time_s,
+        sim_time_s=state.sim_time_s,
+        wall_time_s=state.wall_time_s,
+        bytes_uploaded=int(sum(r.bytes_uploaded for r in got.train)),
+        tensors_trained_by_nobody=sum(1 for k in param_names if k not in got.senders),
+        rejections=[RejectionRow(**r.as_dict()) for r in got.rejections],
+        defense=got.defense.as_dict(),
+        server_s=got.timings,
+        devices=rows,
+    )
+    with_accuracy(record, got.accuracy)
+    return record
 
 
-def finetuned_figures(accuracy: Accuracy | None, devices: list[dict]) -> dict:
-    """A round's fine-tuned accuracy (personalization.finetune_steps): the weighted mean and p10; nothing without it."""
-    if accuracy is None or accuracy.finetuned_accuracy is None:
-        return {}
-    tuned = [d["finetuned_accuracy"] for d in devices if "finetuned_accuracy" in d]
-    return {"finetuned_accuracy": accuracy.finetuned_accuracy, "finetuned_accuracy_p10": p10(tuned)}
+def with_attendance(record: RoundRecord, attendance: Attendance) -> None:
+    """What the round's membership did, into its record."""
+    a = attendance
+    record.connected, record.sampled, record.missed, record.miss_reasons = a.connected, a.sampled, a.missed, a.misses
+    record.joined, record.refused = a.joined, [dataclasses.asdict(r) for r in a.refused]
+    record.benched, record.offline, record.online, record.sampled_at_s = a.benched, a.offline, a.online, a.sampled_at_s
 
 
-def read_records(run: Path) -> list[dict]:
+def read_records(run: Path) -> list[RoundRecord]:
     """A run folder's per-round records from its ``metrics.jsonl`` (none when it wrote none). The file is
     only appended to, so a line that does not parse is the last one, still being written or cut short by a
     crash: the records stop before it."""
     metrics = run / METRICS_FILE
-    records: list[dict] = []
+    records: list[RoundRecord] = []
     for line in metrics.read_text().splitlines() if metrics.is_file() else []:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            records.append(RoundRecord.from_json(json.loads(line)))
         except json.JSONDecodeError:
             break
     return records
@@ -168,20 +172,19 @@ def read_progress(run: Path) -> tuple[int, float]:
         return 0, 0.0
 
 
-def trained_rows(records: list[dict]) -> dict[str, list[dict]]:
+def trained_rows(records: list[RoundRecord]) -> dict[str, list[tuple[int, DeviceRow]]]:
     """Each device's rows of the rounds it trained in, with the round number, by device name."""
-    per_device: dict[str, list[dict]] = {}
+    per_device: dict[str, list[tuple[int, DeviceRow]]] = {}
     for rec in records:
-        for d in rec["devices"]:
-            if "speedup" in d:
-                per_device.setdefault(device_key(d), []).append({"round": rec["round"], **d})
+        for d in rec.trained_rows():
+            per_device.setdefault(device_key(d), []).append((rec.round, d))
     return per_device
 
 
-def honest_rejections(records: list[dict], adversaries: Collection[str] = ()) -> int:
+def honest_rejections(records: list[RoundRecord], adversaries: Collection[str] = ()) -> int:
     """The replies the server rejected from devices not among ``adversaries``: in a fleet nobody attacks each is
     an honest device's round thrown away, which every bench reports and should find 0."""
-    return sum(j.get("device") not in adversaries for r in records for j in r.get("rejections", []))
+    return sum(j.device not in adversaries for r in records for j in r.rejections)
 
 
 def p10(values: list[float]) -> float | None:
@@ -195,126 +198,135 @@ class Tracker:
         self.out = out
         self.path = out / METRICS_FILE
         out.mkdir(parents=True, exist_ok=True)
-        self.records: list[dict] = []
+        self.records: list[RoundRecord] = []
         if resume_round is not None and self.path.is_file():
             for line in self.path.read_text().splitlines():
                 try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
+                    rec = RoundRecord.from_json(json.loads(line))
+                except (json.JSONDecodeError, TypeError, AttributeError, KeyError):
                     continue  # a line cut short by a kill
-                if rec.get("round", 10**9) <= resume_round:
+                if rec.round <= resume_round:
                     self.records.append(rec)
         self._rewrite()
 
     def _rewrite(self) -> None:
-        write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+        write_text_atomic(self.path, "".join(json.dumps(r.to_json()) + "\n" for r in self.records))
 
-    def add(self, record: dict) -> None:
+    def add(self, record: RoundRecord) -> None:
         self.records.append(record)
         with self.path.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
+            fh.write(json.dumps(record.to_json()) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
 
     def summary(self, extra: dict) -> dict:
         recs = self.records
-        last = recs[-1] if recs else {}
-        per_device = trained_rows(recs)
-        personal = [d["personal_accuracy"] for d in last.get("devices", []) if "personal_accuracy" in d]
-        tuned = [d["finetuned_accuracy"] for d in last.get("devices", []) if "finetuned_accuracy" in d]
+        last = recs[-1] if recs else RoundRecord(round=0)
+        personal = [d.personal_accuracy for d in last.devices if d.personal_accuracy is not None]
+        tuned = [d.finetuned_accuracy for d in last.devices if d.finetuned_accuracy is not None]
         summary = {
             **extra,
             "rounds": len(recs),
-            "sim_time_s": last.get("sim_time_s", 0.0),
-            "final_accuracy": last.get("global_accuracy"),
-            "final_server_accuracy": last.get("server_accuracy"),  # evaluation.server_test only
+            "sim_time_s": last.sim_time_s,
+            "final_accuracy": last.global_accuracy,
+            "final_server_accuracy": last.server_accuracy,  # evaluation.server_test only
             "personalized_accuracy_mean": float(np.mean(personal)) if personal else None,
             "personalized_accuracy_p10": p10(personal),
             "finetuned_accuracy_mean": float(np.mean(tuned)) if tuned else None,  # personalization.finetune_steps only
             "finetuned_accuracy_p10": p10(tuned),
-            "bytes_uploaded": int(sum(r["bytes_uploaded"] for r in recs)),
-            "rejections": sum(len(r["rejections"]) for r in recs),
-            "rounds_without_training": [r["round"] for r in recs if not any("speedup" in d for d in r["devices"])],
-            "first_rejection": next((j["reason"] for r in recs for j in r["rejections"]), None),
+            "bytes_uploaded": int(sum(r.bytes_uploaded for r in recs)),
+            "rejections": sum(len(r.rejections) for r in recs),
+            "rounds_without_training": [r.round for r in recs if not r.trained_rows()],
+            "first_rejection": next((j.reason for r in recs for j in r.rejections), None),
             "classes": class_summary(recs),
-            "devices": {
-                name: {
-                    **({"class": rows[-1]["class"]} if "class" in rows[-1] else {}),
-                    "tier": rows[-1]["tier"],
-                    "rounds_trained": len(rows),
-                    **trained_means(rows),
-                    "rho_mean": float(np.mean([r["rho"] for r in rows])),
-                }
-                for name, rows in sorted(per_device.items())
-            },
-            "history": [
-                {
-                    k: r[k]
-                    for k in (
-                        "round",
-                        "sim_time_s",
-                        "global_accuracy",
-                        "personal_accuracy",
-                        "personal_accuracy_p10",
-                        "bytes_uploaded",
-                    )
-                }
-                | {k: r[k] for k in ("server_accuracy", "finetuned_accuracy", "finetuned_accuracy_p10") if k in r}
-                for r in recs
-            ],
+            "devices": device_summary(recs),
+            "history": [history_entry(r) for r in recs],
         }
         write_json(self.out / SUMMARY_FILE, summary)
         return summary
 
 
-def trained_means(rows: list[dict]) -> dict:
+def device_summary(records: list[RoundRecord]) -> dict[str, dict]:
+    """Per device that trained: its class and tier as last seen, its rounds, and what they did on average."""
+    out = {}
+    for name, pairs in sorted(trained_rows(records).items()):
+        rows = [d for _, d in pairs]
+        last = rows[-1]
+        out[name] = {
+            **({"class": last.device_class} if last.device_class is not None else {}),
+            "tier": last.tier,
+            "rounds_trained": len(rows),
+            **trained_means(rows),
+            "rho_mean": float(np.mean([r.rho for r in rows])),
+        }
+    return out
+
+
+def history_entry(r: RoundRecord) -> dict:
+    """A round in summary.json's history: its clock, accuracies and bytes (the optional accuracies when made)."""
+    entry = {
+        "round": r.round,
+        "sim_time_s": r.sim_time_s,
+        "global_accuracy": r.global_accuracy,
+        "personal_accuracy": r.personal_accuracy,
+        "personal_accuracy_p10": r.personal_accuracy_p10,
+        "bytes_uploaded": r.bytes_uploaded,
+    }
+    if r.server_accuracy is not None:
+        entry["server_accuracy"] = r.server_accuracy
+    if r.finetuned_accuracy is not None:
+        entry |= {"finetuned_accuracy": r.finetuned_accuracy, "finetuned_accuracy_p10": r.finetuned_accuracy_p10}
+    return entry
+
+
+def trained_means(rows: list[DeviceRow]) -> dict:
     """What trained rows (one device's, or one class's) did on average, and the bytes they uploaded."""
     return {
-        "speedup_mean": float(np.mean([r["speedup"] for r in rows])),
-        "round_speedup_mean": float(np.mean([r.get("round_speedup", r["speedup"]) for r in rows])),
-        "trained_fraction_mean": float(np.mean([r["trained_fraction"] for r in rows])),
-        "bytes_uploaded": int(sum(r.get("bytes_uploaded", 0) for r in rows)),
+        "speedup_mean": float(np.mean([r.speedup for r in rows])),
+        "round_speedup_mean": float(np.mean([r.whole_round_speedup for r in rows])),
+        "trained_fraction_mean": float(np.mean([r.trained_fraction for r in rows])),
+        "bytes_uploaded": int(sum(r.bytes_uploaded or 0 for r in rows)),
     }
 
 
-def class_summary(records: list[dict]) -> dict[str, dict]:
+def class_summary(records: list[RoundRecord]) -> dict[str, dict]:
     """Per device class (devices.device_classes): what its devices' trained rounds did, and their
     personalized accuracy when last evaluated; empty without classes."""
-    trained: dict[str, list[dict]] = {}
-    last_eval: dict[str, dict] = {}
+    trained: dict[str, list[DeviceRow]] = {}
+    last_eval: dict[str, DeviceRow] = {}
     for rec in records:
-        for d in rec["devices"]:
-            if "class" not in d:
+        for d in rec.devices:
+            if d.device_class is None:
                 continue
-            if "speedup" in d:
-                trained.setdefault(d["class"], []).append(d)
-            if "personal_accuracy" in d:
+            if d.trained:
+                trained.setdefault(d.device_class, []).append(d)
+            if d.personal_accuracy is not None:
                 last_eval[device_key(d)] = d
     out = {}
     for cls, rows in sorted(trained.items()):
-        personal = [d["personal_accuracy"] for d in last_eval.values() if d["class"] == cls]
+        personal = [d.personal_accuracy for d in last_eval.values() if d.device_class == cls]
         out[cls] = {
             "devices_trained": len({device_key(d) for d in rows}),
             "device_rounds": len(rows),
             **trained_means(rows),
-            "round_time_s_mean": float(np.mean([d["predicted_time_s"] for d in rows])),
+            "round_time_s_mean": float(np.mean([d.predicted_time_s for d in rows])),
             "personalized_accuracy_mean": float(np.mean(personal)) if personal else None,
         }
     return out
 
 
-def progress_line(rec: dict, rounds: int) -> str:
+def progress_line(rec: RoundRecord, rounds: int) -> str:
     def pct(v):
         return f"{100 * v:5.1f}%" if isinstance(v, (int, float)) else "  n/a "
 
-    speedups = [d.get("round_speedup", d["speedup"]) for d in rec["devices"] if "speedup" in d]  # whole rounds
+    speedups = [d.whole_round_speedup for d in rec.trained_rows()]  # whole rounds
     return (
-        f"round {rec['round']:>3}/{rounds}  sim {rec['sim_time_s']:8.1f}s (+{rec['round_time_s']:.1f}s)  "
-        f"global {pct(rec['global_accuracy'])}  personal {pct(rec['personal_accuracy'])}  "
-        + (f"finetuned {pct(rec['finetuned_accuracy'])}  " if "finetuned_accuracy" in rec else "")
-        + (f"server {pct(rec['server_accuracy'])}  " if "server_accuracy" in rec else "")
+        f"round {rec.round:>3}/{rounds}  sim {rec.sim_time_s:8.1f}s (+{rec.round_time_s:.1f}s)  "
+        f"global {pct(rec.global_accuracy)}  personal {pct(rec.personal_accuracy)}  "
+        + (f"finetuned {pct(rec.finetuned_accuracy)}  " if rec.finetuned_accuracy is not None else "")
+        + (f"server {pct(rec.server_accuracy)}  " if rec.server_accuracy is not None else "")
         + f"speedup {min(speedups, default=0):.2f}-{max(speedups, default=0):.2f}x  "
-        f"up {rec['bytes_uploaded'] / 1e6:6.2f} MB  devices {len(speedups)}  rejected {len(rec['rejections'])}"
+        f"up {rec.bytes_uploaded / 1e6:6.2f} MB  devices {len(speedups)}  rejected {len(rec.rejections)}"
         + attendance_note(rec)
     )
 
@@ -323,19 +335,17 @@ def _names(names: list[str]) -> str:
     return ",".join(names) if len(names) <= 4 else f"{len(names)} devices"
 
 
-def attendance_note(rec: dict) -> str:
+def attendance_note(rec: RoundRecord) -> str:
     """Who missed, joined or was refused this round: said on the progress line only when it happened."""
-    parts = [f"{key} {_names(rec[key])}" for key in ("missed", "joined") if rec.get(key)]
-    for key in ("refused", "offline"):
-        if rec.get(key):
-            parts.append(f"{key} {len(rec[key])}")
+    parts = [f"{label} {_names(names)}" for label, names in (("missed", rec.missed), ("joined", rec.joined)) if names]
+    parts += [f"{label} {len(got)}" for label, got in (("refused", rec.refused), ("offline", rec.offline)) if got]
     return ("  " + "  ".join(parts)) if parts else ""
 
 
 MAX_LEGEND_DEVICES = 16  # a larger fleet's device plot has no legend
 
 
-def plot_run(out: Path, records: list[dict], title: str) -> list[Path]:
+def plot_run(out: Path, records: list[RoundRecord], title: str) -> list[Path]:
     """Accuracy against simulated time and rounds; per-device speedup, trained fraction; bytes per round."""
     import matplotlib
 
@@ -344,14 +354,14 @@ def plot_run(out: Path, records: list[dict], title: str) -> list[Path]:
 
     if not records:
         return []
-    rounds = [r["round"] for r in records]
-    evaluated = [r for r in records if r["global_accuracy"] is not None]  # evaluation.every skips rounds
-    sim = [r["sim_time_s"] for r in evaluated]
-    g = [r["global_accuracy"] for r in evaluated]
-    p = [r["personal_accuracy"] for r in evaluated]
+    rounds = [r.round for r in records]
+    evaluated = [r for r in records if r.evaluated]  # evaluation.every skips rounds
+    sim = [r.sim_time_s for r in evaluated]
+    g = [r.global_accuracy for r in evaluated]
+    p = [r.personal_accuracy for r in evaluated]
     paths = []
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, x, label in ((axes[0], sim, "simulated time (s)"), (axes[1], [r["round"] for r in evaluated], "round")):
+    for ax, x, label in ((axes[0], sim, "simulated time (s)"), (axes[1], [r.round for r in evaluated], "round")):
         ax.plot(x, g, marker="o", label="global")
         ax.plot(x, p, marker="s", label="personalized (mean)")
         ax.set_xlabel(label)
@@ -366,13 +376,13 @@ def plot_run(out: Path, records: list[dict], title: str) -> list[Path]:
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     by_device = trained_rows(records)
-    for name, rows in sorted(by_device.items()):
-        xs = [r["round"] for r in rows]
-        axes[0].plot(xs, [r["speedup"] for r in rows], marker=".", label=f"{name} ({rows[-1]['tier']:g}x)")
-        axes[1].plot(xs, [r["trained_fraction"] for r in rows], marker=".", label=name)
+    for name, pairs in sorted(by_device.items()):
+        xs, rows = [n for n, _ in pairs], [d for _, d in pairs]
+        axes[0].plot(xs, [r.speedup for r in rows], marker=".", label=f"{name} ({rows[-1].tier:g}x)")
+        axes[1].plot(xs, [r.trained_fraction for r in rows], marker=".", label=name)
     axes[0].set_title("speedup vs full training")
     axes[1].set_title("trained fraction of weights")
-    axes[2].bar(rounds, [r["bytes_uploaded"] / 1e6 for r in records])
+    axes[2].bar(rounds, [r.bytes_uploaded / 1e6 for r in records])
     axes[2].set_title("MB uploaded per round")
     for ax in axes:
         ax.set_xlabel("round")

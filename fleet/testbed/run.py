@@ -29,6 +29,7 @@ from fleet.engine.config import config_to_dict
 from fleet.engine.experiment import check_model_fits_data, load_data
 from fleet.federated.config import FleetConfig, run_dir
 from fleet.federated.paths import APP_ROOT
+from fleet.federated.round_record import RoundRecord
 from fleet.federated.state import keep_previous_run
 from fleet.federated.testbed_config import TestbedClassConfig
 from fleet.federated.tracking import SUMMARY_FILE, read_progress, read_records
@@ -294,30 +295,32 @@ def prepare_run(cfg: FleetConfig, work: Path, joining: set[str], log: Log) -> tu
     return cfg, path
 
 
-def class_round_times(rec: dict, classes: dict[str, str]) -> dict[str, float]:
+def class_round_times(rec: RoundRecord, classes: dict[str, str]) -> dict[str, float]:
     """Per class, its slowest device's real round this round: the server's wall seconds from sending the
     train message to pulling the reply (start, transfers and compute together)."""
     out: dict[str, float] = {}
-    for d in rec.get("devices", []):
-        cls = classes.get(d.get("device", ""))
-        if cls is not None and d.get("wall_s") is not None:
-            out[cls] = max(out.get(cls, 0.0), float(d["wall_s"]))
+    for d in rec.devices:
+        cls = classes.get(d.device or "")
+        if cls is not None and d.wall_s is not None:
+            out[cls] = max(out.get(cls, 0.0), float(d.wall_s))
     return out
 
 
-def progress_line(rec: dict, rounds: int, wall_s: float, classes: dict[str, str]) -> str:
+def progress_line(rec: RoundRecord, rounds: int, wall_s: float, classes: dict[str, str]) -> str:
     def pct(v: object) -> str:
         return f"{100 * v:5.1f}%" if isinstance(v, (int, float)) else "  n/a "
 
     times = "  ".join(f"{c} {t:.1f}s" for c, t in sorted(class_round_times(rec, classes).items()))
-    missed = f"  missed {','.join(rec['missed'])}" if rec.get("missed") else ""
+    missed = f"  missed {','.join(rec.missed)}" if rec.missed else ""
     return (
-        f"round {rec['round']:>3}/{rounds}  wall {wall_s:7.1f}s  global {pct(rec.get('global_accuracy'))}  "
-        f"personal {pct(rec.get('personal_accuracy'))}  {times}{missed}"
+        f"round {rec.round:>3}/{rounds}  wall {wall_s:7.1f}s  global {pct(rec.global_accuracy)}  "
+        f"personal {pct(rec.personal_accuracy)}  {times}{missed}"
     )
 
 
-def watch(tb: Testbed, out: Path, faults: list[Fault], log: Log, stop_after_s: float | None = None) -> list[dict]:
+def watch(
+    tb: Testbed, out: Path, faults: list[Fault], log: Log, stop_after_s: float | None = None
+) -> list[RoundRecord]:
     """Print a line per round as the run writes metrics.jsonl, replay each fault when its round starts,
     and return the records once summary.json is written, or once a round ends past ``stop_after_s`` of
     the run's wall clock (a bench's budget); a FleetError past testbed.timeout_s."""
@@ -327,7 +330,7 @@ def watch(tb: Testbed, out: Path, faults: list[Fault], log: Log, stop_after_s: f
     end = started + cfg.testbed.timeout_s
     pending, thaw, records = sorted(faults, key=lambda f: f.round), {}, []
     while not (out / SUMMARY_FILE).is_file():
-        if stop_after_s is not None and records and records[-1].get("wall_time_s", 0.0) >= stop_after_s:
+        if stop_after_s is not None and records and records[-1].wall_time_s >= stop_after_s:
             log(f"testbed: the wall-clock budget of {stop_after_s:.0f}s is spent; stopped after round {len(records)}")
             return records
         if time.monotonic() > end:
@@ -376,7 +379,7 @@ class TestbedRun:
 
     __test__ = False  # not a pytest class
 
-    records: list[dict]  # metrics.jsonl, a line per round
+    records: list[RoundRecord]  # metrics.jsonl, a line per round
     summary: dict | None  # summary.json; None when the run was stopped at a wall-clock budget
     memory: dict[str, tuple[float, int]]  # device -> (its cgroup's memory peak in MB, its OOM kills)
     traffic: dict[str, tuple[int, int]]  # device -> bytes its link carried (up, down), Flower's framing included

@@ -1,7 +1,7 @@
 """Flower ClientApp of one edge device (Message API): a thin adapter.
 
 Each handler unpacks the Message, calls the device's Flower-free task in
-:mod:`fleet.federated.tasks`, and packs the result into its reply:
+:mod:`fleet.federated.on_device.tasks`, and packs the result into its reply:
 
 train:    the global tensors and the round's config in; only the trained tensors out.
 evaluate: accuracy of the global model and of this device's personalized model.
@@ -16,10 +16,11 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SType
 
-from fleet.federated import keys, tasks
-from fleet.federated.config import config_from_run_config
-from fleet.federated.npy import npy_view
-from fleet.federated.packing import owned_tensors, pack, unpack
+from fleet.federated.on_device import tasks
+from fleet.federated.shared import keys
+from fleet.federated.shared.config import config_from_run_config
+from fleet.federated.shared.npy import npy_view
+from fleet.federated.shared.packing import owned_tensors, pack, unpack
 
 app = ClientApp()
 
@@ -41,7 +42,7 @@ def _reply(msg: Message, device: tasks.Device, metrics: dict, arrays: dict | Non
 
 def put_arrays(content: RecordDict, arrays: dict) -> None:
     """``arrays`` (name -> tensor) into ``content`` as the wire carries them: packed, a few buffers and their
-    index (fleet.federated.packing)."""
+    index (fleet.federated.shared.packing)."""
     packed = pack(arrays)
     content[keys.ARRAYS] = ArrayRecord({k: Array(v) for k, v in packed.buffers.items()})
     content[keys.PACKING] = ConfigRecord(packed.index)

@@ -1,11 +1,11 @@
 """Flower ServerApp of the fleet (Message API): unpack, call the core, pack.
 
-The round is the Flower-free core's (:func:`fleet.federated.server_loop.run_fleet`, and every decision
-in it the :class:`~fleet.federated.coordinator.Coordinator`'s). This module is only its
-:class:`~fleet.federated.mailbox.Link` over Flower's Grid: a
-:class:`~fleet.federated.records.TrainOrder` and the global arrays into Messages, replies back into
-:class:`~fleet.federated.records.Reply` records. ``resume = true`` in the run config continues from the
-last checkpoint (fleet.federated.server_run).
+The round is the Flower-free core's (:func:`fleet.federated.on_server.server_loop.run_fleet`, and every decision
+in it the :class:`~fleet.federated.on_server.coordinator.Coordinator`'s). This module is only its
+:class:`~fleet.federated.on_server.mailbox.Link` over Flower's Grid: a
+:class:`~fleet.federated.shared.records.TrainOrder` and the global arrays into Messages, replies back into
+:class:`~fleet.federated.shared.records.Reply` records. ``resume = true`` in the run config continues from the
+last checkpoint (fleet.federated.on_server.server_run).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Message
 from flwr.common.constant import SType
 from flwr.serverapp import Grid, ServerApp
 
-from fleet.federated import keys
-from fleet.federated.config import config_from_run_config
-from fleet.federated.mailbox import Sent
-from fleet.federated.npy import npy_view
-from fleet.federated.packing import pack
-from fleet.federated.packing import unpack as unpack_arrays
-from fleet.federated.records import EVALUATE, QUERY, TRAIN, Reply, TrainOrder
-from fleet.federated.server_loop import run_fleet
+from fleet.federated.on_server.mailbox import Sent
+from fleet.federated.on_server.server_loop import run_fleet
+from fleet.federated.shared import keys
+from fleet.federated.shared.config import config_from_run_config
+from fleet.federated.shared.npy import npy_view
+from fleet.federated.shared.packing import pack
+from fleet.federated.shared.packing import unpack as unpack_arrays
+from fleet.federated.shared.records import EVALUATE, QUERY, TRAIN, Reply, TrainOrder
 
 app = ServerApp()
 MESSAGE_TYPES = {QUERY: MessageType.QUERY, TRAIN: MessageType.TRAIN, EVALUATE: MessageType.EVALUATE}
@@ -39,7 +39,7 @@ def main(grid: Grid, context: Context) -> None:
 
 
 class GridLink:
-    """The round's :class:`~fleet.federated.mailbox.Link` over Flower's Grid."""
+    """The round's :class:`~fleet.federated.on_server.mailbox.Link` over Flower's Grid."""
 
     def __init__(self, grid: Grid) -> None:
         self.grid = grid

@@ -10,7 +10,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from client import client_app
-from fleet.federated import keys
+from fleet.federated.shared import keys
 
 FAIL_PARTITION = 1
 FAIL_ROUND = 1

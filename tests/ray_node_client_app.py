@@ -12,7 +12,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from client import client_app
-from fleet.federated.config import config_from_run_config, run_dir
+from fleet.federated.shared.config import config_from_run_config, run_dir
 
 NODES_FILE = "ray-nodes.txt"
 

@@ -17,10 +17,10 @@ from fleet.engine.accelerator import HostClock, Precision, clock_for, elapsed, h
 from fleet.engine.config import TrainConfig, config_from_dict
 from fleet.engine.device_profile import DeviceProfile
 from fleet.engine.trainer import Trainer
-from fleet.federated import keys, schema
-from fleet.federated.config import load_fleet_config
-from fleet.federated.device import train_device_of
-from fleet.federated.tasks import Device
+from fleet.federated.on_device.device import train_device_of
+from fleet.federated.on_device.tasks import Device
+from fleet.federated.shared import keys, schema
+from fleet.federated.shared.config import load_fleet_config
 from tests.conftest import BATCH, INPUT, proportional_profile, small_model
 
 ROOT = Path(__file__).resolve().parents[1]

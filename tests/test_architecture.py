@@ -413,62 +413,24 @@ def test_clean_synthetic_tree_passes(tmp_path):
     assert check(tmp_path) == {"wall": [], "apps": [], "cycles": []}
 
 
-# The federated core's sides (docs/architecture.md): each module of fleet/federated/, and the sides it may import
+# The federated core's sides (docs/architecture.md): a folder of fleet/federated/ each, and the sides each may import
 # besides its own. A device and the server share only what both must agree on; a launcher (what starts a run,
 # prepares its start or writes the reference) may import either side.
 CORE = "fleet.federated"
-SIDES: dict[str, tuple[str, ...]] = {
-    "device": ("tasks", "round", "local_methods", "device", "state_lock"),
-    "server": (
-        "server_loop",
-        "mailbox",
-        "coordinator",
-        "server_run",
-        "defense",
-        "aggregate",
-        "robust",
-        "membership",
-        "state",
-        "tracking",
-        "server_eval",
-        "wall",
-    ),  # fmt: skip
-    "shared": (
-        "records",
-        "round_record",
-        "keys",
-        "schema",
-        "npy",
-        "packing",
-        "transfer",
-        "config",
-        "class_config",
-        "classes",
-        "online",
-        "fedscale",
-        "plain_pickle",
-        "paths",
-        "names",
-        "personal",
-        "split",
-        "owned",
-        "sorting",
-        "testbed_config",
-    ),  # fmt: skip
-    "launch": ("prepare", "pretrain", "newcomer", "reference"),
-}
+SIDES = {"on_device": "device", "on_server": "server", "shared": "shared", "launch": "launch"}  # folder -> side
 MAY_IMPORT = {"device": ("shared",), "server": ("shared",), "shared": (), "launch": ("device", "server", "shared")}
 
 
 def side_of(module: str) -> str | None:
-    name = module.removeprefix(f"{CORE}.")
-    return next((side for side, members in SIDES.items() if name in members), None)
+    """The side of a core module: its folder's (None outside the core, and for the core's own package)."""
+    parts = module.split(".")
+    return SIDES.get(parts[2]) if module.startswith(f"{CORE}.") and len(parts) > 2 else None
 
 
 def core_targets(imp: Import, modules: dict[str, str]) -> list[str]:
-    """The core modules an import lands in; ``from fleet.federated import keys, schema`` lands in both."""
-    if imp.target == CORE:
-        return [f"{CORE}.{n}" for n in imp.names if f"{CORE}.{n}" in modules]
+    """The core modules an import lands in; ``from fleet.federated.shared import keys, schema`` lands in both."""
+    if imp.target.startswith(CORE) and imp.names and all(f"{imp.target}.{n}" in modules for n in imp.names):
+        return [f"{imp.target}.{n}" for n in imp.names]
     target = resolve(imp.target, modules)
     return [target] if target is not None and target.startswith(f"{CORE}.") else []
 
@@ -487,9 +449,7 @@ def side_violations(imports: list[Import], modules: dict[str, str]) -> list[str]
 def test_every_core_module_has_a_side():
     core = [m for m in find_modules(ROOT) if m.startswith(f"{CORE}.")]
     unplaced = [m for m in core if side_of(m) is None]
-    assert not unplaced, f"place each in SIDES (and docs/architecture.md): {unplaced}"
-    named = [m for members in SIDES.values() for m in members]
-    assert sorted(named) == sorted({m.removeprefix(f"{CORE}.") for m in core}), "SIDES names a module twice or one gone"
+    assert not unplaced, f"put each in a side's folder ({', '.join(SIDES)}; and docs/architecture.md): {unplaced}"
 
 
 def test_the_device_and_the_server_side_share_only_the_shared_modules():
@@ -499,23 +459,24 @@ def test_the_device_and_the_server_side_share_only_the_shared_modules():
 
 
 def test_the_side_check_fails_on_synthetic_violations(tmp_path):
+    tree = {f"fleet/federated/{folder}/__init__.py": "" for folder in SIDES}
     _write(
         tmp_path,
         {
+            **tree,
             "fleet/__init__.py": "",
             "fleet/federated/__init__.py": "",
-            "fleet/federated/coordinator.py": "from fleet.federated.round import compute_steps\n",
-            "fleet/federated/round.py": "from fleet.federated import keys, coordinator\n",
-            "fleet/federated/keys.py": "from fleet.federated.tasks import x\n",
-            "fleet/federated/tasks.py": "",
-            "fleet/federated/prepare.py": "from fleet.federated import state, device\n",  # a launcher: fine
-            "fleet/federated/state.py": "",
-            "fleet/federated/device.py": "",
+            "fleet/federated/on_server/coordinator.py": "from fleet.federated.on_device.round import compute_steps\n",
+            "fleet/federated/on_device/round.py": "from fleet.federated.on_server import coordinator\n",
+            "fleet/federated/shared/keys.py": "from fleet.federated.on_device.tasks import x\n",
+            "fleet/federated/on_device/tasks.py": "from fleet.federated.shared import keys\n",  # fine
+            "fleet/federated/launch/prepare.py": "from fleet.federated.on_server import state\n",  # a launcher: fine
+            "fleet/federated/on_server/state.py": "",
         },
     )
     modules = find_modules(tmp_path)
     found = sorted(side_violations(read_imports(tmp_path, modules), modules))
     assert len(found) == 3, found
-    assert "server side imports device side's fleet.federated.round" in found[0]
-    assert "shared side imports device side's fleet.federated.tasks" in found[1]
-    assert "device side imports server side's fleet.federated.coordinator" in found[2]
+    assert "device side imports server side's fleet.federated.on_server.coordinator" in found[0]
+    assert "server side imports device side's fleet.federated.on_device.round" in found[1]
+    assert "shared side imports device side's fleet.federated.on_device.tasks" in found[2]

@@ -8,20 +8,20 @@ import re
 import pytest
 
 from fleet.base.errors import ConfigError
-from fleet.federated.class_config import load_trace
-from fleet.federated.classes import (
+from fleet.federated.on_device.device import tier_of
+from fleet.federated.on_server.coordinator import Coordinator
+from fleet.federated.on_server.state import ServerState
+from fleet.federated.shared.class_config import load_trace
+from fleet.federated.shared.classes import (
     FleetClasses,
     bandwidth_of,
     class_counts,
     class_of,
     online,
 )
-from fleet.federated.config import load_fleet_config
-from fleet.federated.coordinator import Coordinator
-from fleet.federated.device import tier_of
-from fleet.federated.names import simulated_names
-from fleet.federated.records import Member, TrainReply
-from fleet.federated.state import ServerState
+from fleet.federated.shared.config import load_fleet_config
+from fleet.federated.shared.names import simulated_names
+from fleet.federated.shared.records import Member, TrainReply
 
 EXAMPLE = "simulations/classes.yaml"
 

@@ -71,8 +71,8 @@ def no_work(monkeypatch) -> None:
 
     monkeypatch.setattr("fleet.engine.train_run.make_model", forbidden)
     monkeypatch.setattr("fleet.bench.personalize.ensure_pretrained", forbidden)
-    monkeypatch.setattr("fleet.federated.prepare.obtain_profile", forbidden)
-    monkeypatch.setattr("fleet.federated.prepare.keep_previous_run", forbidden)
+    monkeypatch.setattr("fleet.federated.launch.prepare.obtain_profile", forbidden)
+    monkeypatch.setattr("fleet.federated.launch.prepare.keep_previous_run", forbidden)
 
 
 # ---------------------------------------------------------------- 1. files that are not UTF-8
@@ -267,7 +267,7 @@ def test_null_in_the_yaml_file_clears_an_optional_field(tmp_path):
 
 def test_flower_run_config_still_skips_empty_values():
     """pyproject's [tool.flwr.app.config] defaults are "": they mean "keep the YAML's value"."""
-    from fleet.federated.config import config_from_run_config
+    from fleet.federated.shared.config import config_from_run_config
 
     cfg = config_from_run_config({"config": str(TINY), "train.rho": "", "federation.rounds": 3})
     assert (cfg.train.rho, cfg.federation.rounds) == (0.5, 3)

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from fleet.base.errors import ConfigError
-from fleet.federated import reference
-from fleet.federated.config import MOVED, SECTIONS, FleetConfig, fleet_config_from_dict
+from fleet.federated.launch import reference
+from fleet.federated.shared.config import MOVED, SECTIONS, FleetConfig, fleet_config_from_dict
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 MAX_FIELDS = 15
@@ -123,7 +123,7 @@ def test_a_changed_comment_fails_the_drift_check(monkeypatch):
 
 
 def test_a_moved_field_in_a_saved_runs_file_names_that_file_not_set(tmp_path):
-    from fleet.federated.config import load_fleet_config
+    from fleet.federated.shared.config import load_fleet_config
 
     saved = tmp_path / "fleet-config.yaml"
     saved.write_text("train:\n  threads: 2\n")

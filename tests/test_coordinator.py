@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fleet.federated.config import FleetConfig, load_fleet_config
-from fleet.federated.coordinator import Coordinator
-from fleet.federated.records import EVALUATE, QUERY, TRAIN, Member, Reply
-from fleet.federated.server_run import initial_arrays
-from fleet.federated.state import ServerState, load_checkpoint, save_checkpoint
+from fleet.federated.on_server.coordinator import Coordinator
+from fleet.federated.on_server.server_run import initial_arrays
+from fleet.federated.on_server.state import ServerState, load_checkpoint, save_checkpoint
+from fleet.federated.shared.config import FleetConfig, load_fleet_config
+from fleet.federated.shared.records import EVALUATE, QUERY, TRAIN, Member, Reply
 
 ROOT = Path(__file__).resolve().parent.parent
 NODES = ["101", "102", "103", "104", "105"]  # device-0 .. device-4

@@ -94,9 +94,9 @@ def test_a_corrupt_image_is_still_refused_with_a_cache(tmp_path: Path, fashion) 
 
 
 def test_a_deployed_device_keeps_its_images_in_its_state_directory(tmp_path: Path, fashion) -> None:
-    from fleet.federated import split
-    from fleet.federated.config import fleet_config_from_dict
-    from fleet.federated.tasks import DECODED_DIR, Device
+    from fleet.federated.on_device.tasks import DECODED_DIR, Device
+    from fleet.federated.shared import split
+    from fleet.federated.shared.config import fleet_config_from_dict
 
     write_tree(tmp_path / "pi", fashion, {"bag": 8, "sneaker": 4})
     cfg = fleet_config_from_dict({"data": {"dataset": "fashion-mnist", "class_names": NAMES, "input_size": 16}})

@@ -24,8 +24,8 @@ import pytest
 
 from fleet.base.process import PULL_ENV, task_pull_s
 from fleet.commands import device_runtime
-from fleet.federated.paths import APP_ROOT
-from fleet.federated.tracking import read_progress
+from fleet.federated.on_server.tracking import read_progress
+from fleet.federated.shared.paths import APP_ROOT
 from tests.test_deploy_loopback import BIN, Loopback, free_port, tiny_deploy_config, wait_port
 from tests.test_devices_loopback import trained
 

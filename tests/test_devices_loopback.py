@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from fleet.data.datasets import load_dataset
-from fleet.federated.tracking import read_progress, read_records
+from fleet.federated.on_server.tracking import read_progress, read_records
 from tests.test_deploy_loopback import ROOT, Loopback, measure_profile, run_status, wait_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]

@@ -12,10 +12,10 @@ import pytest
 import yaml
 
 from fleet.base.errors import ConfigError
-from fleet.federated.classes import FleetClasses, bandwidth_of, online
-from fleet.federated.config import load_fleet_config
-from fleet.federated.device import tier_of
-from fleet.federated.fedscale import load_clients
+from fleet.federated.on_device.device import tier_of
+from fleet.federated.shared.classes import FleetClasses, bandwidth_of, online
+from fleet.federated.shared.config import load_fleet_config
+from fleet.federated.shared.fedscale import load_clients
 from tests.test_fleet_simulation import ROOT, read_metrics, run_fleet
 
 CAPACITY = {  # FedScale's client_device_capacity: ms per sample, kbps; ids are ints in its pickles

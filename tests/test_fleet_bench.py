@@ -17,10 +17,10 @@ from fleet.bench.fleet import (
     time_mean_accuracy,
     within,
 )
-from fleet.federated.config import fleet_config_from_dict
-from fleet.federated.coordinator import out_of_time
-from fleet.federated.round_record import RoundRecord
-from fleet.federated.state import ServerState
+from fleet.federated.on_server.coordinator import out_of_time
+from fleet.federated.on_server.state import ServerState
+from fleet.federated.shared.config import fleet_config_from_dict
+from fleet.federated.shared.round_record import RoundRecord
 
 
 def hist(points: list[tuple[float, float]]) -> list[RoundRecord]:
@@ -196,7 +196,7 @@ def test_reuse_takes_only_a_finished_run_made_with_the_same_config(tmp_path):
     from fleet.base.errors import ConfigError
     from fleet.bench.fleet import bench_fleet, reused_summary
     from fleet.engine.config import config_to_dict
-    from fleet.federated.config import run_dir
+    from fleet.federated.shared.config import run_dir
 
     want = fleet_config_from_dict(
         {"name": "b-naive", "output_dir": str(tmp_path), "federation": {"strategy": "naive", "rounds": 4}}
@@ -226,7 +226,7 @@ def test_reuse_accepts_a_raised_round_cap_once_the_time_budget_is_reached(tmp_pa
     from fleet.base.errors import ConfigError
     from fleet.bench.fleet import reused_summary
     from fleet.engine.config import config_to_dict
-    from fleet.federated.config import run_dir
+    from fleet.federated.shared.config import run_dir
 
     want = fleet_config_from_dict(
         {"name": "b-fleet", "output_dir": str(tmp_path), "federation": {"rounds": 41, "time_budget_s": 100.0}}
@@ -267,7 +267,7 @@ def test_bench_carries_elastic_runs_to_the_horizon_past_their_round_cap(tmp_path
     from fleet.bench.fleet import bench_fleet
     from fleet.engine.experiment import make_model
     from fleet.engine.models import model_meta
-    from fleet.federated.config import load_fleet_config
+    from fleet.federated.shared.config import load_fleet_config
     from tests.conftest import proportional_profile
 
     # A size-proportional profile: how many elastic rounds fit FedAvg's horizon must not depend on

@@ -14,14 +14,14 @@ from fleet.base.errors import BudgetError, ConfigError, FleetError
 from fleet.engine.experiment import make_model
 from fleet.engine.models import model_meta
 from fleet.engine.policies import blend_importance, fitted_window_mask, select_in_window, window_mask, window_position
-from fleet.federated import tasks
-from fleet.federated.aggregate import round_deadline
-from fleet.federated.config import fleet_config_from_dict, load_fleet_config
-from fleet.federated.device import device_memory, memory_budget_of
-from fleet.federated.records import TrainOrder
-from fleet.federated.round import DeviceRound, RoundResult, drop_stale_momentum, rho_floor, step_budget
-from fleet.federated.split import device_data, fleet_indices
-from fleet.federated.transfer import wire_bytes
+from fleet.federated.on_device import tasks
+from fleet.federated.on_device.device import device_memory, memory_budget_of
+from fleet.federated.on_device.round import DeviceRound, RoundResult, drop_stale_momentum, rho_floor, step_budget
+from fleet.federated.on_server.aggregate import round_deadline
+from fleet.federated.shared.config import fleet_config_from_dict, load_fleet_config
+from fleet.federated.shared.records import TrainOrder
+from fleet.federated.shared.split import device_data, fleet_indices
+from fleet.federated.shared.transfer import wire_bytes
 from tests.conftest import proportional_profile
 
 TINY = "simulations/fleet-tiny.yaml"
@@ -144,7 +144,7 @@ def test_stale_momentum_is_dropped_for_tensors_that_sat_out():
 
 def test_momentum_saved_in_float16_halves_the_file_and_restores_within_float16s_precision(tmp_path):
     from fleet.base.atomic import load_torch, save_torch
-    from fleet.federated.device import stored_optimizer
+    from fleet.federated.on_device.device import stored_optimizer
 
     a, b = torch.nn.Parameter(torch.ones(65536)), torch.nn.Parameter(torch.ones(4))
     opt = torch.optim.SGD([a, b], lr=0.1, momentum=0.9)
@@ -383,7 +383,7 @@ def test_bad_federation_field_is_one_clear_line(data, field):
 
 
 def test_a_probe_is_skipped_when_it_would_cost_more_than_the_round_must_shed():
-    from fleet.federated.round import RoundBudget, probe_pays
+    from fleet.federated.on_device.round import RoundBudget, probe_pays
 
     nearly = RoundBudget(deadline_s=9.5, full_time_s=9.0, upload_s=[0.5, 0.5], buffers_s=0.1)  # 0.6 s short
     assert not probe_pays(nearly, probe_s=1.8)  # a 2-step probe costs more than the whole cut
@@ -394,7 +394,7 @@ def test_a_probe_is_skipped_when_it_would_cost_more_than_the_round_must_shed():
 def test_a_profile_file_is_read_once_per_process_until_it_changes(setup, tmp_path):
     """A simulation worker serves every device's messages from one profile file: it is parsed and
     checked once, and a rewritten file (a re-profiled device) is read again."""
-    from fleet.federated.device import device_profile
+    from fleet.federated.on_device.device import device_profile
 
     cfg, profile = setup
     path = tmp_path / "profile.yaml"
@@ -412,7 +412,7 @@ def test_device_state_is_a_record_on_disk_and_reads_the_dict_earlier_versions_sa
     """The state file is the record's fields as a plain dict (loaded with weights_only); a state saved as the
     dict of earlier versions loads as the record, and a foreign, damaged or other run's file is ignored."""
     from fleet.base.atomic import save_torch
-    from fleet.federated.device import DeviceState, load_state, save_state
+    from fleet.federated.on_device.device import DeviceState, load_state, save_state
 
     path = tmp_path / "state.pt"
     state = DeviceState(
@@ -455,7 +455,7 @@ def test_a_second_round_starts_from_the_state_the_first_kept(setup):
 
 
 def test_fine_tuning_gets_its_steps_share_of_the_deadline_and_no_upload(setup):
-    from fleet.federated.round import finetune_work, round_work
+    from fleet.federated.on_device.round import finetune_work, round_work
 
     cfg, _ = setup
     cfg = dataclasses.replace(cfg, personalization=dataclasses.replace(cfg.personalization, finetune_steps=3))

@@ -105,9 +105,9 @@ def test_device_failing_mid_round_does_not_stop_the_fleet(tmp_path):
     assert summary["final_accuracy"] == pytest.approx(r2["global_accuracy"])
     assert (run / "accuracy.png").stat().st_size > 1000 and (run / "devices.png").stat().st_size > 1000
     # evaluation.server_test: the global model scored on the server's test set, the figure the checkpoint gives
-    from fleet.federated.config import load_fleet_config
-    from fleet.federated.server_eval import server_accuracy, server_test_set
-    from fleet.federated.state import load_checkpoint
+    from fleet.federated.on_server.server_eval import server_accuracy, server_test_set
+    from fleet.federated.on_server.state import load_checkpoint
+    from fleet.federated.shared.config import load_fleet_config
 
     cfg = load_fleet_config(run / "fleet-config.yaml")
     arrays = {k: v.numpy() for k, v in load_checkpoint(run)[0].items()}
@@ -166,7 +166,7 @@ def test_flwr_without_the_simulation_internals_is_named_in_one_line(tmp_path, mo
     """`fleet simulate` leans on flwr 1.42's simulation internals; another flwr must say so, not crash."""
     from fleet.base.errors import FleetError
     from fleet.commands.simulation import run_simulation
-    from fleet.federated.config import fleet_config_from_dict
+    from fleet.federated.shared.config import fleet_config_from_dict
 
     monkeypatch.setitem(sys.modules, "flwr.simulation.run_simulation", None)  # what a release without it looks like
     with pytest.raises(
@@ -248,8 +248,8 @@ def test_device_classes_set_each_devices_speed_uplink_and_availability(tmp_path)
     counts at its own uplink, and rows, summary.json and classes.png break results down per class."""
     import yaml
 
-    from fleet.federated.classes import bandwidth_of, online
-    from fleet.federated.config import load_fleet_config
+    from fleet.federated.shared.classes import bandwidth_of, online
+    from fleet.federated.shared.config import load_fleet_config
 
     (tmp_path / "trace.yaml").write_text("period_s: 1000000\ndevices:\n  - [[0, 1000000]]\n  - [[0, 1]]\n")
     classes = [

@@ -10,12 +10,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fleet.federated.aggregate import error_summary, global_importance, masked_average
-from fleet.federated.config import fleet_config_from_dict
-from fleet.federated.coordinator import Coordinator, ModelNames, PlannedRound, last_step
-from fleet.federated.membership import member
-from fleet.federated.records import EVALUATE, TRAIN, Accuracy, Reply, TrainOrder
-from fleet.federated.state import RoundReplies, ServerState
+from fleet.federated.on_server.aggregate import error_summary, global_importance, masked_average
+from fleet.federated.on_server.coordinator import Coordinator, ModelNames, PlannedRound, last_step
+from fleet.federated.on_server.membership import member
+from fleet.federated.on_server.state import RoundReplies, ServerState
+from fleet.federated.shared.config import fleet_config_from_dict
+from fleet.federated.shared.records import EVALUATE, TRAIN, Accuracy, Reply, TrainOrder
 
 
 def reply(
@@ -34,7 +34,7 @@ def reply(
 
 
 def device_metrics(samples: float, selected: int) -> dict:
-    """Every metric an honest device reports with its trained tensors (fleet.federated.schema.TRAIN)."""
+    """Every metric an honest device reports with its trained tensors (fleet.federated.shared.schema.TRAIN)."""
     return {
         "num-examples": samples,
         "tier": 1.0,
@@ -223,7 +223,7 @@ def test_bad_evaluation_replies_are_left_out_not_crashing_the_server(caplog):
 
 
 def test_server_momentum_moves_only_the_tensors_someone_trained():
-    from fleet.federated.aggregate import momentum_step
+    from fleet.federated.on_server.aggregate import momentum_step
 
     cur = {"w": np.zeros(2, np.float32), "v": np.ones(2, np.float32), "bn.running_mean": np.zeros(2, np.float32)}
     new = {"w": np.full(2, 1.0, np.float32), "v": cur["v"], "bn.running_mean": np.full(2, 0.5, np.float32)}
@@ -239,7 +239,7 @@ def test_server_momentum_moves_only_the_tensors_someone_trained():
 
 
 def test_the_server_momentum_survives_a_checkpoint(tmp_path):
-    from fleet.federated.state import load_checkpoint, save_checkpoint
+    from fleet.federated.on_server.state import load_checkpoint, save_checkpoint
 
     state = ServerState(run_tag="r", round=3, momentum={"w": np.full(4, 0.25, np.float32)})
     save_checkpoint(tmp_path, {"w": np.zeros(4, np.float32)}, state)
@@ -261,7 +261,7 @@ def flower_reply(node: int, content=None, error: str | None = None, kind: str = 
     """A reply as the SuperLink hands it to the ServerApp, with the mailbox's note of what it answers."""
     from flwr.app import Error, Message, Metadata
 
-    from fleet.federated.mailbox import Sent
+    from fleet.federated.on_server.mailbox import Sent
 
     meta = Metadata(
         run_id=1,

@@ -18,9 +18,9 @@ from fleet.cli import main
 from fleet.data.datasets import _STATS, load_dataset, norm_stats
 from fleet.data.folders import OwnedData, held_out, load_owned
 from fleet.engine.config import config_from_dict
-from fleet.federated.config import fleet_config_from_dict
-from fleet.federated.owned import device_roots, owned_data
-from fleet.federated.paths import APP_ROOT
+from fleet.federated.shared.config import fleet_config_from_dict
+from fleet.federated.shared.owned import device_roots, owned_data
+from fleet.federated.shared.paths import APP_ROOT
 
 # Fashion-MNIST's classes in label order ('T-shirt/top' holds a '/', which no folder name can).
 NAMES = ["tshirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "boot"]

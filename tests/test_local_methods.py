@@ -7,10 +7,11 @@ import torch
 from torch import nn
 
 from fleet.base.errors import ConfigError
-from fleet.federated import keys, tasks
-from fleet.federated.config import load_fleet_config
-from fleet.federated.local_methods import Apfl, ala_merge, learn_ala
-from fleet.federated.transfer import wire_bytes
+from fleet.federated.on_device import tasks
+from fleet.federated.on_device.local_methods import Apfl, ala_merge, learn_ala
+from fleet.federated.shared import keys
+from fleet.federated.shared.config import load_fleet_config
+from fleet.federated.shared.transfer import wire_bytes
 from tests.test_personal import TINY, device, round_config
 
 

@@ -7,14 +7,14 @@ import dataclasses
 import pytest
 
 from fleet.base.errors import ConfigError, FleetError
-from fleet.federated import membership as m
-from fleet.federated.config import fleet_config_from_dict
-from fleet.federated.device import partition_of, state_dir_of, tier_of
-from fleet.federated.mailbox import Mailbox
-from fleet.federated.names import device_name_of
-from fleet.federated.prepare import simulated_fleet
-from fleet.federated.records import Member
-from fleet.federated.server_loop import wait_for_devices
+from fleet.federated.launch.prepare import simulated_fleet
+from fleet.federated.on_device.device import partition_of, state_dir_of, tier_of
+from fleet.federated.on_server import membership as m
+from fleet.federated.on_server.mailbox import Mailbox
+from fleet.federated.on_server.server_loop import wait_for_devices
+from fleet.federated.shared.config import fleet_config_from_dict
+from fleet.federated.shared.names import device_name_of
+from fleet.federated.shared.records import Member
 
 
 def test_a_second_device_claiming_a_live_name_is_refused_in_one_line():
@@ -119,8 +119,8 @@ def test_sampling_more_devices_than_the_simulated_fleet_is_one_line(section, fie
 def test_a_run_whose_rounds_trained_nobody_says_so(tmp_path):
     """The summary lists the rounds in which no training reply was accepted (`fleet simulate` turns
     them into one error line and exit 2 instead of a 'global accuracy 0.00%' success)."""
-    from fleet.federated.round_record import RoundRecord
-    from fleet.federated.tracking import Tracker
+    from fleet.federated.on_server.tracking import Tracker
+    from fleet.federated.shared.round_record import RoundRecord
 
     tracker = Tracker(tmp_path, resume_round=None)
     trained = {"device": "device-0", "speedup": 1.0, "tier": 1.0, "trained_fraction": 1.0, "rho": 1.0}
@@ -134,8 +134,8 @@ def test_a_run_whose_rounds_trained_nobody_says_so(tmp_path):
 
 
 def test_a_round_evaluates_every_eval_every_rounds_and_always_last():
-    from fleet.federated.config import load_fleet_config
-    from fleet.federated.coordinator import evaluates
+    from fleet.federated.on_server.coordinator import evaluates
+    from fleet.federated.shared.config import load_fleet_config
 
     cfg = load_fleet_config(None, {"federation.rounds": 10, "evaluation.every": 4})
     assert [r for r in range(1, 11) if evaluates(cfg, r, 0.0)] == [4, 8, 10]

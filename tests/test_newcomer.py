@@ -9,8 +9,8 @@ import torch
 
 from fleet.engine.experiment import make_model
 from fleet.engine.models import model_meta
-from fleet.federated.config import load_fleet_config
-from fleet.federated.newcomer import personalize_newcomer
+from fleet.federated.launch.newcomer import personalize_newcomer
+from fleet.federated.shared.config import load_fleet_config
 from tests.conftest import proportional_profile
 
 TINY = "simulations/fleet-tiny.yaml"
@@ -49,7 +49,7 @@ def test_each_method_records_accuracy_against_the_device_time_it_spent(tmp_path)
 def test_batch_orders_average_each_methods_curve_and_the_first_order_is_the_single_one(tmp_path, monkeypatch):
     """Two batch orders: each method trains twice from the same start, shuffled by two seeds; its curve is the mean
     of the two, the first is what one order gives, and the second differs from it (else the mean hides nothing)."""
-    import fleet.federated.newcomer as newcomer
+    import fleet.federated.launch.newcomer as newcomer
     from fleet.base.errors import ConfigError
 
     cfg, weights, profile = tiny_start(tmp_path)
@@ -72,7 +72,7 @@ def test_batch_orders_average_each_methods_curve_and_the_first_order_is_the_sing
 
 
 def test_a_mean_curve_keeps_the_shared_keys_and_the_shortest_length():
-    from fleet.federated.newcomer import mean_curve
+    from fleet.federated.launch.newcomer import mean_curve
 
     a = [{"accuracy": 0.2, "device_time_s": 0.0, "distribution_accuracy": 0.1}, {"accuracy": 0.6, "device_time_s": 2.0}]
     b = [{"accuracy": 0.4, "device_time_s": 0.0}, {"accuracy": 0.8, "device_time_s": 4.0}, {"accuracy": 1.0}]
@@ -84,7 +84,7 @@ def test_a_mean_curve_keeps_the_shared_keys_and_the_shortest_length():
 
 def test_newcomers_leave_some_devices_to_take_part_and_the_sample_counts_only_those():
     from fleet.base.errors import ConfigError
-    from fleet.federated.prepare import simulated_fleet
+    from fleet.federated.launch.prepare import simulated_fleet
 
     with pytest.raises(ConfigError, match="^devices.newcomers: 4 leaves none of the 4 devices"):
         load_fleet_config(TINY, {"devices.newcomers": 4})
@@ -120,7 +120,7 @@ class ConstantModel(torch.nn.Module):
 
 def test_the_distribution_accuracy_weights_each_class_by_the_devices_share_of_it():
     from fleet.data.datasets import ArrayDataset
-    from fleet.federated.newcomer import distribution_accuracy
+    from fleet.federated.launch.newcomer import distribution_accuracy
 
     labels = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 2])  # unequal counts: a plain accuracy would be 0.3 for class 0
     test = ArrayDataset(torch.zeros(10, 1, 4, 4, dtype=torch.uint8), labels, 4, (0.5,), (0.5,), "t")
@@ -132,8 +132,8 @@ def test_the_distribution_accuracy_weights_each_class_by_the_devices_share_of_it
 
 
 def test_the_distribution_test_is_the_whole_test_split_in_the_devices_domain_and_its_label_mix(tmp_path):
-    from fleet.federated.newcomer import distribution_test
-    from fleet.federated.split import device_data
+    from fleet.federated.launch.newcomer import distribution_test
+    from fleet.federated.shared.split import device_data
 
     cfg = load_fleet_config(TINY, {"output_dir": str(tmp_path), "devices.shift.rotation_deg": 45})
     data = device_data(cfg, 3)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fleet.federated.packing import pack, unpack
+from fleet.federated.shared.packing import pack, unpack
 
 
 def model_arrays() -> dict:

@@ -11,11 +11,12 @@ from fleet.base.errors import ConfigError
 from fleet.engine.experiment import make_model
 from fleet.engine.models import model_meta
 from fleet.engine.trainer import accuracy
-from fleet.federated import keys, schema, tasks
-from fleet.federated.config import load_fleet_config
-from fleet.federated.personal import personal_names
-from fleet.federated.robust import upload_problem
-from fleet.federated.transfer import upload_values
+from fleet.federated.on_device import tasks
+from fleet.federated.on_server.robust import upload_problem
+from fleet.federated.shared import keys, schema
+from fleet.federated.shared.config import load_fleet_config
+from fleet.federated.shared.personal import personal_names
+from fleet.federated.shared.transfer import upload_values
 from tests.conftest import proportional_profile
 
 TINY = "simulations/fleet-tiny.yaml"
@@ -147,8 +148,8 @@ def test_dittos_proximal_term_pulls_the_personal_model_toward_the_global_one(tmp
     """The same personal model, trained the same steps on the same batches: with ditto_lambda it ends
     nearer the global weights it is anchored to than without."""
     from fleet.engine.trainer import Trainer
-    from fleet.federated.round import train_steps
-    from fleet.federated.split import device_data
+    from fleet.federated.on_device.round import train_steps
+    from fleet.federated.shared.split import device_data
 
     dev, weights = device(tmp_path, "none")
     data = device_data(dev.cfg, 0).train
@@ -198,10 +199,10 @@ def test_a_negative_ditto_lambda_is_one_line():
 
 
 def test_a_devices_reported_fine_tuning_time_is_held_to_a_band_on_the_clock():
-    from fleet.federated.coordinator import finetune_time
-    from fleet.federated.membership import member
-    from fleet.federated.records import EvaluateReply
-    from fleet.federated.state import ServerState
+    from fleet.federated.on_server.coordinator import finetune_time
+    from fleet.federated.on_server.membership import member
+    from fleet.federated.on_server.state import ServerState
+    from fleet.federated.shared.records import EvaluateReply
 
     def scored(node: int, finetune_s: float) -> EvaluateReply:
         return EvaluateReply(node, None, 10, 0.5, 0.5, finetune_time_s=finetune_s)

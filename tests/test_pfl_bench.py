@@ -263,7 +263,7 @@ def test_a_corrupt_run_checkpoint_is_one_line_and_exit_2(tmp_path, capsys, newco
 
 def test_a_run_without_new_devices_has_none_to_personalize(tmp_path, capsys):
     from fleet.cli import main
-    from fleet.federated.state import ServerState, save_checkpoint
+    from fleet.federated.on_server.state import ServerState, save_checkpoint
 
     cfg = yaml.safe_load(Path("simulations/pfl.yaml").read_text())
     cfg["devices"]["newcomers"] = 0

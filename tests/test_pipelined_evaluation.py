@@ -17,15 +17,16 @@ import torch
 
 from fleet.base.errors import ConfigError
 from fleet.engine.experiment import make_model
-from fleet.federated import keys, tasks
-from fleet.federated.config import load_fleet_config
-from fleet.federated.config import pipelined as pipelined_rule
-from fleet.federated.coordinator import Coordinator
-from fleet.federated.mailbox import Mailbox
-from fleet.federated.records import QUERY, TRAIN, Reply, TrainOrder
-from fleet.federated.server_loop import run_round
-from fleet.federated.server_run import initial_arrays
-from fleet.federated.state import ServerState, load_checkpoint, save_checkpoint
+from fleet.federated.on_device import tasks
+from fleet.federated.on_server.coordinator import Coordinator
+from fleet.federated.on_server.mailbox import Mailbox
+from fleet.federated.on_server.server_loop import run_round
+from fleet.federated.on_server.server_run import initial_arrays
+from fleet.federated.on_server.state import ServerState, load_checkpoint, save_checkpoint
+from fleet.federated.shared import keys
+from fleet.federated.shared.config import load_fleet_config
+from fleet.federated.shared.config import pipelined as pipelined_rule
+from fleet.federated.shared.records import QUERY, TRAIN, Reply, TrainOrder
 from tests.test_coordinator import NODES, config, query, train_reply
 from tests.test_fleet_simulation import TINY, read_metrics, run_fleet
 from tests.test_server_loop import FakeLink

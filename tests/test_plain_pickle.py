@@ -8,7 +8,7 @@ import tracemalloc
 
 import pytest
 
-from fleet.federated.plain_pickle import MAX_DEPTH, load_plain, pickle_problem
+from fleet.federated.shared.plain_pickle import MAX_DEPTH, load_plain, pickle_problem
 
 HONEST = {
     1: {"computation": 153.5, "communication": 8000, "model": "SM-G960F\nline two", "none": None, "yes": True},

@@ -8,8 +8,8 @@ from fleet.base.errors import ConfigError
 from fleet.bench.regimes import REGIMES, profile_overrides
 from fleet.engine.config import NULL
 from fleet.engine.device_profile import DeviceProfile
-from fleet.federated.config import load_fleet_config
-from fleet.federated.paths import APP_ROOT
+from fleet.federated.shared.config import load_fleet_config
+from fleet.federated.shared.paths import APP_ROOT
 
 UPLOAD_S = 11_200_000 * 4 / 12.5e6  # a ResNet-18's float32 weights over the benches' 100 Mbit/s uplink
 

@@ -10,12 +10,10 @@ import logging
 import numpy as np
 import pytest
 
-from fleet.federated.config import RobustConfig
-from fleet.federated.coordinator import Coordinator
-from fleet.federated.defense import sample_cap
-from fleet.federated.membership import member
-from fleet.federated.records import Reply
-from fleet.federated.robust import (
+from fleet.federated.on_server.coordinator import Coordinator
+from fleet.federated.on_server.defense import sample_cap
+from fleet.federated.on_server.membership import member
+from fleet.federated.on_server.robust import (
     leave_one_out_medians,
     plausible_times,
     robust_average,
@@ -23,7 +21,9 @@ from fleet.federated.robust import (
     update_limits,
     update_norms,
 )
-from fleet.federated.schema import TRAIN, metric_problem
+from fleet.federated.shared.config import RobustConfig
+from fleet.federated.shared.records import Reply
+from fleet.federated.shared.schema import TRAIN, metric_problem
 from tests.test_fleet_strategy import coordinator, device_metrics, reply, train
 
 GLOBAL = {
@@ -234,7 +234,7 @@ def test_a_device_caught_pulling_back_is_not_trusted_while_its_updates_stay_over
 def test_each_replys_update_norms_are_taken_once_and_again_only_after_it_is_scaled(monkeypatch):
     """The screen and the bound read one set of norms per reply (each a pass over a model's floats); a reply
     the screen scales down is measured again, so the bound judges what will be averaged."""
-    import fleet.federated.defense as defense
+    import fleet.federated.on_server.defense as defense
 
     calls = []
     monkeypatch.setattr(defense, "update_norms", lambda cur, arrays: calls.append(1) or update_norms(cur, arrays))
@@ -347,7 +347,7 @@ def test_colluders_are_rejected_first_so_the_honest_device_they_dragged_is_not()
 
 
 def test_a_reply_raising_the_servers_loss_far_above_the_fleets_median_rise_is_rejected():
-    from fleet.federated.defense import loss_problems
+    from fleet.federated.on_server.defense import loss_problems
 
     robust = RobustConfig(max_loss_rise=0.5)
     problems = loss_problems([0.10, 0.12, -0.05, 0.08, 1.40], robust)
@@ -358,10 +358,10 @@ def test_a_reply_raising_the_servers_loss_far_above_the_fleets_median_rise_is_re
 
 def test_the_servers_reference_data_is_its_own_held_out_start_and_none_without_one():
     from fleet.base.errors import ConfigError
-    from fleet.federated.config import load_fleet_config
-    from fleet.federated.server_eval import REFERENCE_SAMPLES, reference_loss, reference_set
-    from fleet.federated.server_run import initial_arrays
-    from fleet.federated.split import datasets, fleet_indices
+    from fleet.federated.on_server.server_eval import REFERENCE_SAMPLES, reference_loss, reference_set
+    from fleet.federated.on_server.server_run import initial_arrays
+    from fleet.federated.shared.config import load_fleet_config
+    from fleet.federated.shared.split import datasets, fleet_indices
 
     cfg = load_fleet_config("simulations/fleet-tiny.yaml", {"start.samples": 300})
     data = reference_set(cfg)
@@ -443,7 +443,7 @@ def test_a_step_against_the_global_models_last_one_is_rejected_on_its_third_roun
 
 
 def test_with_one_strike_allowed_a_pull_is_rejected_at_once_and_strikes_survive_a_checkpoint(tmp_path):
-    from fleet.federated.state import load_checkpoint, save_checkpoint
+    from fleet.federated.on_server.state import load_checkpoint, save_checkpoint
 
     s = strategy(norm_bound=3.0, min_pull=-0.5, max_sign_skew=None, min_cos=None, strikes=1)
     train(s, 1, [*[honest(n, 1.0) for n in (11, 12, 13, 14)], honest(15, -0.7)])

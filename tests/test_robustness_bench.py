@@ -26,10 +26,10 @@ from fleet.bench import adversary_app as adv
 from fleet.bench.robustness import check_choices, run_figures
 from fleet.engine.experiment import make_model
 from fleet.engine.models import model_meta
-from fleet.federated import keys
-from fleet.federated.config import load_fleet_config, run_dir
-from fleet.federated.round import full_round_time
-from fleet.federated.transfer import encode_upload
+from fleet.federated.on_device.round import full_round_time
+from fleet.federated.shared import keys
+from fleet.federated.shared.config import load_fleet_config, run_dir
+from fleet.federated.shared.transfer import encode_upload
 from tests.conftest import proportional_profile
 
 TINY = "simulations/fleet-tiny.yaml"
@@ -395,7 +395,7 @@ def test_alie_replaces_the_trained_tensors_and_keeps_the_statistics(device):
 
 
 def test_mask_abuse_claims_the_rarest_tensors_and_passes_the_upload_check(device):
-    from fleet.federated.robust import upload_problem
+    from fleet.federated.on_server.robust import upload_problem
 
     honest = spied(device)
     gen = torch.Generator().manual_seed(0)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from fleet.federated.records import EvaluateReply, TrainReply, wire_fields
-from fleet.federated.round_record import DeviceRow, RejectionRow, RoundRecord, key_of
+from fleet.federated.shared.records import EvaluateReply, TrainReply, wire_fields
+from fleet.federated.shared.round_record import DeviceRow, RejectionRow, RoundRecord, key_of
 
 TRAIN = TrainReply(
     node_id=7,

@@ -13,8 +13,8 @@ import pytest
 from fleet.base.errors import ConfigError
 from fleet.bench.launch import MemoryWatch
 from fleet.bench.scale import floor_work, parse_fleets, round_figures, state_figures
-from fleet.federated.round_record import DeviceRow, RoundRecord
-from fleet.federated.tracking import METRICS_FILE, read_records
+from fleet.federated.on_server.tracking import METRICS_FILE, read_records
+from fleet.federated.shared.round_record import DeviceRow, RoundRecord
 from tests.test_fleet_simulation import TINY, run_fleet
 
 

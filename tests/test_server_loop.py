@@ -1,4 +1,4 @@
-"""The server's round loop (fleet/federated/server_loop.py) driven whole, through a fake Link, without Flower.
+"""The server's round loop (fleet/federated/on_server/server_loop.py) driven whole, through a fake Link, without Flower.
 
 Five devices answer as functions of what they are sent: a query with their name, a train order with the
 head moved by their step (and, under ``evaluation.pipelined``, their score of the model they received),
@@ -16,15 +16,15 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import pytest
 
-from fleet.federated import keys
-from fleet.federated.coordinator import Coordinator
-from fleet.federated.mailbox import Mailbox, Sent
-from fleet.federated.records import EVALUATE, QUERY, TRAIN, Reply, TrainOrder
-from fleet.federated.round_record import RoundRecord
-from fleet.federated.server_loop import run_round
-from fleet.federated.server_run import initial_arrays
-from fleet.federated.state import ServerState
-from fleet.federated.wall import Lap
+from fleet.federated.on_server.coordinator import Coordinator
+from fleet.federated.on_server.mailbox import Mailbox, Sent
+from fleet.federated.on_server.server_loop import run_round
+from fleet.federated.on_server.server_run import initial_arrays
+from fleet.federated.on_server.state import ServerState
+from fleet.federated.on_server.wall import Lap
+from fleet.federated.shared import keys
+from fleet.federated.shared.records import EVALUATE, QUERY, TRAIN, Reply, TrainOrder
+from fleet.federated.shared.round_record import RoundRecord
 from tests.test_coordinator import NODES, config, evaluate_reply, query, train_reply
 
 # (node, kind, round, arrays sent, order sent) -> the node's reply, or None: silence

@@ -8,7 +8,7 @@ import torch
 from fleet.base.errors import ConfigError
 from fleet.data.datasets import ArrayDataset
 from fleet.data.shift import ShiftConfig, device_shift, shift_dataset
-from fleet.federated.config import load_fleet_config
+from fleet.federated.shared.config import load_fleet_config
 
 TINY = "simulations/fleet-tiny.yaml"
 SHIFT = {
@@ -51,7 +51,7 @@ def test_shifted_images_turn_and_labels_follow_the_permutation():
 
 
 def test_a_fleet_device_trains_and_tests_on_its_own_domain(tmp_path):
-    from fleet.federated.split import device_data
+    from fleet.federated.shared.split import device_data
 
     plain = load_fleet_config(TINY, {"output_dir": str(tmp_path)})
     cfg = load_fleet_config(TINY, {"output_dir": str(tmp_path), **SHIFT})

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fleet.federated.robust import trimmed_mean
-from fleet.federated.sorting import CHUNK, merge_network, network_for, sort_rows, trimmed_means
+from fleet.federated.on_server.robust import trimmed_mean
+from fleet.federated.shared.sorting import CHUNK, merge_network, network_for, sort_rows, trimmed_means
 
 
 @pytest.mark.parametrize("size, comparators", [(1, 0), (2, 1), (4, 5), (8, 19), (16, 63), (32, 191)])

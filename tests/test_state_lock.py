@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from fleet.base.atomic import write_text_atomic
-from fleet.federated.state_lock import reading, wait_for_writes, write_locked
+from fleet.federated.on_device.state_lock import reading, wait_for_writes, write_locked
 
 READER = """
 import sys
 from pathlib import Path
-from fleet.federated.state_lock import reading
+from fleet.federated.on_device.state_lock import reading
 path = Path(sys.argv[1])
 (path.parent / "reader-ready").touch()
 with reading(path):
@@ -86,7 +86,7 @@ def test_a_failed_deferred_write_is_logged_keeps_the_old_state_and_releases_the_
     def fail() -> None:
         raise OSError(28, "No space left on device")
 
-    with caplog.at_level(logging.WARNING, logger="fleet.federated.state_lock"):
+    with caplog.at_level(logging.WARNING, logger="fleet.federated.on_device.state_lock"):
         write_locked(path, fail, defer=True)
         wait_for_writes()
     assert f"device state {path} was not written (OSError" in caplog.text
@@ -96,9 +96,9 @@ def test_a_failed_deferred_write_is_logged_keeps_the_old_state_and_releases_the_
 
 def test_a_device_of_a_simulation_worker_defers_and_its_next_message_reads_the_round(tmp_path):
     from fleet.engine.experiment import make_model
-    from fleet.federated import tasks
-    from fleet.federated.config import load_fleet_config
-    from fleet.federated.records import TrainOrder
+    from fleet.federated.on_device import tasks
+    from fleet.federated.shared.config import load_fleet_config
+    from fleet.federated.shared.records import TrainOrder
 
     cfg = load_fleet_config("simulations/fleet-tiny.yaml", {"output_dir": str(tmp_path)})
     device = tasks.Device.from_configs(cfg, {"partition-id": 0}, long_lived=True)

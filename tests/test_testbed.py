@@ -19,10 +19,10 @@ import yaml
 
 from fleet.base.errors import ConfigError
 from fleet.engine.device_profile import DeviceProfile
-from fleet.federated.config import fleet_config_from_dict, load_fleet_config
-from fleet.federated.coordinator import shared_bytes
-from fleet.federated.round_record import DeviceRow, RoundRecord
-from fleet.federated.server_run import initial_arrays
+from fleet.federated.on_server.coordinator import shared_bytes
+from fleet.federated.on_server.server_run import initial_arrays
+from fleet.federated.shared.config import fleet_config_from_dict, load_fleet_config
+from fleet.federated.shared.round_record import DeviceRow, RoundRecord
 from fleet.testbed import cgroup, network
 from fleet.testbed.calibrate import MIN_CPU, measure_full_step, search_quota
 from fleet.testbed.run import Fault, class_round_times, run_testbed
@@ -105,7 +105,7 @@ def test_a_device_cgroup_is_made_below_our_own(tmp_path):
 
 
 def test_a_device_is_told_its_threads_uplink_and_memory_budget(tmp_path):
-    from fleet.federated.testbed_config import TestbedClassConfig
+    from fleet.federated.shared.testbed_config import TestbedClassConfig
     from fleet.testbed.run import Device
 
     pi = TestbedClassConfig(name="pi4", cpu=0.2, memory_mb=1500, uplink_mbps=20)

@@ -30,10 +30,11 @@ from fleet.bench.testbed import (
 )
 from fleet.bench.testbed_seeds import combine, combined_table, read_reports
 from fleet.engine.config import config_to_dict
-from fleet.federated import keys, tasks
-from fleet.federated.config import fleet_config_from_dict
-from fleet.federated.round_record import DeviceRow, RejectionRow, RoundRecord
-from fleet.federated.testbed_config import TestbedClassConfig
+from fleet.federated.on_device import tasks
+from fleet.federated.shared import keys
+from fleet.federated.shared.config import fleet_config_from_dict
+from fleet.federated.shared.round_record import DeviceRow, RejectionRow, RoundRecord
+from fleet.federated.shared.testbed_config import TestbedClassConfig
 from fleet.testbed.run import TestbedRun
 
 PI = TestbedClassConfig(name="pi", count=2, cpu=0.2, uplink_mbps=8, downlink_mbps=16)

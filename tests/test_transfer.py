@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from fleet.federated.coordinator import Coordinator
-from fleet.federated.records import QUERY, TRAIN
-from fleet.federated.server_run import initial_arrays
-from fleet.federated.state import ServerState
-from fleet.federated.transfer import decode, encode, encode_upload, upload_values, wire_bytes, wire_dtype
+from fleet.federated.on_server.coordinator import Coordinator
+from fleet.federated.on_server.server_run import initial_arrays
+from fleet.federated.on_server.state import ServerState
+from fleet.federated.shared.records import QUERY, TRAIN
+from fleet.federated.shared.transfer import decode, encode, encode_upload, upload_values, wire_bytes, wire_dtype
 from tests.test_coordinator import FULL_TIMES, NODES, TRAINED, config, query, train_reply
 
 

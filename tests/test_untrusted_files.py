@@ -11,7 +11,7 @@ from fleet.base.errors import ConfigError
 from fleet.cli import main
 from fleet.engine.device_profile import DeviceProfile, ProfileMismatchError
 from fleet.engine.yaml_text import MAX_NODES, load_yaml
-from fleet.federated.config import load_fleet_config
+from fleet.federated.shared.config import load_fleet_config
 
 LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
     f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(8)
@@ -76,7 +76,7 @@ def test_a_trace_of_nested_brackets_is_one_line(tmp_path, capsys):
 def test_a_profile_field_of_the_wrong_type_or_sign_is_named_in_one_line(tmp_path, change, named):
     import yaml
 
-    from fleet.federated.paths import resolve_path
+    from fleet.federated.shared.paths import resolve_path
 
     data = yaml.safe_load(resolve_path("profiles/resnet18-16px-host.yaml").read_text())
     change(data)
@@ -121,12 +121,12 @@ def test_personalize_refuses_a_bad_profile_before_it_pretrains(tmp_path, capsys,
 def test_a_testbed_class_profile_is_checked_before_anything_starts(
     tmp_path, capsys, monkeypatch, profile, extra, message
 ):
-    import fleet.federated.pretrain
-    from fleet.federated.paths import resolve_path
+    import fleet.federated.launch.pretrain
+    from fleet.federated.shared.paths import resolve_path
     from fleet.testbed.run import Testbed
 
     monkeypatch.setattr(Testbed, "_start_link", _must_not_run("the SuperLink"))
-    monkeypatch.setattr(fleet.federated.pretrain, "pretrain_fleet_model", _must_not_run("pretraining"))
+    monkeypatch.setattr(fleet.federated.launch.pretrain, "pretrain_fleet_model", _must_not_run("pretraining"))
 
     if profile == "garbage":
         (tmp_path / "garbage.yaml").write_text("just: garbage\n")

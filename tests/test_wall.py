@@ -1,4 +1,4 @@
-"""A round's whole wall-time bound (fleet/federated/wall.py) and the waits that keep it (its mailbox)."""
+"""A round's whole wall-time bound (fleet/federated/on_server/wall.py) and the waits that keep it (its mailbox)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from fleet.federated import wall
-from fleet.federated.mailbox import Mailbox
-from fleet.federated.records import TRAIN, Reply
+from fleet.federated.on_server import wall
+from fleet.federated.on_server.mailbox import Mailbox
+from fleet.federated.shared.records import TRAIN, Reply
 
 
 def test_before_any_round_the_servers_work_is_taken_as_twice_the_push():

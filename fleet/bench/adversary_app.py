@@ -32,10 +32,11 @@ from flwr.clientapp import ClientApp
 from client import client_app
 from fleet.bench import attacks
 from fleet.bench.attack_names import ATTACKS, DATA_ATTACKS, KNOWING
-from fleet.federated import keys, packing, tasks
-from fleet.federated.config import config_from_run_config, run_dir
-from fleet.federated.split import DeviceData
-from fleet.federated.transfer import encode_upload, upload_values
+from fleet.federated.on_device import tasks
+from fleet.federated.shared import keys, packing
+from fleet.federated.shared.config import config_from_run_config, run_dir
+from fleet.federated.shared.split import DeviceData
+from fleet.federated.shared.transfer import encode_upload, upload_values
 
 ATTACK_FILE = "attack.json"
 SPY_DIR = "spy"

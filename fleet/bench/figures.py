@@ -7,7 +7,7 @@ figure on the two clocks is two different claims, so every helper here is told t
 
 from __future__ import annotations
 
-from fleet.federated.round_record import RoundRecord
+from fleet.federated.shared.round_record import RoundRecord
 
 SIM_CLOCK = "sim_time_s"  # the simulated clock at a round's end (fleet simulate, the benches on it)
 WALL_CLOCK = "wall_time_s"  # the server's wall seconds at a round's end (the testbed, a deployment)

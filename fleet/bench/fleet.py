@@ -37,10 +37,10 @@ from fleet.bench.figures import SIM_CLOCK, speedup, time_to_target
 from fleet.bench.launch import progress_log
 from fleet.bench.regimes import run_profile
 from fleet.engine.config import config_to_dict
-from fleet.federated.config import FleetConfig, load_fleet_config, run_dir
-from fleet.federated.prepare import EFFECTIVE_CONFIG, prepare
-from fleet.federated.round_record import RoundRecord
-from fleet.federated.tracking import SUMMARY_FILE, honest_rejections, read_records
+from fleet.federated.launch.prepare import EFFECTIVE_CONFIG, prepare
+from fleet.federated.on_server.tracking import SUMMARY_FILE, honest_rejections, read_records
+from fleet.federated.shared.config import FleetConfig, load_fleet_config, run_dir
+from fleet.federated.shared.round_record import RoundRecord
 
 METHODS = ("fedavg", "naive", "fleet")
 FIGURES = (

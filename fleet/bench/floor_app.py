@@ -35,10 +35,10 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
 from fleet.engine.experiment import make_model
-from fleet.federated.config import config_from_run_config, run_dir
-from fleet.federated.device import partition_of, tier_of
-from fleet.federated.round_record import DeviceRow, RoundRecord
-from fleet.federated.tracking import METRICS_FILE, SUMMARY_FILE
+from fleet.federated.on_device.device import partition_of, tier_of
+from fleet.federated.on_server.tracking import METRICS_FILE, SUMMARY_FILE
+from fleet.federated.shared.config import config_from_run_config, run_dir
+from fleet.federated.shared.round_record import DeviceRow, RoundRecord
 
 FLOOR_FILE = "floor.json"
 WORK_KEY = "work-s"  # the seconds a device sleeps for, in each message's config (and in its reply, as slept)

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fleet.federated.config import FleetConfig, load_fleet_config
-from fleet.federated.prepare import prepare
+from fleet.federated.launch.prepare import prepare
+from fleet.federated.shared.config import FleetConfig, load_fleet_config
 
 SIMULATE = "fleet.bench.simulate_main"  # one simulation, as `fleet simulate` runs it: python -m SIMULATE CONFIG APP
 HONEST_APP = "client.client_app:app"

@@ -17,7 +17,7 @@ from fleet.engine.experiment import load_data, make_model, obtain_profile
 from fleet.engine.pretrain import ensure_pretrained
 from fleet.engine.train_run import experiment_dir, format_epoch, trainer_record
 from fleet.engine.trainer import EpochStats, Trainer
-from fleet.federated.paths import resolve_path
+from fleet.federated.shared.paths import resolve_path
 
 
 def personalize(

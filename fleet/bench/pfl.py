@@ -23,7 +23,7 @@ combine with ``--combine``; ``--reuse`` takes any method run already finished wi
 
 ``devices.newcomers`` devices never take part. After the runs, each personalizes from fleet's
 final global model with ``full``, ``tl``, ``bn_bias`` and ``elastic`` (rho 0.5), its accuracy
-recorded against device time (:mod:`fleet.federated.newcomer`): ElasticTrainer's claim, on a fleet.
+recorded against device time (:mod:`fleet.federated.launch.newcomer`): ElasticTrainer's claim, on a fleet.
 """
 
 from __future__ import annotations
@@ -50,13 +50,13 @@ from fleet.bench.fleet import (
 from fleet.bench.launch import progress_log
 from fleet.bench.regimes import run_profile
 from fleet.engine.device_profile import DeviceProfile
-from fleet.federated.config import load_fleet_config, run_dir
-from fleet.federated.names import DEVICES_DIR
-from fleet.federated.newcomer import mean_curve, personalize_newcomer
-from fleet.federated.prepare import prepare
-from fleet.federated.round_record import DeviceRow, RoundRecord
-from fleet.federated.state import CHECKPOINT_FILE, load_checkpoint
-from fleet.federated.tracking import SUMMARY_FILE, honest_rejections, p10, read_records
+from fleet.federated.launch.newcomer import mean_curve, personalize_newcomer
+from fleet.federated.launch.prepare import prepare
+from fleet.federated.on_server.state import CHECKPOINT_FILE, load_checkpoint
+from fleet.federated.on_server.tracking import SUMMARY_FILE, honest_rejections, p10, read_records
+from fleet.federated.shared.config import load_fleet_config, run_dir
+from fleet.federated.shared.names import DEVICES_DIR
+from fleet.federated.shared.round_record import DeviceRow, RoundRecord
 
 DEFAULT_CONFIG = "simulations/pfl.yaml"
 BASELINE = "fedavg_ft"  # its rounds set the horizon

@@ -22,7 +22,7 @@ def profile_overrides(profile: str | None, regime: str | None) -> dict[str, Any]
     ``--regime`` (one of :data:`REGIMES`' reference profiles); a one-line error for a bad value."""
     from fleet.base.errors import ConfigError
     from fleet.engine.config import NULL
-    from fleet.federated.paths import resolve_path
+    from fleet.federated.shared.paths import resolve_path
 
     if regime is not None and regime not in REGIMES:
         raise ConfigError(f"--regime: {regime!r} is not a regime; use one of {', '.join(REGIMES)}")
@@ -59,8 +59,8 @@ def run_profile(run: str | Path) -> dict[str, Any]:
     """Which profile a finished run's simulated clock followed (its effective config's), with the machine and
     date it was measured on: a bench's JSON says which device its seconds are of."""
     from fleet.engine.device_profile import DeviceProfile
-    from fleet.federated.config import load_fleet_config
-    from fleet.federated.prepare import EFFECTIVE_CONFIG
+    from fleet.federated.launch.prepare import EFFECTIVE_CONFIG
+    from fleet.federated.shared.config import load_fleet_config
 
     path = load_fleet_config(Path(run) / EFFECTIVE_CONFIG).hardware.profile
     profile = DeviceProfile.load(path)

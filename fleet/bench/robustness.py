@@ -32,13 +32,13 @@ from fleet.bench.launch import HONEST_APP, Log, launch, progress_log, shared_sta
 from fleet.engine.config import NULL
 from fleet.engine.experiment import model_with_weights
 from fleet.engine.trainer import accuracy
-from fleet.federated.config import FleetConfig, load_fleet_config, run_dir
-from fleet.federated.names import DEVICES_DIR, simulated_names
-from fleet.federated.prepare import prepare
-from fleet.federated.round_record import RoundRecord
-from fleet.federated.server_eval import server_test_set
-from fleet.federated.state import load_checkpoint
-from fleet.federated.tracking import SUMMARY_FILE, honest_rejections, read_records
+from fleet.federated.launch.prepare import prepare
+from fleet.federated.on_server.server_eval import server_test_set
+from fleet.federated.on_server.state import load_checkpoint
+from fleet.federated.on_server.tracking import SUMMARY_FILE, honest_rejections, read_records
+from fleet.federated.shared.config import FleetConfig, load_fleet_config, run_dir
+from fleet.federated.shared.names import DEVICES_DIR, simulated_names
+from fleet.federated.shared.round_record import RoundRecord
 
 DEFAULT_CONFIG = "simulations/robustness.yaml"
 REPORT_FILE = "robustness.json"

@@ -34,11 +34,11 @@ from typing import Any
 from fleet.base.errors import ConfigError
 from fleet.bench.floor_app import BUSY_KEY, FLOOR_FILE
 from fleet.bench.launch import HONEST_APP, Log, MemoryWatch, launch, progress_log, shared_start
-from fleet.federated.config import load_fleet_config, run_dir
-from fleet.federated.names import DEVICES_DIR
-from fleet.federated.prepare import prepare
-from fleet.federated.round_record import DeviceRow, RoundRecord
-from fleet.federated.tracking import read_records
+from fleet.federated.launch.prepare import prepare
+from fleet.federated.on_server.tracking import read_records
+from fleet.federated.shared.config import load_fleet_config, run_dir
+from fleet.federated.shared.names import DEVICES_DIR
+from fleet.federated.shared.round_record import DeviceRow, RoundRecord
 
 DEFAULT_CONFIG = "simulations/scale.yaml"
 REPORT_FILE = "scale.json"

@@ -47,12 +47,12 @@ import yaml
 from fleet.bench.figures import WALL_CLOCK, first_reaching, speedup, time_to_target
 from fleet.engine.config import config_to_dict
 from fleet.engine.device_profile import DeviceProfile
-from fleet.federated.class_config import DeviceClassConfig
-from fleet.federated.config import FleetConfig, pipelined, run_dir
-from fleet.federated.names import DEVICES_DIR
-from fleet.federated.round_record import DeviceRow, RoundRecord
-from fleet.federated.testbed_config import TestbedConfig
-from fleet.federated.tracking import honest_rejections, read_records
+from fleet.federated.on_server.tracking import honest_rejections, read_records
+from fleet.federated.shared.class_config import DeviceClassConfig
+from fleet.federated.shared.config import FleetConfig, pipelined, run_dir
+from fleet.federated.shared.names import DEVICES_DIR
+from fleet.federated.shared.round_record import DeviceRow, RoundRecord
+from fleet.federated.shared.testbed_config import TestbedConfig
 from fleet.testbed.run import TestbedRun, run_testbed
 
 METHODS = ("fedavg", "naive", "fleet")
@@ -139,8 +139,8 @@ def device_entries(run: TestbedRun, records: list[RoundRecord], download_bytes: 
 def download_bytes(cfg: FleetConfig) -> int:
     """The global model's size: what every train and evaluate message carries down, as the coordinator
     counts it for the simulator's download."""
-    from fleet.federated.coordinator import shared_bytes
-    from fleet.federated.server_run import initial_arrays
+    from fleet.federated.on_server.coordinator import shared_bytes
+    from fleet.federated.on_server.server_run import initial_arrays
 
     return shared_bytes(initial_arrays(cfg), frozenset(), cfg.federation.transfer)
 
@@ -168,8 +168,8 @@ def method_entry(run: TestbedRun, budget_s: float, target: float, start: float |
 def start_accuracy(cfg: FleetConfig) -> float:
     """The start model's (``model.weights``) figure on the server's test split: every method's curve
     begins there."""
-    from fleet.federated.server_eval import server_accuracy, server_test_set
-    from fleet.federated.server_run import initial_arrays
+    from fleet.federated.on_server.server_eval import server_accuracy, server_test_set
+    from fleet.federated.on_server.server_run import initial_arrays
 
     return server_accuracy(cfg, initial_arrays(cfg), server_test_set(cfg))
 

@@ -32,8 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_check(args: argparse.Namespace) -> int:
     from fleet.engine.config import parse_override
-    from fleet.federated.config import load_fleet_config
-    from fleet.federated.owned import owned_data
+    from fleet.federated.shared.config import load_fleet_config
+    from fleet.federated.shared.owned import owned_data
 
     cfg = load_fleet_config(args.config, dict(parse_override(s) for s in args.set))
     data = owned_data(cfg, args.data_root, "--data-root")

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         "train.amp": args.amp,
         "hardware.memory_budget_mb": args.memory_budget_mb,
     }
-    from fleet.federated.config import SECTIONS  # a fleet YAML's own sections: a profile reads none of them
+    from fleet.federated.shared.config import SECTIONS  # a fleet YAML's own sections: a profile reads none of them
 
     cfg = load_config(args.config, {k: v for k, v in flags.items() if v is not None}, ignore_sections=SECTIONS)
     out = output_file(args.out)

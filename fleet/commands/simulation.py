@@ -43,11 +43,11 @@ from typing import Any
 from fleet.base.errors import ConfigError, FleetError
 from fleet.commands import flower_dispatch
 from fleet.commands.flower_log import FLOWER_LOG, flower_output
-from fleet.federated.config import FleetConfig, load_fleet_config, run_dir
-from fleet.federated.paths import APP_ROOT
-from fleet.federated.prepare import prepare
-from fleet.federated.state import check_resumable
-from fleet.federated.tracking import SUMMARY_FILE
+from fleet.federated.launch.prepare import prepare
+from fleet.federated.on_server.state import check_resumable
+from fleet.federated.on_server.tracking import SUMMARY_FILE
+from fleet.federated.shared.config import FleetConfig, load_fleet_config, run_dir
+from fleet.federated.shared.paths import APP_ROOT
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # no internet on devices; read when flwr is imported
 

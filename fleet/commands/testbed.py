@@ -44,7 +44,7 @@ def add_runtime_flag(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fleet.commands.fleet import _overrides, summary_table
-    from fleet.federated.config import load_fleet_config
+    from fleet.federated.shared.config import load_fleet_config
     from fleet.testbed.run import Fault, run_testbed
 
     faults = [Fault.parse(kind, text) for kind in ("kill", "freeze", "join") for text in getattr(args, kind)]
@@ -80,7 +80,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from fleet.bench.launch import progress_log
     from fleet.bench.testbed import bench_table, bench_testbed, plot_bench
     from fleet.commands.fleet import _overrides
-    from fleet.federated.config import load_fleet_config
+    from fleet.federated.shared.config import load_fleet_config
     from fleet.testbed.run import check_requirements
 
     if args.combine:

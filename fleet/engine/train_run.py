@@ -19,7 +19,7 @@ from fleet.engine.trainer import EpochStats, Trainer
 def experiment_dir(cfg: ExperimentConfig) -> Path:
     """Where one experiment's records go: ``output_dir/name`` (relative when ``output_dir`` is).
 
-    Not :func:`fleet.federated.config.run_dir`, which is a fleet run's absolute folder.
+    Not :func:`fleet.federated.shared.config.run_dir`, which is a fleet run's absolute folder.
     """
     return Path(cfg.output_dir) / cfg.name
 

@@ -27,8 +27,8 @@ from pathlib import Path
 from fleet.base.errors import FleetError
 from fleet.engine.device_profile import DeviceProfile
 from fleet.engine.experiment import check_profile, make_model
-from fleet.federated.config import FleetConfig
-from fleet.federated.paths import resolve_path
+from fleet.federated.shared.config import FleetConfig
+from fleet.federated.shared.paths import resolve_path
 from fleet.testbed import cgroup
 
 TOLERANCE = 0.10  # a calibrated class's measured full step is within 10% of its profile's

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from fleet.data.datasets import ArrayDataset
-from fleet.federated.config import FleetConfig
-from fleet.federated.split import device_data
+from fleet.federated.shared.config import FleetConfig
+from fleet.federated.shared.split import device_data
 
 
 def class_names(cfg: FleetConfig) -> list[str]:

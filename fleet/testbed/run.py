@@ -27,12 +27,12 @@ import yaml
 from fleet.base.errors import ConfigError, FleetError
 from fleet.engine.config import config_to_dict
 from fleet.engine.experiment import check_model_fits_data, load_data
-from fleet.federated.config import FleetConfig, run_dir
-from fleet.federated.paths import APP_ROOT
-from fleet.federated.round_record import RoundRecord
-from fleet.federated.state import keep_previous_run
-from fleet.federated.testbed_config import TestbedClassConfig
-from fleet.federated.tracking import SUMMARY_FILE, read_progress, read_records
+from fleet.federated.on_server.state import keep_previous_run
+from fleet.federated.on_server.tracking import SUMMARY_FILE, read_progress, read_records
+from fleet.federated.shared.config import FleetConfig, run_dir
+from fleet.federated.shared.paths import APP_ROOT
+from fleet.federated.shared.round_record import RoundRecord
+from fleet.federated.shared.testbed_config import TestbedClassConfig
 from fleet.testbed import cgroup, network
 from fleet.testbed.calibrate import calibrate_classes, class_profiles
 from fleet.testbed.data import class_names, write_device_trees
@@ -285,7 +285,7 @@ def prepare_run(cfg: FleetConfig, work: Path, joining: set[str], log: Log) -> tu
     out.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.replace(cfg, output_dir=str(out.parent))
     if cfg.start.samples > 0 and cfg.model.weights is None:
-        from fleet.federated.pretrain import pretrain_fleet_model
+        from fleet.federated.launch.pretrain import pretrain_fleet_model
 
         ckpt = pretrain_fleet_model(cfg, out / "pretrained.pt", log)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, weights=str(ckpt)))

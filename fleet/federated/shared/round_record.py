@@ -1,0 +1,193 @@
+"""A round's record, typed: the one line of ``metrics.jsonl`` each round writes, and its rows per device.
+
+The coordinator builds a :class:`RoundRecord` as a round closes, the tracker serializes it, and the
+benches, the plots and the progress lines read it back through the same type, so each metrics.jsonl key
+is named once: a field's name is its key (``device_class`` is written ``class``). Design notes:
+
+* **What a line leaves out.** A device row holds only what happened (a device that only evaluated has
+  no training figures), so its ``None`` fields are not written; a round always writes its own figures,
+  ``None`` included, except the few only some runs make (:data:`OPTIONAL`).
+* **Old lines.** A key this version does not know is dropped on reading, and one it lacks reads as
+  ``None``: a run written before a field existed still loads.
+* **Figures made once.** The accuracies of a round, its p10 and its rows' round speedups are computed
+  when the record is made (:mod:`fleet.federated.on_server.tracking`); readers take them from the record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+JSON_KEY = "json"  # a field's metrics.jsonl key, where it is not the field's name
+OPTIONAL = "optional"  # a field left out of the line while it is None
+
+
+def _optional(json_key: str | None = None) -> Any:
+    meta: dict[str, Any] = {OPTIONAL: True}
+    if json_key is not None:
+        meta[JSON_KEY] = json_key
+    return field(default=None, metadata=meta)
+
+
+def key_of(f: dataclasses.Field) -> str:
+    return f.metadata.get(JSON_KEY, f.name)
+
+
+def _fields_json(record: Any) -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        if value is None and f.metadata.get(OPTIONAL):
+            continue
+        out[key_of(f)] = value
+    return out
+
+
+def _from_json(cls: type, line: Mapping[str, Any], **given: Any) -> Any:
+    values = {f.name: line[key_of(f)] for f in dataclasses.fields(cls) if key_of(f) in line}
+    return cls(**{**values, **given})
+
+
+@dataclass
+class DeviceRow:
+    """One device in one round: its train reply's figures if it trained, its scores if it was evaluated, and
+    what the server derived (its class, its round on the simulated clock, its round speedup). Field names follow
+    :class:`~fleet.federated.shared.records.TrainReply` and :class:`~fleet.federated.shared.records.EvaluateReply`."""
+
+    device: str | None = _optional()  # the roster's name, else node-<id>
+    node_id: int | None = _optional()
+    device_class: str | None = _optional("class")  # simulated or testbed device classes only
+    partition_id: int | None = _optional()
+    # --- what its train reply said (fleet.federated.shared.records.TrainReply) ---
+    tier: float | None = _optional()
+    selected: int | None = _optional()
+    num_tensors: int | None = _optional()
+    trained_fraction: float | None = _optional()
+    rho: float | None = _optional()
+    predicted_time_s: float | None = _optional()
+    measured_time_s: float | None = _optional()
+    full_time_s: float | None = _optional()
+    bytes_uploaded: int | None = _optional()
+    steps: int | None = _optional()
+    personal_selected: int | None = _optional()
+    loss: float | None = _optional()
+    rounds_trained: int | None = _optional()
+    memory_budget_bytes: float | None = _optional()
+    memory_peak_bytes: float | None = _optional()
+    memory_added_s: float | None = _optional()
+    cuda: int | None = _optional()
+    ready_s: float | None = _optional()
+    score_time_s: float | None = _optional()
+    eval_time_s: float | None = _optional()  # its scoring, in its train reply (pipelined) and evaluation together
+    train_examples: float | None = _optional()  # its sample weight, when it trained
+    speedup: float | None = _optional()  # its compute's speedup: set exactly when it trained
+    wall_s: float | None = _optional()  # the server's wall seconds from the train message to its reply
+    # --- what the server derived for it ---
+    round_time_s: float | None = _optional()  # its round on the simulated clock
+    fixed_s: float | None = _optional()  # what its round costs whatever it trains (start, download); None: 0
+    round_speedup: float | None = _optional()  # its whole round against training and uploading everything
+    # --- what its evaluation said (fleet.federated.shared.records.EvaluateReply) ---
+    global_accuracy: float | None = _optional()
+    personal_accuracy: float | None = _optional()
+    finetuned_accuracy: float | None = _optional()
+    finetune_time_s: float | None = _optional()
+    eval_ready_s: float | None = _optional()
+    test_examples: float | None = _optional()  # its held-out split's size, when it was evaluated
+
+    @property
+    def trained(self) -> bool:
+        return self.speedup is not None
+
+    @property
+    def whole_round_speedup(self) -> float:
+        """Its round speedup, else (a run without uplinks) its compute's."""
+        return self.round_speedup if self.round_speedup is not None else self.speedup or 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return _fields_json(self)
+
+    @classmethod
+    def from_json(cls, line: Mapping[str, Any]) -> DeviceRow:
+        return _from_json(cls, line)
+
+
+@dataclass
+class RejectionRow:
+    """A reply the round went on without (fleet.federated.on_server.aggregate.Rejection), as the record keeps it."""
+
+    round: int = 0
+    node_id: int | None = None
+    device: str | None = None  # its name, when the server knew it
+    reason: str = ""
+
+
+@dataclass
+class RoundRecord:
+    """One round: its clocks and bounds, the fleet's accuracy, its bytes, what the defense and the membership
+    did, and a :class:`DeviceRow` per device."""
+
+    round: int = 0
+    strategy: str = ""
+    deadline_s: float = 0.0
+    round_time_s: float = 0.0  # the round on the simulated clock
+    sim_time_s: float = 0.0  # the simulated clock at its close
+    wall_time_s: float = 0.0  # the run's wall seconds at its close
+    # the devices' scores of its model, weighted by their test samples: None while unscored
+    global_accuracy: float | None = None
+    personal_accuracy: float | None = None
+    personal_accuracy_p10: float | None = None
+    finetuned_accuracy: float | None = _optional()  # personalization.finetune_steps only
+    finetuned_accuracy_p10: float | None = _optional()
+    bytes_uploaded: int = 0
+    tensors_trained_by_nobody: int = 0
+    rejections: list[RejectionRow] = field(default_factory=list)
+    defense: dict = field(default_factory=dict)
+    server_s: dict[str, float] = field(default_factory=dict)  # the server's wall seconds per part of the round
+    devices: list[DeviceRow] = field(default_factory=list)
+    round_wall_s: float | None = None  # its own wall seconds
+    round_bound_s: float | None = None  # what its wall seconds were bounded by
+    train_bound_s: float | None = None
+    eval_bound_s: float | None = None
+    # --- what the membership did (fleet.federated.on_server.membership.Attendance) ---
+    connected: int = 0
+    sampled: list[str] = field(default_factory=list)
+    missed: list[str] = field(default_factory=list)
+    miss_reasons: dict[str, str] = field(default_factory=dict)
+    joined: list[str] = field(default_factory=list)
+    refused: list[dict] = field(default_factory=list)
+    benched: list[str] = field(default_factory=list)
+    offline: list[str] = field(default_factory=list)
+    online: int = 0
+    sampled_at_s: float = 0.0
+    server_accuracy: float | None = _optional()  # evaluation.server_test only
+    evaluated_in_round: int | None = _optional()  # evaluation.pipelined: the round whose trainers scored it
+
+    @property
+    def evaluated(self) -> bool:
+        return self.global_accuracy is not None
+
+    def trained_rows(self) -> list[DeviceRow]:
+        return [d for d in self.devices if d.trained]
+
+    def to_json(self) -> dict[str, Any]:
+        out = _fields_json(self)
+        out["rejections"] = [dataclasses.asdict(r) for r in self.rejections]
+        return {**out, "devices": [d.to_json() for d in self.devices]}
+
+    @classmethod
+    def from_json(cls, line: Mapping[str, Any]) -> RoundRecord:
+        devices = [DeviceRow.from_json(d) for d in line.get("devices", [])]
+        rejections = [_from_json(RejectionRow, r) for r in line.get("rejections", [])]
+        return _from_json(cls, line, devices=devices, rejections=rejections)
+
+
+ACCURACIES = ("global_accuracy", "personal_accuracy", "server_accuracy")  # what a bench may read a run's score by
+
+
+def accuracy_of(record: RoundRecord, which: str) -> float | None:
+    """The record's accuracy named ``which`` (one of :data:`ACCURACIES`)."""
+    if which not in ACCURACIES:
+        raise ValueError(f"accuracy {which!r}: use one of {', '.join(ACCURACIES)}")
+    return getattr(record, which)

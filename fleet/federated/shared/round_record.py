@@ -129,8 +129,8 @@ class RoundRecord:
     did, and a :class:`DeviceRow` per device."""
 
     round: int = 0
-    strategy: str = ""
-    deadline_s: float = 0.0
+    strategy: str = ""  # federation.strategy: fleet, naive, fedavg, ditto, ...
+    deadline_s: float = 0.0  # the compute deadline each device planned its round for (0: train fully)
     round_time_s: float = 0.0  # the round on the simulated clock
     sim_time_s: float = 0.0  # the simulated clock at its close
     wall_time_s: float = 0.0  # the run's wall seconds at its close
@@ -140,27 +140,27 @@ class RoundRecord:
     personal_accuracy_p10: float | None = None
     finetuned_accuracy: float | None = _optional()  # personalization.finetune_steps only
     finetuned_accuracy_p10: float | None = _optional()
-    bytes_uploaded: int = 0
-    tensors_trained_by_nobody: int = 0
+    bytes_uploaded: int = 0  # of the accepted replies' tensors, as the server counted them
+    tensors_trained_by_nobody: int = 0  # trainable tensors no accepted reply carried: they kept last round's values
     rejections: list[RejectionRow] = field(default_factory=list)
-    defense: dict = field(default_factory=dict)
+    defense: dict = field(default_factory=dict)  # what the defense capped, clipped and screened (defense.DefenseReport)
     server_s: dict[str, float] = field(default_factory=dict)  # the server's wall seconds per part of the round
     devices: list[DeviceRow] = field(default_factory=list)
     round_wall_s: float | None = None  # its own wall seconds
     round_bound_s: float | None = None  # what its wall seconds were bounded by
-    train_bound_s: float | None = None
-    eval_bound_s: float | None = None
-    # --- what the membership did (fleet.federated.on_server.membership.Attendance) ---
-    connected: int = 0
-    sampled: list[str] = field(default_factory=list)
-    missed: list[str] = field(default_factory=list)
-    miss_reasons: dict[str, str] = field(default_factory=dict)
-    joined: list[str] = field(default_factory=list)
-    refused: list[dict] = field(default_factory=list)
-    benched: list[str] = field(default_factory=list)
-    offline: list[str] = field(default_factory=list)
-    online: int = 0
-    sampled_at_s: float = 0.0
+    train_bound_s: float | None = None  # how long the training wave was waited for
+    eval_bound_s: float | None = None  # ... and the evaluation wave
+    # --- what the membership did (fleet.federated.on_server.membership.Attendance), by device name ---
+    connected: int = 0  # nodes connected when the round opened
+    sampled: list[str] = field(default_factory=list)  # asked to train
+    missed: list[str] = field(default_factory=list)  # sampled, but no accepted reply within the bound
+    miss_reasons: dict[str, str] = field(default_factory=dict)  # why each one missed
+    joined: list[str] = field(default_factory=list)  # admitted this round
+    refused: list[dict] = field(default_factory=list)  # not admitted: node_id, device and reason (membership.Refusal)
+    benched: list[str] = field(default_factory=list)  # left out after missing membership.max_missed rounds in a row
+    offline: list[str] = field(default_factory=list)  # simulated classes: eligible, but not online
+    online: int = 0  # eligible devices online when the round sampled
+    sampled_at_s: float = 0.0  # the simulated clock when it sampled: where a trace was read
     server_accuracy: float | None = _optional()  # evaluation.server_test only
     evaluated_in_round: int | None = _optional()  # evaluation.pipelined: the round whose trainers scored it
 

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import pickle
+import sys
 import tracemalloc
 
 import pytest
 
+import fleet.federated.shared.plain_pickle as plain
 from fleet.federated.shared.plain_pickle import MAX_DEPTH, load_plain, pickle_problem
 
 HONEST = {
@@ -131,3 +133,28 @@ def test_a_malformed_pickle_is_named_in_one_line(data, message):
 def test_a_named_callable_is_still_refused_after_the_walk():
     with pytest.raises(pickle.UnpicklingError, match=r"it names builtins.print, and only dicts"):
         load_plain(pickle.dumps(print, 4))
+
+
+def test_empty_containers_past_the_built_bound_are_refused_before_any_is_built(monkeypatch):
+    """One byte an empty set: 10 MB of them would build 2.2 GB, under the trace files' size bound. The bound is
+    lowered here, so the walk stops after 10,000 of them and nothing of them is built."""
+    monkeypatch.setattr(plain, "MAX_BUILT_BYTES", 10_000 * 224)
+    sets = b"\x80\x04](" + b"\x8f" * 20_000 + b"e."  # a list, a mark, 20,000 EMPTY_SETs, APPENDS
+    with pytest.raises(pickle.UnpicklingError, match="would build more than"):
+        load_plain(sets)
+    assert len(load_plain(b"\x80\x04](" + b"\x8f" * 5_000 + b"e.")) == 5_000  # half the bound: read
+
+
+def test_what_a_trace_builds_is_estimated_near_what_python_builds(monkeypatch):
+    """The bound must not refuse an honest trace: a dict of lists of floats, as FedScale's behaviour file."""
+    trace = {f"client-{i}": {"active": [float(t) for t in range(50)], "inactive": [1.5] * 50} for i in range(2_000)}
+    real = sys.getsizeof(trace) + sum(
+        sys.getsizeof(k) + sys.getsizeof(v) + sum(sys.getsizeof(x) + sum(map(sys.getsizeof, x)) for x in v.values())
+        for k, v in trace.items()
+    )
+    data = pickle.dumps(trace, protocol=4)
+    assert pickle_problem(data) is None
+    monkeypatch.setattr(plain, "MAX_BUILT_BYTES", 2 * real)  # the estimate stays within twice what is built
+    assert pickle_problem(data) is None
+    monkeypatch.setattr(plain, "MAX_BUILT_BYTES", real // 2)  # ... and above half of it
+    assert "would build more than" in pickle_problem(data)

@@ -17,6 +17,10 @@ Design notes:
 * **Depth of what is shared.** A list or dict memoized and then filled is remembered at its depth when it
   was memoized, so depths reached through a memo reference can be undercounted; the nesting that crashes
   (hashing, an immutable tuple's or frozenset's) is built from its items, so it is counted exactly.
+* **Bytes built.** A 1-byte opcode can build a 216-byte set, so a file under the trace's size bound could still
+  build tens of GB of empty containers. The walk adds up about what each object it would build costs (its
+  ``sys.getsizeof`` when empty, 32 bytes and its argument for a scalar, a slot per item it holds) and stops at
+  :data:`MAX_BUILT_BYTES`.
 * **Cost.** Walking the opcodes in Python costs about 3 s per 40 MB of trace on top of the C load's 1 s
   (one opcode at a time, with no object built); each process reads a trace once.
 """
@@ -26,13 +30,24 @@ from __future__ import annotations
 import io
 import pickle
 import pickletools
+import sys
 from typing import Any
 
 MAX_DEPTH = 64  # a FedScale trace is 3 deep
 MAX_INT_BITS = 1024  # the widest integer a float holds (about 1.8e308)
 MAX_INT_DIGITS = 309  # the same as decimal digits, for JSON
+# about what the objects a file builds may cost: FedScale's 60 MB behaviour file builds about 0.6 GB
+MAX_BUILT_BYTES = 2 * 2**30
+SCALAR_BYTES = 32  # about a number's or a string's own cost, besides its text
+_EMPTY_BYTES = {  # what an opcode that builds a container costs before its items
+    **dict.fromkeys(("EMPTY_DICT", "DICT"), sys.getsizeof({})),
+    **dict.fromkeys(("EMPTY_LIST", "LIST"), sys.getsizeof([])),
+    **dict.fromkeys(("EMPTY_SET", "FROZENSET"), sys.getsizeof(set())),
+    "EMPTY_TUPLE": 0,  # one shared object
+}
 
 _FILLS = frozenset({"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS"})  # add to the container below
+_DROPS = frozenset({"DUP", "POP", "POP_MARK"})  # build nothing and hold nothing new
 _NUMBERS = frozenset({"INT", "LONG", "LONG1", "LONG4"})  # the opcodes an integer of any width comes in
 MARK, PUT, MEMOIZE, GET, STOP, FRAME, SCALAR, NOTHING, OTHER = range(9)  # what an opcode does to the stack
 
@@ -156,20 +171,24 @@ def _integer_problem(name: str, arg: bytes) -> str | None:
     return None if digits <= MAX_INT_DIGITS else f"it holds an integer of {digits:,} digits, wider than any float"
 
 
-def _other(op: pickletools.OpcodeInfo, arg: bytes, stack: list[int], marks: list[int]) -> str | None:
-    """An opcode that builds, fills or drops objects, or reads an integer of any width; why it is refused."""
+def _other(op: pickletools.OpcodeInfo, arg: bytes, stack: list[int], marks: list[int]) -> tuple[str | None, int]:
+    """An opcode that builds, fills or drops objects, or reads an integer of any width: why it is refused, or
+    None, and about the bytes of what it builds (its own object's, and a slot per item it takes in)."""
     if op.name in _NUMBERS:
         problem = _integer_problem(op.name, arg)
         if problem is not None:
-            return problem
+            return problem, 0
     taken = _consume(op, stack, marks)
     if taken is None:
-        return f"it is malformed ({op.name} takes more than the stack holds)"
+        return f"it is malformed ({op.name} takes more than the stack holds)", 0
     depth = _depth(op.name, taken)
     if depth > MAX_DEPTH:
-        return f"it is nested more than {MAX_DEPTH} levels deep"
+        return f"it is nested more than {MAX_DEPTH} levels deep", 0
     stack.extend([depth] * len(op.stack_after))
-    return None
+    if op.name in _DROPS:
+        return None, 0
+    own = 0 if op.name in _FILLS or not op.stack_after else _EMPTY_BYTES.get(op.name, SCALAR_BYTES + len(arg))
+    return None, own + 8 * len(taken)  # a slot for each item it holds
 
 
 def pickle_problem(data: bytes) -> str | None:
@@ -178,7 +197,7 @@ def pickle_problem(data: bytes) -> str | None:
     stack: list[int] = []  # the depth of each object the unpickler would hold, bottom first
     marks: list[int] = []  # the stack's length at each MARK still open
     memo: dict[int, int] = {}
-    i, size, plans = 0, len(data), _PLANS
+    i, size, plans, built = 0, len(data), _PLANS, 0
     try:
         while i < size:
             plan = plans.get(data[i])
@@ -189,6 +208,7 @@ def pickle_problem(data: bytes) -> str | None:
             i = start + fixed if not (width or lines) and start + fixed <= size else _extent(data, start, *plan[2:])
             if kind == SCALAR:
                 stack.append(0)
+                built += SCALAR_BYTES + i - start
             elif kind == MARK:
                 marks.append(len(stack))
             elif kind == GET:
@@ -202,9 +222,12 @@ def pickle_problem(data: bytes) -> str | None:
             elif kind == FRAME:
                 _check_frame(data, start, i)
             elif kind == OTHER:
-                problem = _other(op, data[start:i], stack, marks)
+                problem, cost = _other(op, data[start:i], stack, marks)
                 if problem is not None:
                     return problem
+                built += cost
+            if built > MAX_BUILT_BYTES:
+                return f"it would build more than {MAX_BUILT_BYTES / 2**30:g} GB of objects (by offset {i:,})"
     except ValueError as exc:  # a declared length past the end, a memo index that is no number
         return str(exc) if str(exc).startswith("it ") else f"it is malformed ({str(exc)[:100]})"
     return "it is cut short (no STOP opcode)"

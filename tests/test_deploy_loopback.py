@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
 from flwr.supercore.exit import ExitCode
 
 from fleet.cli import main as cli_main
@@ -34,6 +35,9 @@ BIN = Path(sys.executable).parent
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]  # the run may take up to 900 s of it on a busy machine
 
 MEMORY_BUDGET_MB = 1.0  # about half of the 2.05 MB a full step of fleet-tiny stores: feasible, and binding
+# What the supervisor adds to Flower's run patience before it resubmits: one --poll-s of 1 s, a `flwr ls`
+# and a `flwr run` (each a fresh CLI process, 3-8 s on a loaded 2-core machine), and the SuperLink's restart.
+RESUME_SLACK_S = 30.0
 
 
 def free_port() -> int:
@@ -379,7 +383,12 @@ def read_records(path: Path) -> list[dict]:
 def test_a_supervised_run_resumes_by_itself_after_a_superlink_crash(tmp_path):
     """`fleet supervise` submits 6 rounds; the SuperLink (and the ServerApp with it) is killed after round 2
     and started again on its --database. The SuperNodes reconnect by themselves; the supervisor sees the
-    run failed, resubmits it with resume=true within 60 s, and the run ends with every round, none twice."""
+    run failed and resubmits it with resume=true, and the run ends with every round, none twice.
+
+    Flower, not the supervisor, says when the run failed: once its ServerApp has sent no heartbeat for
+    HEARTBEAT_PATIENCE x HEARTBEAT_DEFAULT_INTERVAL (60 s in flwr 1.42) since the last one, which came up
+    to that long before the crash. So the bound counts from the crash: that patience, plus the
+    supervisor's poll and its two flwr calls (RESUME_SLACK_S; CI once measured 63.5 s from the restart)."""
     link = Loopback(tmp_path, secure=False, database=tmp_path / "superlink.db")
     config_path, profile = tiny_deploy_config(tmp_path, link.env)
     cfg = yaml.safe_load(config_path.read_text())
@@ -398,15 +407,16 @@ def test_a_supervised_run_resumes_by_itself_after_a_superlink_crash(tmp_path):
             time.sleep(0.5)
         assert len(read_records(metrics)) >= 2, link.logs["supervise"].read_text()[-2000:]
         os.killpg(superlink.pid, signal.SIGKILL)  # a crash: the SuperLink, its executor and the ServerApp
+        crashed = time.time()
         superlink.wait()
         link.start_link("superlink-2")
-        restarted = time.time()
-        while "(resume=true)" not in link.logs["supervise"].read_text() and time.time() < restarted + 120:
+        bound_s = HEARTBEAT_PATIENCE * HEARTBEAT_DEFAULT_INTERVAL + RESUME_SLACK_S
+        while "(resume=true)" not in link.logs["supervise"].read_text() and time.time() < crashed + 2 * bound_s:
             time.sleep(0.5)
-        resumed_after = time.time() - restarted
+        resumed_after = time.time() - crashed
         assert supervisor.wait(timeout=900) == 0, link.logs["supervise"].read_text()[-3000:]
     finally:
         link.stop()
     log = link.logs["supervise"].read_text()
-    assert "finished:failed" in log and "(resume=true)" in log and resumed_after <= 60, (resumed_after, log)
+    assert "finished:failed" in log and "(resume=true)" in log and resumed_after <= bound_s, (resumed_after, log)
     assert [r["round"] for r in read_records(metrics)] == [1, 2, 3, 4, 5, 6], log

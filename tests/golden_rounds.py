@@ -6,15 +6,18 @@ profile, the same seeded start and the same data, and keeps only what the code d
 global and personalized accuracy of every round, the bytes uploaded, the deadline and simulated
 clock, and per device its selection (tensors, trained fraction, rho, predicted time, bytes).
 
-    python tests/golden_rounds.py --write    # record tests/data/golden-rounds-<CPU capability>.json
-    python tests/golden_rounds.py            # compare a fresh run with it (exit 1 on a difference)
+    python tests/golden_rounds.py --write    # record tests/data/golden-rounds-<capability>-<vendor>.json
+    python tests/golden_rounds.py            # compare a fresh run with them (exit 1 when it equals none)
 
 Training's floats depend on the numeric libraries' builds (torch's kernels, numpy's sums) and on the
 instruction set torch dispatches to (``torch.backends.cpu.get_cpu_capability()``: AVX2 and AVX-512 kernels
 sum in other orders, and a round's selection follows the last bits), so a recording holds only under the
 dependency set it was made with, ``requirements.lock`` (which ``scripts/install.sh`` installs), on a CPU of
-its capability. There is one recording per capability; each names what it was made under, and a difference
-under other versions says so first. Replies are aggregated in device-name order, so
+its capability. Even one capability's kernels are not one: oneDNN picks its own code path from the CPU's other
+features (VNNI, BF16, AMX), so an Intel and an AMD AVX-512 machine sum a convolution in other orders. Each
+capability therefore has one recording per CPU it was made on (``golden-rounds-<capability>[-<vendor>].json``),
+each naming what it was made under; a run must equal one of them exactly, and a difference from the closest
+says first where the environment is not the recording's. Replies are aggregated in device-name order, so
 the arrival order of the simulation's replies does not enter.
 
 ``tests/test_golden_rounds.py`` runs the comparison.
@@ -104,7 +107,7 @@ def differences(expected: object, got: object, where: str = "") -> list[str]:
 
 
 def environment() -> dict[str, str]:
-    """The numeric libraries' versions (torch's includes its build, e.g. +cu130)."""
+    """The numeric libraries' versions (torch's includes its build, e.g. +cu130) and the instruction set."""
     import importlib
 
     import torch
@@ -113,15 +116,38 @@ def environment() -> dict[str, str]:
     return {**versions, CAPABILITY: torch.backends.cpu.get_cpu_capability()}
 
 
-def golden_path(capability: str | None = None) -> Path:
-    """The recording for a CPU capability (this machine's by default)."""
-    return DATA / f"golden-rounds-{capability or environment()[CAPABILITY]}.json"
+def cpu_vendor() -> str:
+    """The CPU's vendor as /proc/cpuinfo names it (GenuineIntel, AuthenticAMD), or "unknown"."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown"
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), "unknown")
+
+
+def golden_path(capability: str | None = None, vendor: str | None = None) -> Path:
+    """Where this machine's recording is written: its capability and its CPU's vendor."""
+    return DATA / f"golden-rounds-{capability or environment()[CAPABILITY]}-{vendor or cpu_vendor()}.json"
+
+
+def recordings(capability: str | None = None) -> dict[Path, dict]:
+    """Every recording made on a CPU of this capability (the first ones were named by capability alone)."""
+    cap = capability or environment()[CAPABILITY]
+    paths = sorted({*DATA.glob(f"golden-rounds-{cap}.json"), *DATA.glob(f"golden-rounds-{cap}-*.json")})
+    return {path: json.loads(path.read_text()) for path in paths}
+
+
+def compare(recorded: dict[Path, dict], got: dict) -> tuple[Path | None, list[str]]:
+    """The recording ``got`` equals (None and the differences from the closest one when it equals none)."""
+    diffs = {path: differences(rec["runs"], got) for path, rec in recorded.items()}
+    closest = min(diffs, key=lambda path: len(diffs[path]))
+    return (closest, []) if not diffs[closest] else (None, diffs[closest])
 
 
 def environment_note(recorded: dict[str, str]) -> str | None:
     """One line when this environment is not the recording's, else None."""
     here = environment()
-    if recorded == here:
+    if {k: recorded.get(k) for k in here} == here:
         return None
     return f"recorded under {recorded}, running under {here}: install with scripts/install.sh (requirements.lock)"
 
@@ -135,19 +161,23 @@ def run_all() -> dict[str, list[dict]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="record this CPU capability's recording")
+    parser.add_argument("--write", action="store_true", help="record this CPU's recording")
     args = parser.parse_args()
-    got, path = run_all(), golden_path()
+    got = run_all()
     if args.write:
+        path = golden_path()
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"environment": environment(), "runs": got}, indent=1, sort_keys=True) + "\n")
+        made = {**environment(), "cpu": cpu_vendor()}
+        path.write_text(json.dumps({"environment": made, "runs": got}, indent=1, sort_keys=True) + "\n")
         print(f"wrote {path}")
         return 0
-    recorded = json.loads(path.read_text())
-    diffs = differences(recorded["runs"], got)
-    note = environment_note(recorded["environment"]) if diffs else None
-    print("\n".join(([note] if note else []) + diffs[:40]) or "same rounds as recorded")
-    return 1 if diffs else 0
+    recorded = recordings()
+    if not recorded:
+        print("no recording for this CPU's capability; make one: python tests/golden_rounds.py --write")
+        return 1
+    same, diffs = compare(recorded, got)
+    print(f"same rounds as {same.name}" if same else "\n".join(diffs[:40]))
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

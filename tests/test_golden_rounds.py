@@ -8,42 +8,65 @@ before the round moved into the Flower-free coordinator (one recording per instr
 
 from __future__ import annotations
 
+import copy
 import json
 import platform
 
 import pytest
 
-from tests.golden_rounds import CAPABILITY, DATA, NUMERIC, RUNS, differences, environment_note, golden_path, run_all
+from tests.golden_rounds import (
+    CAPABILITY,
+    DATA,
+    NUMERIC,
+    RUNS,
+    compare,
+    cpu_vendor,
+    differences,
+    environment_note,
+    golden_path,
+    recordings,
+    run_all,
+)
 
 LOCKED = platform.machine() == "x86_64"  # requirements.lock pins torch for x86_64; aarch64 takes its own pair
 
 
-def recording() -> dict:
-    """This CPU capability's recording; a skip naming how to make one where there is none."""
-    path = golden_path()
-    if not path.is_file():
+def recorded_here() -> dict:
+    """The recordings of this CPU's capability; a skip naming how to make one where there is none."""
+    found = recordings()
+    if not found:
         pytest.skip(
-            f"no recording for this CPU's capability ({path.name}); make one: python tests/golden_rounds.py --write"
+            f"no recording for this CPU's capability ({golden_path().name}); make one: "
+            "python tests/golden_rounds.py --write"
         )
-    return json.loads(path.read_text())
+    return found
 
 
 def test_seeded_fleets_make_the_recorded_rounds():
-    recorded = recording()
-    note = environment_note(recorded["environment"])
+    """The run equals one of its capability's recordings exactly (each CPU's kernels sum in their own order)."""
+    found = recorded_here()
+    closest = next(iter(found.values()))
+    note = environment_note(closest["environment"])
     if note and not LOCKED:
         pytest.skip(f"floats differ by build off x86_64: {note}")
-    expected = recorded["runs"]
-    assert set(expected) == set(RUNS)
-    diffs = differences(expected, run_all())
-    assert not diffs, "\n".join(([note] if note else []) + diffs[:20])
+    assert all(set(rec["runs"]) == set(RUNS) for rec in found.values())
+    same, diffs = compare(found, run_all())
+    assert same is not None, "\n".join(
+        [f"equals none of {[p.name for p in found]} (this CPU: {cpu_vendor()}); the closest differs:"]
+        + ([note] if note else [])
+        + diffs[:20]
+    )
 
 
 @pytest.mark.skipif(not LOCKED, reason="requirements.lock pins torch for x86_64 only")
 def test_the_recording_names_the_locked_numeric_libraries():
     """The recording was made under requirements.lock's torch and numpy, and this suite runs under them."""
-    recorded = recording()["environment"]
-    assert set(recorded) == {*NUMERIC, CAPABILITY}
+    for recorded in (rec["environment"] for rec in recorded_here().values()):
+        check_locked(recorded)
+
+
+def check_locked(recorded: dict[str, str]) -> None:
+    assert set(recorded) - {"cpu"} == {*NUMERIC, CAPABILITY}
     lock = dict(
         line.split(";")[0].strip().split("==")
         for line in (DATA.parents[1] / "requirements.lock").read_text().splitlines()
@@ -64,8 +87,26 @@ def test_the_comparison_notices_a_changed_selection():
     assert len(diffs) == 2 and any("selected" in d for d in diffs) and any("global_accuracy" in d for d in diffs)
 
 
-def test_each_recording_names_the_capability_it_was_made_on():
+def test_each_recording_names_the_capability_and_the_cpu_it_was_made_on():
     paths = sorted(DATA.glob("golden-rounds-*.json"))
-    assert [p.name for p in paths] == ["golden-rounds-AVX2.json", "golden-rounds-AVX512.json"]
+    assert [p.name for p in paths] == [
+        "golden-rounds-AVX2.json",  # made before recordings named their CPU
+        "golden-rounds-AVX512-AuthenticAMD.json",
+        "golden-rounds-AVX512-GenuineIntel.json",
+    ]
     for path in paths:
-        assert path.name == golden_path(json.loads(path.read_text())["environment"][CAPABILITY]).name
+        made = json.loads(path.read_text())["environment"]
+        assert path in recordings(made[CAPABILITY])
+        if "cpu" in made:
+            assert path == golden_path(made[CAPABILITY], made["cpu"])
+
+
+def test_a_run_equal_to_any_recording_of_its_capability_passes_and_one_equal_to_none_fails():
+    found = recordings("AVX512")
+    assert len(found) == 2
+    for path, rec in found.items():
+        assert compare(found, rec["runs"]) == (path, [])
+    changed = copy.deepcopy(next(iter(found.values()))["runs"])
+    changed["ditto"][0]["global_accuracy"] += 1e-3
+    same, diffs = compare(found, changed)
+    assert same is None and len(diffs) == 1 and diffs[0].startswith(".ditto[0].global_accuracy: "), diffs

@@ -209,6 +209,10 @@ def adaptive_arrays(
         update = attacks.ipm(own, honest, attacks.IPM_EPS[attack])
     elif attack == "min_max":
         update = attacks.min_max(own, honest)
+    elif attack == "min_max_unsampled":
+        update = attacks.min_max_unsampled(own, honest)
+    elif attack == "alie_large":
+        update = attacks.alie_large(own, honest)
     elif attack == "backdoor":
         update = attacks.under_bound(own, honest)
     else:

@@ -16,6 +16,9 @@ ATTACKS = (
     "label_flip",  # honest training on labels C - 1 - y
     "backdoor",  # half its samples carry a pixel patch labelled class 0; the update boosted to under the bound
     "mask_abuse",  # claims only the tensors the fewest honest devices trained; reversed and enlarged there
+    "min_max_unsampled",  # Min-Max everywhere but the coordinates a reader of the code takes to be judged
+    "alie_large",  # ALIE on the largest tensors (80% of the values), the many small ones honest
 )
-KNOWING = ("alie", "ipm_0.1", "ipm_1", "min_max", "backdoor", "mask_abuse")  # need the honest updates (spied)
+# need the honest updates (spied)
+KNOWING = ("alie", "ipm_0.1", "ipm_1", "min_max", "backdoor", "mask_abuse", "min_max_unsampled", "alie_large")
 DATA_ATTACKS = ("label_flip", "backdoor")  # train on altered data

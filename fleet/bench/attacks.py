@@ -14,6 +14,10 @@ aggregation use attackers who know the honest updates and stay just inside what 
 * **Label flipping**: honest training on labels ``C - 1 - y``.
 * **A backdoor** (Bagdasaryan et al., AISTATS 2020): part of the training data carries a pixel patch
   and the target label, and the update is boosted to just under the norm bound the attacker expects.
+* **Attacks tuned to the screen's own checks**, as an attacker who reads fleet's code would send them:
+  Min-Max on every coordinate but those it takes the screen to judge (``min_max_unsampled``: the sample
+  drawn with no secret, which is all a reader of the code can compute), and ALIE on only the largest
+  tensors, which hold most of the model, while the many small ones stay honest (``alie_large``).
 * **Mask abuse**, fleet's own hole: a device chooses which tensors it claims to have trained. The
   attacker claims those the fewest honest devices trained (where no majority can outvote it) and
   sends a reversed, enlarged update on them.
@@ -32,6 +36,7 @@ import statistics
 import torch
 
 from fleet.data.datasets import ArrayDataset
+from fleet.federated.on_server.robust import SCREEN_COORDINATES, sample_coordinates
 
 Update = dict[str, torch.Tensor]  # tensor name -> its update (float64): sent - received
 
@@ -105,6 +110,43 @@ def _largest_gamma(stack: torch.Tensor, mean: torch.Tensor, direction: torch.Ten
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+LARGE_SHARE = 0.8  # alie_large poisons the largest tensors that together hold this share of the update's values
+
+
+def largest(own: Update, share: float = LARGE_SHARE) -> list[str]:
+    """The fewest largest tensors of ``own`` that together hold at least ``share`` of its values."""
+    order = sorted(own, key=lambda name: own[name].numel(), reverse=True)
+    total, kept, chosen = sum(t.numel() for t in own.values()), 0, []
+    for name in order:
+        if kept >= share * total:
+            break
+        chosen.append(name)
+        kept += own[name].numel()
+    return chosen
+
+
+def alie_large(own: Update, honest: list[Update]) -> Update:
+    """ALIE on :func:`largest` only; every other tensor its own honest update, voting for it."""
+    poisoned = alie(own, honest)
+    return {name: poisoned[name] if name in largest(own) else mine for name, mine in own.items()}
+
+
+def min_max_unsampled(own: Update, honest: list[Update]) -> Update:
+    """Min-Max on every coordinate but those the screen would judge with no secret (its key-0 sample,
+    ``fleet.federated.on_server.robust.sampled``), which keep its own honest update."""
+    poisoned = min_max(own, honest)
+    out = {}
+    for name, mine in own.items():
+        if mine.numel() <= SCREEN_COORDINATES:  # judged on every coordinate: nothing to hide behind
+            out[name] = mine
+            continue
+        flat = poisoned[name].flatten().clone()
+        judged = torch.from_numpy(sample_coordinates(mine.numel(), 0).astype("int64"))
+        flat[judged] = mine.flatten()[judged]
+        out[name] = flat.reshape(mine.shape)
+    return out
 
 
 def under_bound(update: Update, honest: list[Update], margin: float = UNDER_BOUND) -> Update:

@@ -56,7 +56,14 @@ from fleet.federated.on_server.membership import (
     record_attendance,
     sample,
 )
-from fleet.federated.on_server.robust import plausible, plausible_times, robust_average, scale_update, upload_problem
+from fleet.federated.on_server.robust import (
+    plausible,
+    plausible_times,
+    robust_average,
+    round_key,
+    scale_update,
+    upload_problem,
+)
 from fleet.federated.on_server.server_eval import reference_loss, server_accuracy
 from fleet.federated.on_server.state import RoundReplies, ServerState
 from fleet.federated.on_server.tracking import device_rows, round_record, round_time, with_attendance, with_evaluation
@@ -452,6 +459,7 @@ class Coordinator:
             state.typical_norms,
             state.last_step,
             state.strikes,
+            round_key(state.screen_secret, server_round),
         )
         kept, rejected = defend(judging, candidates)
         kept, rejected = self._validate(kept, rejected)

@@ -103,6 +103,7 @@ class Judging:
     # device -> the rounds its update pointed against the others or the last step (ServerState.strikes), pruned to
     # robust.strike_window
     strikes: dict[str, list[int]] = field(default_factory=dict)
+    key: int = 0  # the round's key for the coordinates directions are judged on (robust.round_key): secret
 
     def recent_strikes(self, device: str) -> int:
         """How many rounds before this one, within ``strike_window``, the device's update pointed the wrong way."""
@@ -157,7 +158,8 @@ def defend(j: Judging, candidates: list[Candidate]) -> tuple[list[Candidate], li
 def by_trend(j: Judging, candidates: list[Candidate]) -> tuple[list[Candidate], list[Rejected]]:
     """Every device against ``trend``, the global model's last step (``min_cos``), which no device of
     this round can drag, and which also judges the tensors a device alone trained."""
-    trends = trend_cosines(j.current, [c.arrays for c in candidates], j.param_names, j.trend) if j.trend else {}
+    arrays = [c.arrays for c in candidates]
+    trends = trend_cosines(j.current, arrays, j.param_names, j.trend, j.key) if j.trend else {}
     pending, rejected = [], []
     for i, c in enumerate(candidates):
         if i in trends:
@@ -233,7 +235,7 @@ def worst_first(j: Judging, candidates: list[Candidate]) -> tuple[list[Screen | 
     screens: list[Screen | None] = [None] * len(candidates)
     while True:
         arrays, norms = [candidates[i].arrays for i in alive], [norms_of(candidates[i], j.current) for i in alive]
-        found = screen_devices(j.current, arrays, j.param_names, size_cap=cap, norms=norms)
+        found = screen_devices(j.current, arrays, j.param_names, size_cap=cap, norms=norms, key=j.key)
         for k, i in enumerate(alive):
             screens[i] = found.get(k)
         failing = {}

@@ -124,6 +124,7 @@ def screen_devices(
     peers: int = MIN_PEERS,
     size_cap: float = math.inf,
     norms: list[dict[str, float]] | None = None,
+    key: int = 0,
 ) -> dict[int, Screen]:
     """Per device (index into ``arrays``): its update's size and direction against the others'.
 
@@ -147,15 +148,21 @@ def screen_devices(
     and Min-Max fall on nearly all). Colluding attackers can drag the others' median, so a direction
     that no device can drag is judged apart, in :func:`trend_cosines`.
 
-    ``norms``: each device's :func:`update_norms`, when the caller has them (else taken here)."""
+    Each verdict is a median over the shared tensors, one tensor one vote. Weighted by the tensors' sizes
+    it lost every attack it was meant to stop and more: the large convolutions read ALIE and Min-Max as
+    honest, and it is the many small tensors, where their step falls on nearly every coordinate, that
+    give them away (docs/results.md, "Robustness").
+
+    ``norms``: each device's :func:`update_norms`, when the caller has them (else taken here); ``key``: the
+    round's key for the judged coordinates (:func:`round_key`)."""
     figures: dict[int, list[tuple[float, float, float]]] = {}  # (ratio, pull, skew) per shared tensor
     for name in names:
         senders = [i for i, sent in enumerate(arrays) if name in sent]
         if len(senders) <= peers or current[name].dtype.kind != "f":
             continue
         sizes = np.array([norms[i][name] if norms else _norm(arrays[i][name], current[name]) for i in senders])
-        ref = sampled(current[name])
-        deltas = np.stack([sampled(arrays[i][name]) - ref for i in senders])
+        ref = sampled(current[name], key)
+        deltas = np.stack([sampled(arrays[i][name], key) - ref for i in senders])
         rising = rising_share(deltas)
         medians, rising_medians = leave_one_out_medians(deltas), leave_one_out_medians(rising[:, None])[:, 0]
         for j, i in enumerate(senders):
@@ -195,10 +202,15 @@ def _screen(rows: list[tuple[float, float, float]]) -> Screen:
 
 
 def trend_cosines(
-    current: Mapping[str, np.ndarray], arrays: list[dict[str, np.ndarray]], names: list[str], trend: Mapping
+    current: Mapping[str, np.ndarray],
+    arrays: list[dict[str, np.ndarray]],
+    names: list[str],
+    trend: Mapping,
+    key: int = 0,
 ) -> dict[int, tuple[float, int]]:
     """Per device (index into ``arrays``): the median over the trainable tensors it sent of its update's
-    cosine with ``trend``, the global model's last step on that tensor, and how many tensors it rests on.
+    cosine with ``trend``, the global model's last step on that tensor, and how many tensors it rests on;
+    ``key``: the round's key for the judged coordinates (:func:`round_key`).
 
     The last step is the defended aggregate of honest devices, which no device of this round can
     drag, and it judges every tensor, also those a device alone trained. Honest updates keep moving
@@ -207,10 +219,10 @@ def trend_cosines(
     else can outvote it."""
     cosines: dict[int, list[float]] = {}
     for name in (n for n in names if n in trend and current[n].dtype.kind == "f"):
-        step, ref = sampled(np.asarray(trend[name])), sampled(current[name])  # once a tensor, not once a device
+        step, ref = sampled(np.asarray(trend[name]), key), sampled(current[name], key)  # once a tensor
         step_norm = float(np.linalg.norm(step))
         for i in (i for i, sent in enumerate(arrays) if name in sent):
-            delta = sampled(arrays[i][name]) - ref
+            delta = sampled(arrays[i][name], key) - ref
             denom = float(np.linalg.norm(delta)) * step_norm
             if denom > 0:
                 cosines.setdefault(i, []).append(float(delta @ step) / denom)
@@ -229,25 +241,35 @@ SCREEN_COORDINATES = 4096  # a direction is judged on this many coordinates of a
 
 
 @lru_cache(maxsize=256)
-def _coordinates(size: int) -> np.ndarray:
-    """The coordinates a tensor's directions are compared on: all of a small tensor, else a fixed
-    seeded sample. The leave-one-out medians cost senders^2 x coordinates, which on every coordinate
-    of a ResNet-18 outlasts the round; a cosine from 4,096 coordinates is within about 0.02 of the
-    full one, and the norms (the sizes) are still taken in full. Drawn once per size (read-only): a
-    round asks for them thousands of times."""
+def sample_coordinates(size: int, key: int) -> np.ndarray:
+    """The coordinates a tensor's directions are compared on: all of a small tensor, else a sample drawn
+    from the round's ``key``. The leave-one-out medians cost senders^2 x coordinates, which on every
+    coordinate of a ResNet-18 outlasts the round; a cosine from 4,096 coordinates is within about 0.02
+    of the full one, and the norms (the sizes) are still taken in full. A sample that anyone could
+    compute would let an attacker poison only the coordinates outside it, judged on the honest rest;
+    drawn afresh each round from the server's secret, it is a random 4,096 of the attacker's. Drawn once
+    per size and round (read-only): a round asks for them thousands of times."""
     chosen = (
         np.arange(size)
         if size <= SCREEN_COORDINATES
-        else np.random.default_rng([size, 31]).choice(size, SCREEN_COORDINATES, replace=False)
+        else np.random.default_rng([key, size]).choice(size, SCREEN_COORDINATES, replace=False)
     )
     chosen = np.sort(chosen)
     chosen.flags.writeable = False
     return chosen
 
 
-def sampled(values: np.ndarray) -> np.ndarray:
-    """A tensor's values on the coordinates its directions are compared on (:func:`_coordinates`), float64."""
-    return values.ravel()[_coordinates(values.size)].astype(np.float64)
+def round_key(secret: int, server_round: int) -> int:
+    """The key of a round's judged coordinates (:func:`sample_coordinates`), from the server's secret
+    (``ServerState.screen_secret``) and the round: a device that saw every earlier round's verdicts still
+    cannot tell which coordinates the next one reads."""
+    return int(np.random.SeedSequence([secret, server_round]).generate_state(1, np.uint64)[0])
+
+
+def sampled(values: np.ndarray, key: int = 0) -> np.ndarray:
+    """A tensor's values on the coordinates its directions are compared on this round (:func:`sample_coordinates`),
+    float64."""
+    return values.ravel()[sample_coordinates(values.size, key)].astype(np.float64)
 
 
 def scale_update(current: Mapping[str, np.ndarray], sent: dict[str, np.ndarray], factor: float, names) -> dict:

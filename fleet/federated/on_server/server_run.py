@@ -8,6 +8,7 @@ line, and summary.json and the plots at the end.
 
 from __future__ import annotations
 
+import secrets
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,7 +38,9 @@ def initial_arrays(cfg: FleetConfig) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
 
 
-def start_state(cfg: FleetConfig, out: Path, resume: bool) -> tuple[dict[str, np.ndarray], ServerState]:
+def start_state(
+    cfg: FleetConfig, out: Path, resume: bool, simulated: bool = False
+) -> tuple[dict[str, np.ndarray], ServerState]:
     """The checkpointed model and state when resuming, else a fresh start (an older run is kept aside)."""
     if resume:
         check_resumable(out)
@@ -49,7 +52,17 @@ def start_state(cfg: FleetConfig, out: Path, resume: bool) -> tuple[dict[str, np
         print(f"no checkpoint in {out}; starting {cfg.name} from round 1", flush=True)
     else:
         keep_previous_run(out, cfg.name, lambda line: print(line, flush=True))
-    return initial_arrays(cfg), ServerState(run_tag=uuid.uuid4().hex[:12])
+    return initial_arrays(cfg), ServerState(run_tag=uuid.uuid4().hex[:12], screen_secret=screen_secret(cfg, simulated))
+
+
+def screen_secret(cfg: FleetConfig, simulated: bool) -> int:
+    """ServerState.screen_secret: from the OS for real devices, from train.seed in a simulation."""
+    if not simulated:
+        return secrets.randbits(64)
+    return int(np.random.SeedSequence([cfg.train.seed, SCREEN_SALT]).generate_state(1, np.uint64)[0])
+
+
+SCREEN_SALT = 0x5C12EE  # keeps a simulation's screen secret apart from the other streams drawn from train.seed
 
 
 @dataclass
@@ -66,7 +79,7 @@ class ServerRun:
         """A fresh run, or the checkpointed one continued (``resume``). ``simulated``: Flower's simulation
         engine, whose devices are known by name (their classes, their data sizes)."""
         out = run_dir(cfg)
-        arrays, state = start_state(cfg, out, resume)
+        arrays, state = start_state(cfg, out, resume, simulated)
         out.mkdir(parents=True, exist_ok=True)
         tracker = Tracker(out, resume_round=state.round if resume else None)
         classes = FleetClasses(cfg, simulated_names(cfg) if simulated else {})

@@ -77,6 +77,10 @@ class ServerState:
     # tensor -> its typical update norm (lower median over its senders) as the defense last bounded it: a bound
     # may grow from it by robust.norm_growth a round, so attackers alone on a tensor cannot set their own
     typical_norms: dict[str, float] = field(default_factory=dict)
+    # the secret each round's judged coordinates are drawn from (robust.round_key): a deployment's from the OS,
+    # never sent to a device, so none can poison only the coordinates it knows go unread; a simulation's from
+    # train.seed, so a seeded experiment repeats (its devices are the project's own code)
+    screen_secret: int = 0
     # tensor -> the global model's last step on it (robust.min_cos judges updates against it); not checkpointed:
     # a resumed run judges against the first step it takes
     last_step: dict[str, np.ndarray] = field(default_factory=dict)

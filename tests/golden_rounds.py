@@ -17,7 +17,7 @@ its capability. Even one capability's kernels are not one: oneDNN picks its own 
 features (VNNI, BF16, AMX), so an Intel and an AMD AVX-512 machine sum a convolution in other orders. Each
 capability therefore has one recording per CPU it was made on (``golden-rounds-<capability>[-<vendor>].json``),
 each naming what it was made under; a run must equal one of them exactly, and a difference from the closest
-says first where the environment is not the recording's. Replies are aggregated in device-name order, so
+one says first where the environment is not that recording's. Replies are aggregated in device-name order, so
 the arrival order of the simulation's replies does not enter.
 
 ``tests/test_golden_rounds.py`` runs the comparison.
@@ -137,11 +137,11 @@ def recordings(capability: str | None = None) -> dict[Path, dict]:
     return {path: json.loads(path.read_text()) for path in paths}
 
 
-def compare(recorded: dict[Path, dict], got: dict) -> tuple[Path | None, list[str]]:
-    """The recording ``got`` equals (None and the differences from the closest one when it equals none)."""
+def compare(recorded: dict[Path, dict], got: dict) -> tuple[Path, list[str]]:
+    """The recording closest to ``got`` and how ``got`` differs from it: none when it equals that one."""
     diffs = {path: differences(rec["runs"], got) for path, rec in recorded.items()}
     closest = min(diffs, key=lambda path: len(diffs[path]))
-    return (closest, []) if not diffs[closest] else (None, diffs[closest])
+    return closest, diffs[closest]
 
 
 def environment_note(recorded: dict[str, str]) -> str | None:
@@ -175,9 +175,10 @@ def main() -> int:
     if not recorded:
         print("no recording for this CPU's capability; make one: python tests/golden_rounds.py --write")
         return 1
-    same, diffs = compare(recorded, got)
-    print(f"same rounds as {same.name}" if same else "\n".join(diffs[:40]))
-    return 0 if same else 1
+    closest, diffs = compare(recorded, got)
+    note = environment_note(recorded[closest]["environment"]) if diffs else None
+    print("\n".join(([note] if note else []) + diffs[:40]) or f"same rounds as {closest.name}")
+    return 1 if diffs else 0
 
 
 if __name__ == "__main__":

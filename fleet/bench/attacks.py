@@ -129,8 +129,8 @@ def largest(own: Update, share: float = LARGE_SHARE) -> list[str]:
 
 def alie_large(own: Update, honest: list[Update]) -> Update:
     """ALIE on :func:`largest` only; every other tensor its own honest update, voting for it."""
-    poisoned = alie(own, honest)
-    return {name: poisoned[name] if name in largest(own) else mine for name, mine in own.items()}
+    poisoned, chosen = alie(own, honest), set(largest(own))
+    return {name: poisoned[name] if name in chosen else mine for name, mine in own.items()}
 
 
 def min_max_unsampled(own: Update, honest: list[Update]) -> Update:

@@ -13,6 +13,7 @@ from fleet.base.process import process_age_s
 from fleet.bench.figures import first_reaching
 from fleet.bench.testbed import (
     ACCURACY,
+    DeviceFigures,
     bench_table,
     class_fixed_s,
     class_start_s,
@@ -71,7 +72,7 @@ def test_a_method_is_judged_on_its_rounds_within_the_budget(tmp_path):
     assert len(within(run.records, 180)) == 3 and len(within(run.records, None)) == 4
     assert first_reaching(run.records, 0.84, ACCURACY).round == 3
     assert first_reaching(run.records, 0.95, ACCURACY) is None
-    entry = method_entry(run, 180, 0.79, start=0.6, down=8_000_000)
+    entry = method_entry(run, 180, 0.79, 0.6, device_entries(run, within(run.records, 180), 8_000_000))
     assert entry["rounds"] == 3 and entry["time_to_target_s"] == 120 and entry["target_round"] == 2
     assert entry["final_server_accuracy"] == pytest.approx(0.84) and entry["final_accuracy"] == 0.85
     # the start's 0.6 for 60 s, then 0.69 and 0.79 for 60 s each, over the 180 s budget
@@ -80,7 +81,7 @@ def test_a_method_is_judged_on_its_rounds_within_the_budget(tmp_path):
     pi = entry["devices"]["pi-0"]
     assert pi["round_s"] == 40 and pi["ready_s"] == 20 and pi["upload_s"] == pytest.approx(4.0)  # 4 MB at 8 Mbit/s
     assert pi["download_s"] == pytest.approx(4.0) and pi["memory_peak_mb"] == 900 and pi["bytes_uploaded"] == 12e6
-    assert method_entry(run, 180, 0.9, start=0.6, down=0)["time_to_target_s"] is None  # not reached
+    assert method_entry(run, 180, 0.9, 0.6, {})["time_to_target_s"] is None  # not reached
 
 
 def test_mean_accuracy_is_the_step_curves_area_over_the_budget():
@@ -91,11 +92,11 @@ def test_mean_accuracy_is_the_step_curves_area_over_the_budget():
 
 def test_the_regime_is_read_off_the_slowest_class_under_fedavg():
     devices = {
-        "pi-0": {"cpu": 0.2, "compute_s": 60.0, "upload_s": 20.0, "download_s": 5.0},
-        "pi-1": {"cpu": 0.2, "compute_s": 40.0, "upload_s": 15.0, "download_s": 5.0},
-        "board-0": {"cpu": 0.4, "compute_s": 1.0, "upload_s": 20.0, "download_s": 5.0},
+        "pi-0": DeviceFigures(cpu=0.2, compute_s=60.0, upload_s=20.0, download_s=5.0),
+        "pi-1": DeviceFigures(cpu=0.2, compute_s=40.0, upload_s=15.0, download_s=5.0),
+        "board-0": DeviceFigures(cpu=0.4, compute_s=1.0, upload_s=20.0, download_s=5.0),
     }
-    ratio = regime_ratio({"devices": devices})
+    ratio = regime_ratio(devices)
     assert ratio == pytest.approx((60 / 25 + 40 / 20) / 2)
     assert regime_of(ratio) == "compute" and regime_of(1.9) == "upload" and regime_of(None) == "upload"
 
@@ -110,13 +111,13 @@ def test_class_figures_are_medians_of_each_rounds_slowest_device(tmp_path):
     assert class_start_s(run, "pi") == 20  # a row with no start is no start, not a crash at the report's end
     pi0 = device_entries(run, run.records, 0)["pi-0"]
     # its rounds of 40, 45 and 90 s each spent 3 s computing and 4 s uploading (4 MB at 8 Mbit/s)
-    assert pi0["round_s"] == 45 and pi0["overhead_share"] == pytest.approx(1 - 7 / 45)
+    assert pi0.round_s == 45 and pi0.overhead_share == pytest.approx(1 - 7 / 45)
 
 
 def test_the_overhead_is_the_slowest_class_share_in_the_worst_method():
-    def method(*shares: tuple[float | None, float | None]) -> dict:
+    def method(*shares: tuple[float | None, float | None]) -> dict[str, DeviceFigures]:
         rows = [("pi", 0.2, shares[0]), ("pi", 0.2, shares[1]), ("board", 0.4, 0.9), ("host", None, 0.9)]
-        return {"devices": {f"d{i}": {"cpu": c, "overhead_share": s} for i, (_, c, s) in enumerate(rows)}}
+        return {f"d{i}": DeviceFigures(cls, c, overhead_share=s) for i, (cls, c, s) in enumerate(rows)}
 
     # medians over the pi class, 0.2 and 0.06; the unlimited and faster classes do not count
     assert overhead_share({"fedavg": method(0.1, 0.3), "fleet": method(0.05, 0.07)}) == pytest.approx(0.2)

@@ -40,6 +40,7 @@ import dataclasses
 import json
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -51,7 +52,7 @@ from fleet.federated.on_server.tracking import honest_rejections, read_records
 from fleet.federated.shared.class_config import DeviceClassConfig
 from fleet.federated.shared.config import FleetConfig, pipelined, run_dir
 from fleet.federated.shared.names import DEVICES_DIR
-from fleet.federated.shared.round_record import DeviceRow, RoundRecord
+from fleet.federated.shared.round_record import JSON_KEY, DeviceRow, RoundRecord, fields_json
 from fleet.federated.shared.testbed_config import TestbedConfig
 from fleet.testbed.run import TestbedRun, run_testbed
 
@@ -102,7 +103,29 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def device_entries(run: TestbedRun, records: list[RoundRecord], download_bytes: int) -> dict[str, dict]:
+@dataclass
+class DeviceFigures:
+    """A device in one method's run, as the report keeps it (its ``devices``): medians over its rounds within the
+    budget, where a round went, and what it cost."""
+
+    device_class: str = field(default="", metadata={JSON_KEY: "class"})
+    cpu: float | None = None  # its class's CPU share; None: unlimited
+    rounds: int = 0
+    round_s: float | None = None  # the server's wall seconds from its message to its reply
+    compute_s: float | None = None
+    ready_s: float | None = None  # its ClientApp's age when its work started
+    upload_s: float | None = None  # its bytes at its link's rate
+    download_s: float | None = None
+    overhead_share: float | None = None  # the share of its round neither compute nor transfer, per round
+    trained_fraction: float = 0.0
+    bytes_uploaded: int = 0
+    link_bytes_sent: int | None = None  # what its link carried up over the whole run, Flower's framing included
+    link_bytes_received: int | None = None  # ... and down
+    memory_peak_mb: float | None = None
+    oom_kills: int = 0
+
+
+def device_entries(run: TestbedRun, records: list[RoundRecord], download_bytes: int) -> dict[str, DeviceFigures]:
     """Per device: its measured round, compute, start and transfers (medians over its rounds), its
     trained fraction, bytes and memory."""
     out = {}
@@ -115,24 +138,23 @@ def device_entries(run: TestbedRun, records: list[RoundRecord], download_bytes: 
         upload = [8 * d.bytes_uploaded / (cls.uplink_mbps * 1e6) for d in rows]
         download = 8 * download_bytes / (cls.downlink_mbps * 1e6)
         work = [d.measured_time_s + up + download for d, up in zip(rows, upload, strict=True)]
-        out[name] = {
-            "class": cls.name,
-            "cpu": cls.cpu,
-            "rounds": len(rows),
-            "round_s": _median([d.wall_s for d in rows]),
-            "compute_s": _median([d.measured_time_s for d in rows]),
-            "ready_s": _median([d.ready_s for d in rows if d.ready_s is not None]),
-            "upload_s": _median(upload),
-            "download_s": download,
-            # the share of its round neither compute nor transfer (start, polling, serialization), per round
-            "overhead_share": _median([1 - w / d.wall_s for d, w in zip(rows, work, strict=True) if d.wall_s]),
-            "trained_fraction": statistics.fmean(d.trained_fraction for d in rows),
-            "bytes_uploaded": sum(d.bytes_uploaded for d in rows),
-            "link_bytes_sent": sent,  # what its link carried up over the whole run, Flower's framing included
-            "link_bytes_received": received,  # ... and down
-            "memory_peak_mb": peak,
-            "oom_kills": kills,
-        }
+        out[name] = DeviceFigures(
+            device_class=cls.name,
+            cpu=cls.cpu,
+            rounds=len(rows),
+            round_s=_median([d.wall_s for d in rows]),
+            compute_s=_median([d.measured_time_s for d in rows]),
+            ready_s=_median([d.ready_s for d in rows if d.ready_s is not None]),
+            upload_s=_median(upload),
+            download_s=download,
+            overhead_share=_median([1 - w / d.wall_s for d, w in zip(rows, work, strict=True) if d.wall_s]),
+            trained_fraction=statistics.fmean(d.trained_fraction for d in rows),
+            bytes_uploaded=sum(d.bytes_uploaded for d in rows),
+            link_bytes_sent=sent,
+            link_bytes_received=received,
+            memory_peak_mb=peak,
+            oom_kills=kills,
+        )
     return out
 
 
@@ -145,8 +167,10 @@ def download_bytes(cfg: FleetConfig) -> int:
     return shared_bytes(initial_arrays(cfg), frozenset(), cfg.federation.transfer)
 
 
-def method_entry(run: TestbedRun, budget_s: float, target: float, start: float | None, down: int) -> dict:
-    """One method's figures over its rounds within the budget."""
+def method_entry(
+    run: TestbedRun, budget_s: float, target: float, start: float | None, devices: dict[str, DeviceFigures]
+) -> dict:
+    """One method's figures over its rounds within the budget; ``devices``: its :func:`device_entries` over them."""
     records = within(run.records, budget_s)
     curve = [[r.wall_time_s, getattr(r, ACCURACY)] for r in records]
     hit = first_reaching(records, target, ACCURACY)
@@ -161,7 +185,7 @@ def method_entry(run: TestbedRun, budget_s: float, target: float, start: float |
         "honest_rejected": honest_rejections(records),  # nobody attacks here
         "personalized_accuracy_mean": last_evaluated(records, "personal_accuracy"),
         "curve": curve,
-        "devices": device_entries(run, records, down),
+        "devices": {name: fields_json(d) for name, d in devices.items()},
     }
 
 
@@ -324,26 +348,26 @@ def memory_entries(runs: dict[str, TestbedRun]) -> dict[str, dict]:
     return out
 
 
-def slowest_class(method: dict) -> list[dict]:
+def slowest_class(devices: dict[str, DeviceFigures]) -> list[DeviceFigures]:
     """A method's devices of the lowest CPU share (a pi4's class); none if every class is unlimited."""
-    devices = [d for d in method["devices"].values() if d["cpu"] is not None]  # an unlimited class is not slow
-    return [d for d in devices if d["cpu"] == min(d["cpu"] for d in devices)]
+    limited = [d for d in devices.values() if d.cpu is not None]  # an unlimited class is not slow
+    return [d for d in limited if d.cpu == min(d.cpu for d in limited)]
 
 
-def regime_ratio(fedavg: dict) -> float | None:
-    """The slowest class's compute against its transfers (upload and download) under FedAvg: the median over
-    that class's devices of their median rounds."""
-    ratios = [d["compute_s"] / (d["upload_s"] + d["download_s"]) for d in slowest_class(fedavg)]
+def regime_ratio(fedavg: dict[str, DeviceFigures]) -> float | None:
+    """The slowest class's compute against its transfers (upload and download) under FedAvg's devices: the
+    median over that class's devices of their median rounds."""
+    ratios = [d.compute_s / (d.upload_s + d.download_s) for d in slowest_class(fedavg)]
     return statistics.median(ratios) if ratios else None
 
 
-def overhead_share(methods: dict[str, dict]) -> float | None:
-    """The largest, over methods, of the median share of a slowest-class device's round that is neither
-    compute nor transfer: what a round costs beyond the device's own work."""
+def overhead_share(methods: dict[str, dict[str, DeviceFigures]]) -> float | None:
+    """The largest, over methods (each its devices), of the median share of a slowest-class device's round that
+    is neither compute nor transfer: what a round costs beyond the device's own work."""
     shares = [
         statistics.median(found)
-        for m in methods.values()
-        if (found := [d["overhead_share"] for d in slowest_class(m) if d.get("overhead_share") is not None])
+        for devices in methods.values()
+        if (found := [d.overhead_share for d in slowest_class(devices) if d.overhead_share is not None])
     ]
     return max(shares, default=None)
 
@@ -403,7 +427,8 @@ def bench_testbed(cfg: FleetConfig, rounds: int, log) -> dict:
     down, start = download_bytes(cfg), start_accuracy(cfg)
     budget = runs["fedavg"].records[-1].wall_time_s
     target = (last_evaluated(runs["fedavg"].records, ACCURACY) or 0.0) - TARGET_DROP
-    methods = {m: method_entry(runs[m], budget, target, start, down) for m in METHODS}
+    devices = {m: device_entries(runs[m], within(runs[m].records, budget), down) for m in METHODS}
+    methods = {m: method_entry(runs[m], budget, target, start, devices[m]) for m in METHODS}
     log(f"bench: the simulator on the testbed's classes, {len(runs['fleet'].records)} rounds of fleet")
     fixed = {c.name: class_fixed_s(runs["fedavg"], c.name, down) for c in cfg.testbed.classes}
     simulated = simulate(simulation_config(cfg, runs["fleet"], fixed, len(runs["fleet"].records)), log)
@@ -414,9 +439,9 @@ def bench_testbed(cfg: FleetConfig, rounds: int, log) -> dict:
         "start_accuracy": start,
         "target_accuracy": target,
         "download_bytes": down,
-        "compute_to_transfer": regime_ratio(methods["fedavg"]),
-        "regime": regime_of(regime_ratio(methods["fedavg"])),
-        "overhead_share": overhead_share(methods),
+        "compute_to_transfer": regime_ratio(devices["fedavg"]),
+        "regime": regime_of(regime_ratio(devices["fedavg"])),
+        "overhead_share": overhead_share(devices),
         "methods": methods,
         "classes": class_entries(cfg, runs["fleet"], runs["fedavg"], simulated, fixed),
         "memory": memory_entries(runs),

@@ -21,6 +21,7 @@ from fleet.federated.on_server.coordinator import out_of_time
 from fleet.federated.on_server.state import ServerState
 from fleet.federated.shared.config import fleet_config_from_dict
 from fleet.federated.shared.round_record import RoundRecord
+from fleet.federated.shared.run_summary import RunSummary
 
 
 def hist(points: list[tuple[float, float]]) -> list[RoundRecord]:
@@ -39,8 +40,8 @@ def hist(points: list[tuple[float, float]]) -> list[RoundRecord]:
     ]
 
 
-def summary(name: str) -> dict:
-    return {"run_dir": f"runs/{name}", "personalized_accuracy_mean": None, "personalized_accuracy_p10": None}
+def summary(name: str) -> RunSummary:
+    return RunSummary(run_dir=f"runs/{name}")
 
 
 def test_time_to_target_and_horizon():
@@ -207,7 +208,7 @@ def test_reuse_takes_only_a_finished_run_made_with_the_same_config(tmp_path):
     out.mkdir(parents=True)
     (out / "fleet-config.yaml").write_text(yaml.safe_dump(config_to_dict(want)))
     (out / "summary.json").write_text(json.dumps({"rounds": 4, "sim_time_s": 12.0, "run_dir": str(out)}))
-    assert reused_summary("naive", want)["rounds"] == 4
+    assert reused_summary("naive", want).rounds == 4
     other = fleet_config_from_dict({**config_to_dict(want), "train": {"lr": 0.5}})
     with pytest.raises(ConfigError, match=r"was run with train.lr=0.01, this bench needs 0.5"):
         reused_summary("naive", other)
@@ -237,7 +238,7 @@ def test_reuse_accepts_a_raised_round_cap_once_the_time_budget_is_reached(tmp_pa
     made["federation"]["rounds"] = 82  # the bench resumed it with a doubled cap
     (out / "fleet-config.yaml").write_text(yaml.safe_dump(made))
     (out / "summary.json").write_text(json.dumps({"rounds": 45, "sim_time_s": 101.0, "run_dir": str(out)}))
-    assert reused_summary("fleet", want)["rounds"] == 45
+    assert reused_summary("fleet", want).rounds == 45
     (out / "summary.json").write_text(json.dumps({"rounds": 40, "sim_time_s": 90.0, "run_dir": str(out)}))
     with pytest.raises(ConfigError, match="was run with federation.rounds=82, this bench needs 41"):
         reused_summary("fleet", want)

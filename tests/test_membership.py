@@ -129,8 +129,8 @@ def test_a_run_whose_rounds_trained_nobody_says_so(tmp_path):
     for r, devices, rejections in ((1, [], [rejection]), (2, [trained], [])):
         line = {"round": r, "sim_time_s": r, "global_accuracy": 0.1, "personal_accuracy": 0.1}
         tracker.add(RoundRecord.from_json({**line, "rejections": rejections, "devices": devices}))
-    summary = tracker.summary({"name": "x", "strategy": "fleet", "run_dir": str(tmp_path)})
-    assert summary["rounds_without_training"] == [1] and summary["first_rejection"] == rejection["reason"]
+    summary = tracker.summary("x", "fleet")
+    assert summary.rounds_without_training == [1] and summary.first_rejection == rejection["reason"]
 
 
 def test_a_round_evaluates_every_eval_every_rounds_and_always_last():

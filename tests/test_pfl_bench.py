@@ -10,9 +10,11 @@ import pytest
 import yaml
 
 from fleet.bench.pfl import build_report, combine_reports, personalized_curve, pfl_table, seed_figures, seed_tag
+from fleet.federated.shared.round_record import RoundRecord
+from fleet.federated.shared.run_summary import RunSummary
 
 
-def run(tmp_path, name: str, points: list[tuple[float, float, list[float]]], key: str) -> dict:
+def run(tmp_path, name: str, points: list[tuple[float, float, list[float]]], key: str) -> RunSummary:
     """A finished run's summary and metrics.jsonl: (sim time, mean, per-device accuracies) per round."""
     out = tmp_path / name
     out.mkdir()
@@ -30,7 +32,7 @@ def run(tmp_path, name: str, points: list[tuple[float, float, list[float]]], key
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (out / "fleet-config.yaml").write_text("hardware:\n  profile: profiles/resnet18-16px-pi4.yaml\n")
     history = [{k: r[k] for k in ("round", "sim_time_s", "global_accuracy", key, "bytes_uploaded")} for r in records]
-    return {"run_dir": str(out), "sim_time_s": points[-1][0], "history": history}
+    return RunSummary.from_json({"run_dir": str(out), "sim_time_s": points[-1][0], "history": history})
 
 
 def test_each_method_is_judged_on_its_own_personalized_accuracy_at_the_baselines_horizon(tmp_path):
@@ -49,7 +51,8 @@ def test_each_method_is_judged_on_its_own_personalized_accuracy_at_the_baselines
     assert fleet["device_accuracies"] == [0.8, 0.9] and fleet["personalized_accuracy_p10"] == pytest.approx(0.81)
     # the curve is the devices' mean, as the final figure and the target are, not the round's weighted 0.65
     assert [p["global_accuracy"] for p in base["curve"]] == pytest.approx([0.6, 0.8])
-    assert personalized_curve([(5.0, [0.2, 0.4])]) == [{"sim_time_s": 5.0, "global_accuracy": pytest.approx(0.3)}]
+    (point,) = personalized_curve([(RoundRecord(round=2, sim_time_s=5.0), [0.2, 0.4])])
+    assert (point["round"], point["sim_time_s"], point["global_accuracy"]) == (2, 5.0, pytest.approx(0.3))
 
 
 def seed_report(seed: int, alpha: float, figures: dict[str, tuple[float, float, list[tuple[float, float]]]]) -> dict:

@@ -27,7 +27,7 @@ SIMULATE_ON = (  # `fleet simulate` with the node-noting test ClientApp
     "import json, sys\n"
     "from fleet.commands.simulation import simulate\n"
     "summary = simulate(sys.argv[1], json.loads(sys.argv[2]), client_app='tests.ray_node_client_app:app')\n"
-    "print('rounds', summary['rounds'])\n"
+    "print('rounds', summary.rounds)\n"
 )
 
 

@@ -71,3 +71,49 @@ def test_a_line_from_another_version_still_loads():
     record = RoundRecord.from_json(old)
     assert record.round == 2 and record.sim_time_s == 4.0 and record.global_accuracy is None
     assert record.trained_rows() == [DeviceRow(device="d0", speedup=2.0)] and record.rejections == []
+
+
+def test_a_run_summary_reads_back_as_it_was_written(tmp_path):
+    """summary.json through its type: the means made once from the rounds, the keys as the file's readers know
+    them (``class``, the history's clock, accuracies and bytes), and every field back as written."""
+    from fleet.federated.on_server.tracking import summarize
+    from fleet.federated.shared.run_summary import HISTORY_KEYS, RunSummary
+
+    row = DeviceRow.from_json({**TRAIN.row(), **EVALUATION.row()})
+    row.device_class, row.speedup = "pi4", 2.0
+    rounds = [
+        RoundRecord(round=r, strategy="fleet", sim_time_s=10.0 * r, global_accuracy=0.5, devices=[row]) for r in (1, 2)
+    ]
+    summary = summarize(rounds, name="x", strategy="fleet", run_dir=str(tmp_path))
+    summary.write(tmp_path)
+    assert RunSummary.read(tmp_path) == summary
+    line = json.loads((tmp_path / "summary.json").read_text())
+    assert line["rounds"] == 2 and line["sim_time_s"] == 20.0 and line["final_accuracy"] == 0.5
+    assert line["devices"]["pi-a"]["class"] == "pi4" and line["devices"]["pi-a"]["rounds_trained"] == 2
+    assert line["devices"]["pi-a"]["speedup_mean"] == 2.0 and line["classes"]["pi4"]["device_rounds"] == 2
+    assert line["personalized_accuracy_mean"] == 0.6  # the last round's devices' own scores
+    assert set(line["history"][0]) <= set(HISTORY_KEYS) and line["history"][1]["sim_time_s"] == 20.0
+    assert "server_accuracy" not in line["history"][0]  # an optional accuracy only where the run made it
+
+
+def test_a_summary_from_before_its_type_still_loads_and_a_missing_one_says_so(tmp_path):
+    import pytest
+
+    from fleet.base.errors import FleetError
+    from fleet.federated.shared.run_summary import RunSummary
+
+    old = {
+        "name": "fleet",
+        "strategy": "fedavg",
+        "run_dir": "runs/fleet",
+        "rounds": 1,
+        "retired": True,
+        "devices": {"d0": {"tier": 1.0, "rounds_trained": 1, "speedup_mean": 1.0, "rho_mean": 1.0, "x": 0}},
+        "history": [{"round": 1, "sim_time_s": 3.0, "global_accuracy": 0.4}],
+    }
+    summary = RunSummary.from_json(old)
+    assert summary.devices["d0"].device_class is None and summary.devices["d0"].tier == 1.0
+    assert summary.history[0].sim_time_s == 3.0 and summary.classes == {} and summary.final_accuracy is None
+    with pytest.raises(FleetError, match="no readable run summary") as got:
+        RunSummary.read(tmp_path)
+    assert "\n" not in str(got.value)

@@ -156,7 +156,7 @@ def test_a_three_device_testbed_runs_fedavg_and_fleet_within_real_limits(tmp_pat
         pytest.skip("the testbed needs root (cgroups and network namespaces); run the slow tests as root")
     config = tiny_testbed(tmp_path, "fedavg", {"cpu": SLOW_CPU})
     fedavg = run_testbed(load_fleet_config(config), [], log=print)
-    assert fedavg.summary["rounds"] == 2 and fedavg.memory["slow-0"][1] == 0
+    assert fedavg.summary.rounds == 2 and fedavg.memory["slow-0"][1] == 0
     run = tmp_path / "runs" / "tb-fedavg"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     # the CPU limit: the device profiled itself under a quarter of a core; the unlimited step is measured
@@ -182,7 +182,7 @@ def test_a_three_device_testbed_runs_fedavg_and_fleet_within_real_limits(tmp_pat
     fleet = run_testbed(
         load_fleet_config(tiny_testbed(tmp_path, "fleet", {"profile": str(slow_profile)})), kill, log=print
     )
-    assert fleet.summary["rounds"] == 2
+    assert fleet.summary.rounds == 2
     fleet_records = [json.loads(line) for line in (tmp_path / "runs/tb-fleet/metrics.jsonl").read_text().splitlines()]
     assert fleet_records[1]["missed"] == ["free-1"]
     assert fleet_records[1]["round_wall_s"] <= fleet_records[1]["round_bound_s"]  # the whole round, evaluation included

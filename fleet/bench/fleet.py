@@ -38,9 +38,10 @@ from fleet.bench.launch import progress_log
 from fleet.bench.regimes import run_profile
 from fleet.engine.config import config_to_dict
 from fleet.federated.launch.prepare import EFFECTIVE_CONFIG, prepare
-from fleet.federated.on_server.tracking import SUMMARY_FILE, honest_rejections, read_records
+from fleet.federated.on_server.tracking import honest_rejections, read_records
 from fleet.federated.shared.config import FleetConfig, load_fleet_config, run_dir
-from fleet.federated.shared.round_record import RoundRecord
+from fleet.federated.shared.round_record import RoundRecord, fields_json
+from fleet.federated.shared.run_summary import SUMMARY_FILE, RunSummary
 
 METHODS = ("fedavg", "naive", "fleet")
 FIGURES = (
@@ -109,13 +110,8 @@ def accuracy_swing(history: list[RoundRecord]) -> float | None:
     return float(statistics.fmean(steps)) if steps else None
 
 
-def summary_history(summary: dict) -> list[RoundRecord]:
-    """A run's rounds as its summary.json's history holds them (its clock, accuracies and bytes)."""
-    return [RoundRecord.from_json(r) for r in summary["history"]]
-
-
 def method_entry(
-    summary: dict,
+    summary: RunSummary,
     history: list[RoundRecord],
     target: float,
     final_rounds: int,
@@ -135,19 +131,24 @@ def method_entry(
         ),
         "last_round_accuracy": None if last is None else last.global_accuracy,
         "global_accuracy_swing": accuracy_swing(history),
-        "personalized_accuracy_mean": last.personal_accuracy if last else summary["personalized_accuracy_mean"],
-        "personalized_accuracy_p10": last.personal_accuracy_p10 if last else summary["personalized_accuracy_p10"],
+        "personalized_accuracy_mean": last.personal_accuracy if last else summary.personalized_accuracy_mean,
+        "personalized_accuracy_p10": last.personal_accuracy_p10 if last else summary.personalized_accuracy_p10,
         "bytes_uploaded": int(sum(r.bytes_uploaded for r in history)),
-        "honest_rejected": honest_rejections(within(read_records(Path(summary["run_dir"])), horizon_s)),
+        "honest_rejected": honest_rejections(within(read_records(Path(summary.run_dir)), horizon_s)),
         "rounds": len(history),
         "sim_time_s": 0.0 if last is None else last.sim_time_s,
-        "classes": summary.get("classes") or {},  # per device class, over the whole run (devices.device_classes)
-        "run_dir": summary["run_dir"],
+        # per device class, over the whole run (devices.device_classes)
+        "classes": {name: fields_json(c) for name, c in summary.classes.items()},
+        "run_dir": summary.run_dir,
     }
 
 
 def seed_report(
-    summaries: dict[str, dict], histories: dict[str, list[RoundRecord]], *, target_fraction: float, final_rounds: int
+    summaries: dict[str, RunSummary],
+    histories: dict[str, list[RoundRecord]],
+    *,
+    target_fraction: float,
+    final_rounds: int,
 ) -> dict:
     """One seed's comparison: FedAvg's run sets the horizon and the target."""
     horizon = histories["fedavg"][-1].sim_time_s if histories["fedavg"] else None
@@ -308,16 +309,16 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def reused_summary(method: str, want: FleetConfig) -> dict:
+def reused_summary(method: str, want: FleetConfig) -> RunSummary:
     """The summary of ``method``'s completed run, if it was made with exactly the config this bench
     would run it with (same shared profile and start model); else a one-line error."""
     out = run_dir(want)
     if not (out / SUMMARY_FILE).is_file() or not (out / EFFECTIVE_CONFIG).is_file():
         raise ConfigError(f"--reuse {method}: {out} holds no finished run; run the bench without --reuse {method}")
-    summary = json.loads((out / SUMMARY_FILE).read_text())
+    summary = RunSummary.read(out)
     fed = want.federation
     # With a time budget the round count is only a cap (and the bench may have raised it).
-    timed_out = bool(fed.time_budget_s) and summary["sim_time_s"] >= fed.time_budget_s
+    timed_out = bool(fed.time_budget_s) and summary.sim_time_s >= fed.time_budget_s
     made = _flat(config_to_dict(load_fleet_config(out / EFFECTIVE_CONFIG)))
     for key, value in _flat(config_to_dict(want)).items():
         if key == "output_dir" or (timed_out and key == "federation.rounds"):
@@ -327,9 +328,9 @@ def reused_summary(method: str, want: FleetConfig) -> dict:
                 f"--reuse {method}: {out} was run with {key}={made.get(key)!r}, this bench needs {value!r}; "
                 f"run it again (drop --reuse {method})"
             )
-    if summary["rounds"] < fed.rounds and not timed_out:
+    if summary.rounds < fed.rounds and not timed_out:
         raise ConfigError(
-            f"--reuse {method}: {out} stopped after {summary['rounds']} rounds; finish it with "
+            f"--reuse {method}: {out} stopped after {summary.rounds} rounds; finish it with "
             f"`fleet simulate {out / EFFECTIVE_CONFIG} --resume` or drop --reuse {method}"
         )
     return summary
@@ -345,14 +346,14 @@ def elastic_round_cap(cfg: FleetConfig) -> int:
 
 def _run_seed(
     path: str, overrides: dict[str, Any], seed: int, tag: str, log, quiet: bool, reuse: tuple[str, ...] = ()
-) -> tuple[dict, dict]:
+) -> tuple[dict[str, RunSummary], dict[str, list[RoundRecord]]]:
     """Run the three methods for one seed; FedAvg first, since its clock sets the others' horizon.
     Methods in ``reuse`` are read from their finished runs instead (see :func:`reused_summary`)."""
     base = load_fleet_config(path, overrides)
     shared, _ = prepare(
         load_fleet_config(path, {**overrides, "name": f"{base.name}{tag}-shared"}), resume=False, log=log
     )
-    summaries: dict[str, dict] = {}
+    summaries: dict[str, RunSummary] = {}
     horizon = None
     for method in METHODS:
         extra: dict[str, Any] = {
@@ -366,9 +367,9 @@ def _run_seed(
             extra["federation.rounds"] = elastic_round_cap(base)
         if method in reuse:
             summaries[method] = reused_summary(method, load_fleet_config(path, {**overrides, **extra}))
-            log(f"--- seed {seed}, {method}: reusing {summaries[method]['run_dir']} ---")
+            log(f"--- seed {seed}, {method}: reusing {summaries[method].run_dir} ---")
             if method == "fedavg":
-                horizon = summaries[method]["sim_time_s"]
+                horizon = summaries[method].sim_time_s
             continue
         cfg, config_path = prepare(load_fleet_config(path, {**overrides, **extra}), resume=False, log=log)
         log(
@@ -377,25 +378,25 @@ def _run_seed(
             + f" on {cfg.devices.num_devices} devices ---"
         )
         _simulate(config_path, quiet)
-        summaries[method] = json.loads((run_dir(cfg) / "summary.json").read_text())
+        summaries[method] = RunSummary.read(run_dir(cfg))
         while (
             horizon is not None
-            and summaries[method]["sim_time_s"] < horizon
-            and summaries[method]["rounds"] >= cfg.federation.rounds
+            and summaries[method].sim_time_s < horizon
+            and summaries[method].rounds >= cfg.federation.rounds
         ):
             # Rounds shorter than the cap assumed (an explicit deadline_s, say): carry on to the horizon.
             cfg, config_path = prepare(
                 load_fleet_config(config_path, {"federation.rounds": 2 * cfg.federation.rounds}), resume=True, log=log
             )
             log(
-                f"--- seed {seed}, {method}: {summaries[method]['rounds']} rounds ended short of the horizon; "
+                f"--- seed {seed}, {method}: {summaries[method].rounds} rounds ended short of the horizon; "
                 f"resuming with federation.rounds={cfg.federation.rounds} ---"
             )
             _simulate(config_path, quiet, resume=True)
-            summaries[method] = json.loads((run_dir(cfg) / "summary.json").read_text())
+            summaries[method] = RunSummary.read(run_dir(cfg))
         if method == "fedavg":
-            horizon = summaries[method]["sim_time_s"]
-    return summaries, {m: summary_history(s) for m, s in summaries.items()}
+            horizon = summaries[method].sim_time_s
+    return summaries, {m: s.history for m, s in summaries.items()}
 
 
 def bench_fleet(
@@ -465,7 +466,7 @@ def plot_bench(report: dict, path: Path) -> Path:
         ax.set_visible(False)
     for ax, (seed, rep) in zip(axes.flat, seeds.items()):
         for method, entry in rep["methods"].items():
-            history = summary_history(json.loads((Path(entry["run_dir"]) / SUMMARY_FILE).read_text()))
+            history = RunSummary.read(Path(entry["run_dir"])).history
             history = [r for r in history if r.evaluated]  # rounds without evaluation
             xs = [r.sim_time_s for r in history]
             ys = [100 * r.global_accuracy for r in history]

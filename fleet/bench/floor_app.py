@@ -36,11 +36,12 @@ from flwr.serverapp.strategy import FedAvg
 
 from fleet.engine.experiment import make_model
 from fleet.federated.on_device.device import partition_of, tier_of
-from fleet.federated.on_server.tracking import METRICS_FILE, SUMMARY_FILE
+from fleet.federated.on_server.tracking import METRICS_FILE, read_records, summarize
 from fleet.federated.shared.config import config_from_run_config, run_dir
 from fleet.federated.shared.round_record import DeviceRow, RoundRecord
 
 FLOOR_FILE = "floor.json"
+FLOOR_STRATEGY = "flower-floor"  # its summary's strategy: Flower's FedAvg with devices that only sleep or spin
 WORK_KEY = "work-s"  # the seconds a device sleeps for, in each message's config (and in its reply, as slept)
 BUSY_KEY = "busy"  # floor.json: the devices spin on their CPU for their work instead of sleeping
 TIERS_KEY, TIER_WORK_KEY = "tiers", "tier-work-s"  # a message's config: each tier's seconds (WORK_KEY: the rest)
@@ -121,7 +122,7 @@ def main(grid: Grid, context: Context) -> None:
         train_config=work_config(work, "train"),
         evaluate_config=work_config(work, "eval"),
     )
-    (folder / SUMMARY_FILE).write_text(json.dumps({"floor": True, "rounds": cfg.federation.rounds, **work}))
+    summarize(read_records(folder), name=cfg.name, strategy=FLOOR_STRATEGY, run_dir=str(folder)).write(folder)
 
 
 app = ClientApp()

@@ -44,7 +44,6 @@ from fleet.bench.fleet import (
     elastic_round_cap,
     mean_ci95,
     reused_summary,
-    summary_history,
     within,
 )
 from fleet.bench.launch import progress_log
@@ -53,10 +52,11 @@ from fleet.engine.device_profile import DeviceProfile
 from fleet.federated.launch.newcomer import mean_curve, personalize_newcomer
 from fleet.federated.launch.prepare import prepare
 from fleet.federated.on_server.state import CHECKPOINT_FILE, load_checkpoint
-from fleet.federated.on_server.tracking import SUMMARY_FILE, honest_rejections, p10, read_records
+from fleet.federated.on_server.tracking import honest_rejections, p10, read_records
 from fleet.federated.shared.config import load_fleet_config, run_dir
 from fleet.federated.shared.names import DEVICES_DIR
 from fleet.federated.shared.round_record import DeviceRow, RoundRecord
+from fleet.federated.shared.run_summary import RunSummary, history_json
 
 DEFAULT_CONFIG = "simulations/pfl.yaml"
 BASELINE = "fedavg_ft"  # its rounds set the horizon
@@ -117,25 +117,30 @@ def personalized(method: str, row: DeviceRow) -> float | None:
     return row.finetuned_accuracy if method == BASELINE else row.personal_accuracy
 
 
-def device_rounds(records: list[RoundRecord], method: str) -> list[tuple[float, list[float]]]:
-    """Per evaluated round of ``records``: its simulated time and each device's personalized accuracy."""
-    rounds = [(r.sim_time_s, [v for d in r.devices if (v := personalized(method, d)) is not None]) for r in records]
-    return [(t, values) for t, values in rounds if values]
+def device_rounds(records: list[RoundRecord], method: str) -> list[tuple[RoundRecord, list[float]]]:
+    """Per evaluated round of ``records``: the round and each device's personalized accuracy."""
+    rounds = [(r, [v for d in r.devices if (v := personalized(method, d)) is not None]) for r in records]
+    return [(r, values) for r, values in rounds if values]
 
 
-def personalized_curve(rounds: list[tuple[float, list[float]]]) -> list[dict]:
-    """``[{"sim_time_s", "global_accuracy"}]``, the mean over devices each evaluated round, in the shape
+def personalized_curve(rounds: list[tuple[RoundRecord, list[float]]]) -> list[dict]:
+    """Each evaluated round, its number and clock, with the mean over its devices as its ``global_accuracy``: a
+    summary history's
+    round (:func:`~fleet.federated.shared.run_summary.history_json`) that
     :func:`fleet.bench.figures.time_to_target` reads: the figure the final mean and the target are made of (the
     round's own accuracy weighs devices by their test samples, and a target from one read on the other could
     be out of reach of the method that set it)."""
-    return [{"sim_time_s": t, "global_accuracy": statistics.fmean(values)} for t, values in rounds]
+    return [
+        history_json(RoundRecord(round=r.round, sim_time_s=r.sim_time_s, global_accuracy=statistics.fmean(values)))
+        for r, values in rounds
+    ]
 
 
-def method_figures(summary: dict, method: str, horizon: float | None) -> dict[str, Any]:
+def method_figures(summary: RunSummary, method: str, horizon: float | None) -> dict[str, Any]:
     """One method's figures in one seed, over its rounds within the horizon (the target comes later: it
     follows the best baseline, known only over every seed)."""
-    history = within(summary_history(summary), horizon)
-    records = within(read_records(Path(summary["run_dir"])), horizon)
+    history = within(summary.history, horizon)
+    records = within(read_records(Path(summary.run_dir)), horizon)
     rounds = device_rounds(records, method)
     devices = rounds[-1][1] if rounds else []
     return {
@@ -148,17 +153,17 @@ def method_figures(summary: dict, method: str, horizon: float | None) -> dict[st
         "sim_time_s": history[-1].sim_time_s if history else 0.0,
         "device_accuracies": devices,
         "curve": personalized_curve(rounds),
-        "run_dir": summary["run_dir"],
+        "run_dir": summary.run_dir,
     }
 
 
-def run_method(path: str, overrides: dict[str, Any], log, quiet: bool, reuse: bool) -> dict:
+def run_method(path: str, overrides: dict[str, Any], log, quiet: bool, reuse: bool) -> RunSummary:
     """One method's simulation; its summary. With ``reuse``, a finished run of the same config is read instead."""
     want = load_fleet_config(path, overrides)
     if reuse:
         try:
             summary = reused_summary(want.name, want)
-            log(f"    reusing {summary['run_dir']}")
+            log(f"    reusing {summary.run_dir}")
             return summary
         except ConfigError as why:  # its first clause says why (no finished run, another config); the advice is moot
             log(f"    not reused ({str(why).split(': ', 1)[-1].split(';')[0]}): running it")
@@ -167,10 +172,10 @@ def run_method(path: str, overrides: dict[str, Any], log, quiet: bool, reuse: bo
     # The devices' saved state (weights and momentum, ~90 MB each) is read by nothing after the run; a seed's
     # runs would otherwise fill a disk (20 GB a seed). Metrics, summary and the final checkpoint stay.
     shutil.rmtree(run_dir(cfg) / DEVICES_DIR, ignore_errors=True)
-    return json.loads((run_dir(cfg) / SUMMARY_FILE).read_text())
+    return RunSummary.read(run_dir(cfg))
 
 
-def newcomer_source(summaries: dict[str, dict]) -> str:
+def newcomer_source(summaries: dict[str, RunSummary]) -> str:
     """The run whose final global model the new devices personalize from: ``fleet``'s, else the first of
     fleet's methods that ran, else the baseline's."""
     ours = [m for m in summaries if m not in BASELINES]
@@ -184,14 +189,14 @@ def seed_tag(alpha: float, seed: int) -> str:
 
 def run_seed(
     path: str, overrides: dict[str, Any], methods: Sequence[str], finetune_steps: int, log, quiet: bool, reuse: bool
-) -> dict[str, dict]:
+) -> dict[str, RunSummary]:
     """Every method for one seed from one shared profile and start; the baseline first (its clock is the horizon)."""
     base = load_fleet_config(path, overrides)
     tag = seed_tag(base.devices.alpha, base.train.seed)
     shared_cfg = load_fleet_config(path, {**overrides, "name": f"{base.name}-{tag}-shared"})
     shared, _ = prepare(shared_cfg, resume=reuse, log=log)  # resumed: the same start model as the reused runs
     common = {**overrides, "hardware.profile": shared.hardware.profile, "model.weights": shared.model.weights}
-    summaries: dict[str, dict] = {}
+    summaries: dict[str, RunSummary] = {}
     horizon = None
     for method in [BASELINE] + [m for m in methods if m != BASELINE]:
         extra = {"name": f"{base.name}-{tag}-{method}", **METHODS[method]}
@@ -203,15 +208,15 @@ def run_seed(
         log(f"--- {tag}, {method}: {span} ---")
         summaries[method] = run_method(path, {**common, **extra}, log, quiet, reuse)
         if horizon is None:
-            horizon = summaries[method]["sim_time_s"]
+            horizon = summaries[method].sim_time_s
     return summaries
 
 
-def seed_figures(summaries: dict[str, dict], alpha: float, seed: int) -> dict[str, Any]:
+def seed_figures(summaries: dict[str, RunSummary], alpha: float, seed: int) -> dict[str, Any]:
     """One seed's figures at the baseline's horizon."""
-    horizon = summaries[BASELINE]["sim_time_s"]
+    horizon = summaries[BASELINE].sim_time_s
     methods = {m: method_figures(s, m, horizon) for m, s in summaries.items()}
-    profile = run_profile(summaries[BASELINE]["run_dir"])
+    profile = run_profile(summaries[BASELINE].run_dir)
     return {"alpha": alpha, "seed": seed, "horizon_s": horizon, "profile": profile, "methods": methods}
 
 
@@ -423,7 +428,7 @@ def bench_pfl(
         key = seed_tag(base.devices.alpha, seed)
         per_seed[key] = seed_figures(summaries, base.devices.alpha, seed)
         source = summaries[newcomer_source(summaries)]
-        run = Path(source["run_dir"])
+        run = Path(source.run_dir)
         newcomers[key] = newcomer_figures(run, newcomer_epochs, log, newcomer_lr, orders=newcomer_orders)
     out = Path(base.output_dir) / f"{base.name}-a{base.devices.alpha:g}-pfl.json"
     return write_report(build_report(path, per_seed, newcomers), out)
@@ -554,9 +559,10 @@ def plot_pfl(report: dict, stem: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     colors = plt.get_cmap("tab20").colors
     for i, (method, entry) in enumerate(first["methods"].items()):
+        curve = [RoundRecord.from_json(point) for point in entry["curve"]]
         ax.plot(
-            [p["sim_time_s"] for p in entry["curve"]],
-            [100 * p["global_accuracy"] for p in entry["curve"]],
+            [p.sim_time_s for p in curve],
+            [100 * (p.global_accuracy or 0.0) for p in curve],
             marker=".",
             ls="--" if method in BASELINES else "-",  # baselines dashed, fleet's methods solid
             color=colors[i % len(colors)],

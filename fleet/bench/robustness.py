@@ -35,10 +35,11 @@ from fleet.engine.trainer import accuracy
 from fleet.federated.launch.prepare import prepare
 from fleet.federated.on_server.server_eval import server_test_set
 from fleet.federated.on_server.state import load_checkpoint
-from fleet.federated.on_server.tracking import SUMMARY_FILE, honest_rejections, read_records
+from fleet.federated.on_server.tracking import honest_rejections, read_records
 from fleet.federated.shared.config import FleetConfig, load_fleet_config, run_dir
 from fleet.federated.shared.names import DEVICES_DIR, simulated_names
 from fleet.federated.shared.round_record import RoundRecord
+from fleet.federated.shared.run_summary import SUMMARY_FILE
 
 DEFAULT_CONFIG = "simulations/robustness.yaml"
 REPORT_FILE = "robustness.json"

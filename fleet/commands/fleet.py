@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fleet.federated.shared.run_summary import RunSummary
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # devices have no internet; flwr reads this on import
 
@@ -79,30 +83,29 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_bench)
 
 
-def summary_table(summary: dict) -> str:
+def summary_table(summary: RunSummary) -> str:
     lines = [
-        f"{summary['name']} ({summary['strategy']}): {summary['rounds']} rounds, simulated "
-        f"{summary['sim_time_s']:.1f}s",
-        f"  global accuracy {100 * (summary['final_accuracy'] or 0):.2f}%   personalized mean "
-        f"{100 * (summary['personalized_accuracy_mean'] or 0):.2f}%  p10 "
-        f"{100 * (summary['personalized_accuracy_p10'] or 0):.2f}%"
+        f"{summary.name} ({summary.strategy}): {summary.rounds} rounds, simulated {summary.sim_time_s:.1f}s",
+        f"  global accuracy {100 * (summary.final_accuracy or 0):.2f}%   personalized mean "
+        f"{100 * (summary.personalized_accuracy_mean or 0):.2f}%  p10 "
+        f"{100 * (summary.personalized_accuracy_p10 or 0):.2f}%"
         + (
-            f"   fine-tuned mean {100 * summary['finetuned_accuracy_mean']:.2f}%"
-            if summary.get("finetuned_accuracy_mean") is not None
+            f"   fine-tuned mean {100 * summary.finetuned_accuracy_mean:.2f}%"
+            if summary.finetuned_accuracy_mean is not None
             else ""
         )
-        + f"   uploaded {summary['bytes_uploaded'] / 1e6:.1f} MB   rejected replies {summary['rejections']}",
+        + f"   uploaded {summary.bytes_uploaded / 1e6:.1f} MB   rejected replies {summary.rejections}",
         f"  {'device':>10} {'class':>11} {'tier':>5} {'rounds':>6} {'rho':>6} {'compute':>8} {'round':>7} "
         f"{'trained':>8} {'MB up':>8}",
     ]
-    for name, d in summary["devices"].items():
+    for name, d in summary.devices.items():
         lines.append(
-            f"  {name:>10} {d.get('class', '-'):>11} {d['tier']:>4g}x {d['rounds_trained']:>6} {d['rho_mean']:>6.2f} "
-            f"{d['speedup_mean']:>7.2f}x {d.get('round_speedup_mean', d['speedup_mean']):>6.2f}x "
-            f"{100 * d['trained_fraction_mean']:>7.1f}% {d['bytes_uploaded'] / 1e6:>8.1f}"
+            f"  {name:>10} {d.device_class or '-':>11} {d.tier or 0:>4g}x {d.rounds_trained:>6} {d.rho_mean:>6.2f} "
+            f"{d.speedup_mean:>7.2f}x {d.round_speedup_mean:>6.2f}x "
+            f"{100 * d.trained_fraction_mean:>7.1f}% {d.bytes_uploaded / 1e6:>8.1f}"
         )
     lines.append("  speedup over training fully: compute alone, and the whole round with the upload")
-    lines.append(f"  metrics, summary, plots and Flower's log (flower.log): {summary['run_dir']}")
+    lines.append(f"  metrics, summary, plots and Flower's log (flower.log): {summary.run_dir}")
     return "\n".join(lines)
 
 
@@ -112,11 +115,11 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     summary = simulate(args.config, _overrides(args), resume=args.resume, verbose=args.verbose)
     print(summary_table(summary))
-    empty = summary.get("rounds_without_training") or []
+    empty = summary.rounds_without_training
     if empty:
         raise FleetError(
-            f"{len(empty)} of {summary['rounds']} rounds ended with no accepted training reply (rounds {empty}; "
-            f"first rejection: {summary.get('first_rejection') or 'no device replied'}); fix what the rejections "
+            f"{len(empty)} of {summary.rounds} rounds ended with no accepted training reply (rounds {empty}; "
+            f"first rejection: {summary.first_rejection or 'no device replied'}); fix what the rejections "
             "name, e.g. fewer devices than samples (devices.num_devices, samples_per_device)"
         )
     return 0

@@ -34,7 +34,6 @@ flwr without them stops with one line (:func:`_require_flwr_internals`); pyproje
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import socket
 from pathlib import Path
@@ -45,9 +44,9 @@ from fleet.commands import flower_dispatch
 from fleet.commands.flower_log import FLOWER_LOG, flower_output
 from fleet.federated.launch.prepare import prepare
 from fleet.federated.on_server.state import check_resumable
-from fleet.federated.on_server.tracking import SUMMARY_FILE
 from fleet.federated.shared.config import FleetConfig, load_fleet_config, run_dir
 from fleet.federated.shared.paths import APP_ROOT
+from fleet.federated.shared.run_summary import SUMMARY_FILE, RunSummary
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # no internet on devices; read when flwr is imported
 
@@ -132,7 +131,7 @@ def run_simulation(
     verbose: bool = False,
     client_app: str = CLIENT_APP,
     server_app: str = SERVER_APP,
-) -> dict:
+) -> RunSummary:
     """Run the ServerApp and N ClientApps in Flower's simulation engine; returns summary.json.
 
     ``client_app`` names another ClientApp (``module:attribute``), e.g. a test's faulty device;
@@ -172,7 +171,7 @@ def run_simulation(
     summary_path = run_dir(cfg) / SUMMARY_FILE
     if not summary_path.is_file():
         raise FleetError(f"the simulation of {cfg.name} ended without {summary_path}; see the log above and {log_path}")
-    return json.loads(summary_path.read_text())
+    return RunSummary.read(run_dir(cfg))
 
 
 def simulate(
@@ -184,7 +183,7 @@ def simulate(
     log=print,
     client_app: str = CLIENT_APP,
     server_app: str = SERVER_APP,
-) -> dict:
+) -> RunSummary:
     cfg = load_fleet_config(path, overrides)
     if cfg.simulation.ray_address is not None:
         check_ray_reachable(cfg.simulation.ray_address)  # before anything is measured

@@ -45,12 +45,13 @@ def add_runtime_flag(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from fleet.commands.fleet import _overrides, summary_table
     from fleet.federated.shared.config import load_fleet_config
+    from fleet.federated.shared.run_summary import RunSummary
     from fleet.testbed.run import Fault, run_testbed
 
     faults = [Fault.parse(kind, text) for kind in ("kill", "freeze", "join") for text in getattr(args, kind)]
     cfg = load_fleet_config(args.config, _overrides(args))
     run = run_testbed(cfg, faults, log=lambda line: print(line, flush=True))
-    print(summary_table(run.summary))
+    print(summary_table(run.summary or RunSummary.read(run.run_dir)))  # none: the read says why
     return 0
 
 

@@ -11,7 +11,6 @@ removes every process, cgroup and namespace it made on every way out.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import signal
@@ -28,10 +27,11 @@ from fleet.base.errors import ConfigError, FleetError
 from fleet.engine.config import config_to_dict
 from fleet.engine.experiment import check_model_fits_data, load_data
 from fleet.federated.on_server.state import keep_previous_run
-from fleet.federated.on_server.tracking import SUMMARY_FILE, read_progress, read_records
+from fleet.federated.on_server.tracking import read_progress, read_records
 from fleet.federated.shared.config import FleetConfig, run_dir
 from fleet.federated.shared.paths import APP_ROOT
 from fleet.federated.shared.round_record import RoundRecord
+from fleet.federated.shared.run_summary import SUMMARY_FILE, RunSummary
 from fleet.federated.shared.testbed_config import TestbedClassConfig
 from fleet.testbed import cgroup, network
 from fleet.testbed.calibrate import calibrate_classes, class_profiles
@@ -380,7 +380,7 @@ class TestbedRun:
     __test__ = False  # not a pytest class
 
     records: list[RoundRecord]  # metrics.jsonl, a line per round
-    summary: dict | None  # summary.json; None when the run was stopped at a wall-clock budget
+    summary: RunSummary | None  # summary.json; None when the run was stopped at a wall-clock budget
     memory: dict[str, tuple[float, int]]  # device -> (its cgroup's memory peak in MB, its OOM kills)
     traffic: dict[str, tuple[int, int]]  # device -> bytes its link carried (up, down), Flower's framing included
     classes: dict[str, TestbedClassConfig]  # device -> its class, as it ran (a calibrated class with its quota)
@@ -415,8 +415,7 @@ def run_testbed(
         records = watch(tb, run_dir(cfg), faults, log, stop_after_s)
         memory, traffic = device_costs(tb, log)
         classes = {d.name: d.cls for d in tb.devices}
-    summary_path = run_dir(cfg) / SUMMARY_FILE
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    summary = RunSummary.read(run_dir(cfg)) if (run_dir(cfg) / SUMMARY_FILE).is_file() else None
     return TestbedRun(records, summary, memory, traffic, classes, run_dir(cfg))
 
 

@@ -31,11 +31,12 @@ from fleet.federated.on_server.wall import Lap
 from fleet.federated.shared.config import FleetConfig
 from fleet.federated.shared.records import EVALUATE, QUERY, TRAIN, Reply
 from fleet.federated.shared.round_record import RoundRecord
+from fleet.federated.shared.run_summary import RunSummary
 
 log = logging.getLogger("fleet.server")
 
 
-def run_fleet(link: Link, cfg: FleetConfig, *, resume: bool, simulated: bool = False) -> dict:
+def run_fleet(link: Link, cfg: FleetConfig, *, resume: bool, simulated: bool = False) -> RunSummary:
     """Run (or continue) the fleet until ``federation.rounds`` or, when set, until the simulated clock
     reaches ``federation.time_budget_s``; returns the summary."""
     run = ServerRun.start(cfg, resume=resume, simulated=simulated)

@@ -31,6 +31,7 @@ from fleet.federated.shared.classes import FleetClasses
 from fleet.federated.shared.config import FleetConfig, run_dir
 from fleet.federated.shared.names import simulated_names
 from fleet.federated.shared.round_record import RoundRecord
+from fleet.federated.shared.run_summary import RunSummary
 
 
 def initial_arrays(cfg: FleetConfig) -> dict[str, np.ndarray]:
@@ -113,9 +114,9 @@ class ServerRun:
         for record in records:
             print(progress_line(record, self.cfg.federation.rounds), flush=True)
 
-    def finish(self) -> dict:
+    def finish(self) -> RunSummary:
         """summary.json and the plots; returns the summary."""
         cfg, fed = self.cfg, self.cfg.federation
-        summary = self.tracker.summary({"name": cfg.name, "strategy": fed.strategy, "run_dir": str(self.out)})
+        summary = self.tracker.summary(cfg.name, fed.strategy)
         plot_run(self.out, self.tracker.records, f"{cfg.name} ({fed.strategy})")
         return summary

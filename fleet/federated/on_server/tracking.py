@@ -21,9 +21,9 @@ from fleet.federated.on_server.state import ServerState
 from fleet.federated.shared.classes import FleetClasses
 from fleet.federated.shared.records import Accuracy, EvaluateReply, TrainReply
 from fleet.federated.shared.round_record import DeviceRow, RejectionRow, RoundRecord
+from fleet.federated.shared.run_summary import ClassSummary, DeviceSummary, RunSummary, history_of
 
 METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "summary.json"
 # the last closed round and the run's wall seconds then: metrics.jsonl holds a round's line back until the next
 # round's trainers have scored its model (evaluation.pipelined), so what acts between rounds reads this
 PROGRESS_FILE = "progress.json"
@@ -219,68 +219,57 @@ class Tracker:
             fh.flush()
             os.fsync(fh.fileno())
 
-    def summary(self, extra: dict) -> dict:
-        recs = self.records
-        last = recs[-1] if recs else RoundRecord(round=0)
-        personal = [d.personal_accuracy for d in last.devices if d.personal_accuracy is not None]
-        tuned = [d.finetuned_accuracy for d in last.devices if d.finetuned_accuracy is not None]
-        summary = {
-            **extra,
-            "rounds": len(recs),
-            "sim_time_s": last.sim_time_s,
-            "final_accuracy": last.global_accuracy,
-            "final_server_accuracy": last.server_accuracy,  # evaluation.server_test only
-            "personalized_accuracy_mean": float(np.mean(personal)) if personal else None,
-            "personalized_accuracy_p10": p10(personal),
-            "finetuned_accuracy_mean": float(np.mean(tuned)) if tuned else None,  # personalization.finetune_steps only
-            "finetuned_accuracy_p10": p10(tuned),
-            "bytes_uploaded": int(sum(r.bytes_uploaded for r in recs)),
-            "rejections": sum(len(r.rejections) for r in recs),
-            "rounds_without_training": [r.round for r in recs if not r.trained_rows()],
-            "first_rejection": next((j.reason for r in recs for j in r.rejections), None),
-            "classes": class_summary(recs),
-            "devices": device_summary(recs),
-            "history": [history_entry(r) for r in recs],
-        }
-        write_json(self.out / SUMMARY_FILE, summary)
+    def summary(self, name: str, strategy: str) -> RunSummary:
+        """The run's summary, written to summary.json."""
+        summary = summarize(self.records, name=name, strategy=strategy, run_dir=str(self.out))
+        summary.write(self.out)
         return summary
 
 
-def device_summary(records: list[RoundRecord]) -> dict[str, dict]:
+def summarize(records: list[RoundRecord], **run: str) -> RunSummary:
+    """A run's summary from its rounds (``run``: its name, strategy and run_dir): the last round's accuracies,
+    the totals, and each class's and device's means."""
+    last = records[-1] if records else RoundRecord(round=0)
+    personal = [d.personal_accuracy for d in last.devices if d.personal_accuracy is not None]
+    tuned = [d.finetuned_accuracy for d in last.devices if d.finetuned_accuracy is not None]
+    return RunSummary(
+        **run,
+        rounds=len(records),
+        sim_time_s=last.sim_time_s,
+        final_accuracy=last.global_accuracy,
+        final_server_accuracy=last.server_accuracy,
+        personalized_accuracy_mean=float(np.mean(personal)) if personal else None,
+        personalized_accuracy_p10=p10(personal),
+        finetuned_accuracy_mean=float(np.mean(tuned)) if tuned else None,
+        finetuned_accuracy_p10=p10(tuned),
+        bytes_uploaded=int(sum(r.bytes_uploaded for r in records)),
+        rejections=sum(len(r.rejections) for r in records),
+        rounds_without_training=[r.round for r in records if not r.trained_rows()],
+        first_rejection=next((j.reason for r in records for j in r.rejections), None),
+        classes=class_summary(records),
+        devices=device_summary(records),
+        history=[history_of(r) for r in records],
+    )
+
+
+def device_summary(records: list[RoundRecord]) -> dict[str, DeviceSummary]:
     """Per device that trained: its class and tier as last seen, its rounds, and what they did on average."""
     out = {}
     for name, pairs in sorted(trained_rows(records).items()):
         rows = [d for _, d in pairs]
-        last = rows[-1]
-        out[name] = {
-            **({"class": last.device_class} if last.device_class is not None else {}),
-            "tier": last.tier,
-            "rounds_trained": len(rows),
+        out[name] = DeviceSummary(
+            device_class=rows[-1].device_class,
+            tier=rows[-1].tier,
+            rounds_trained=len(rows),
             **trained_means(rows),
-            "rho_mean": float(np.mean([r.rho for r in rows])),
-        }
+            rho_mean=float(np.mean([r.rho for r in rows])),
+        )
     return out
 
 
-def history_entry(r: RoundRecord) -> dict:
-    """A round in summary.json's history: its clock, accuracies and bytes (the optional accuracies when made)."""
-    entry = {
-        "round": r.round,
-        "sim_time_s": r.sim_time_s,
-        "global_accuracy": r.global_accuracy,
-        "personal_accuracy": r.personal_accuracy,
-        "personal_accuracy_p10": r.personal_accuracy_p10,
-        "bytes_uploaded": r.bytes_uploaded,
-    }
-    if r.server_accuracy is not None:
-        entry["server_accuracy"] = r.server_accuracy
-    if r.finetuned_accuracy is not None:
-        entry |= {"finetuned_accuracy": r.finetuned_accuracy, "finetuned_accuracy_p10": r.finetuned_accuracy_p10}
-    return entry
-
-
-def trained_means(rows: list[DeviceRow]) -> dict:
-    """What trained rows (one device's, or one class's) did on average, and the bytes they uploaded."""
+def trained_means(rows: list[DeviceRow]) -> dict[str, float | int]:
+    """What trained rows (one device's, or one class's) did on average, and the bytes they uploaded: the fields
+    :class:`DeviceSummary` and :class:`ClassSummary` share."""
     return {
         "speedup_mean": float(np.mean([r.speedup for r in rows])),
         "round_speedup_mean": float(np.mean([r.whole_round_speedup for r in rows])),
@@ -289,7 +278,7 @@ def trained_means(rows: list[DeviceRow]) -> dict:
     }
 
 
-def class_summary(records: list[RoundRecord]) -> dict[str, dict]:
+def class_summary(records: list[RoundRecord]) -> dict[str, ClassSummary]:
     """Per device class (devices.device_classes): what its devices' trained rounds did, and their
     personalized accuracy when last evaluated; empty without classes."""
     trained: dict[str, list[DeviceRow]] = {}
@@ -305,13 +294,13 @@ def class_summary(records: list[RoundRecord]) -> dict[str, dict]:
     out = {}
     for cls, rows in sorted(trained.items()):
         personal = [d.personal_accuracy for d in last_eval.values() if d.device_class == cls]
-        out[cls] = {
-            "devices_trained": len({device_key(d) for d in rows}),
-            "device_rounds": len(rows),
+        out[cls] = ClassSummary(
+            devices_trained=len({device_key(d) for d in rows}),
+            device_rounds=len(rows),
             **trained_means(rows),
-            "round_time_s_mean": float(np.mean([d.predicted_time_s for d in rows])),
-            "personalized_accuracy_mean": float(np.mean(personal)) if personal else None,
-        }
+            round_time_s_mean=float(np.mean([d.predicted_time_s for d in rows])),
+            personalized_accuracy_mean=float(np.mean(personal)) if personal else None,
+        )
     return out
 
 
@@ -401,7 +390,7 @@ def plot_run(out: Path, records: list[RoundRecord], title: str) -> list[Path]:
     return paths
 
 
-def plot_classes(path: Path, classes: dict[str, dict], title: str) -> Path:
+def plot_classes(path: Path, classes: dict[str, ClassSummary], title: str) -> Path:
     """Per device class: mean speedup, trained fraction and personalized accuracy, side by side."""
     import matplotlib.pyplot as plt
 
@@ -412,7 +401,7 @@ def plot_classes(path: Path, classes: dict[str, dict], title: str) -> Path:
         (axes[1], "trained_fraction_mean", "trained fraction of weights"),
         (axes[2], "personalized_accuracy_mean", "personalized accuracy (last evaluation)"),
     ):
-        ax.bar(names, [classes[n][key] or 0.0 for n in names])
+        ax.bar(names, [getattr(classes[n], key) or 0.0 for n in names])
         ax.set_title(label)
         ax.grid(alpha=0.3, axis="y")
     fig.suptitle(f"{title}: per device class")

@@ -24,7 +24,7 @@ JSON_KEY = "json"  # a field's metrics.jsonl key, where it is not the field's na
 OPTIONAL = "optional"  # a field left out of the line while it is None
 
 
-def _optional(json_key: str | None = None) -> Any:
+def optional_field(json_key: str | None = None) -> Any:
     meta: dict[str, Any] = {OPTIONAL: True}
     if json_key is not None:
         meta[JSON_KEY] = json_key
@@ -35,7 +35,8 @@ def key_of(f: dataclasses.Field) -> str:
     return f.metadata.get(JSON_KEY, f.name)
 
 
-def _fields_json(record: Any) -> dict[str, Any]:
+def fields_json(record: Any) -> dict[str, Any]:
+    """A record dataclass as its JSON object: each field under its key, the optional ones only when set."""
     out = {}
     for f in dataclasses.fields(record):
         value = getattr(record, f.name)
@@ -45,7 +46,9 @@ def _fields_json(record: Any) -> dict[str, Any]:
     return out
 
 
-def _from_json(cls: type, line: Mapping[str, Any], **given: Any) -> Any:
+def from_json_fields(cls: type, line: Mapping[str, Any], **given: Any) -> Any:
+    """``cls`` from a JSON object by its fields' keys (unknown keys dropped, missing ones default); ``given``
+    fields are built by the caller (nested records)."""
     values = {f.name: line[key_of(f)] for f in dataclasses.fields(cls) if key_of(f) in line}
     return cls(**{**values, **given})
 
@@ -56,45 +59,45 @@ class DeviceRow:
     what the server derived (its class, its round on the simulated clock, its round speedup). Field names follow
     :class:`~fleet.federated.shared.records.TrainReply` and :class:`~fleet.federated.shared.records.EvaluateReply`."""
 
-    device: str | None = _optional()  # the roster's name, else node-<id>
-    node_id: int | None = _optional()
-    device_class: str | None = _optional("class")  # simulated or testbed device classes only
-    partition_id: int | None = _optional()
+    device: str | None = optional_field()  # the roster's name, else node-<id>
+    node_id: int | None = optional_field()
+    device_class: str | None = optional_field("class")  # simulated or testbed device classes only
+    partition_id: int | None = optional_field()
     # --- what its train reply said (fleet.federated.shared.records.TrainReply) ---
-    tier: float | None = _optional()
-    selected: int | None = _optional()
-    num_tensors: int | None = _optional()
-    trained_fraction: float | None = _optional()
-    rho: float | None = _optional()
-    predicted_time_s: float | None = _optional()
-    measured_time_s: float | None = _optional()
-    full_time_s: float | None = _optional()
-    bytes_uploaded: int | None = _optional()
-    steps: int | None = _optional()
-    personal_selected: int | None = _optional()
-    loss: float | None = _optional()
-    rounds_trained: int | None = _optional()
-    memory_budget_bytes: float | None = _optional()
-    memory_peak_bytes: float | None = _optional()
-    memory_added_s: float | None = _optional()
-    cuda: int | None = _optional()
-    ready_s: float | None = _optional()
-    score_time_s: float | None = _optional()
-    eval_time_s: float | None = _optional()  # its scoring, in its train reply (pipelined) and evaluation together
-    train_examples: float | None = _optional()  # its sample weight, when it trained
-    speedup: float | None = _optional()  # its compute's speedup: set exactly when it trained
-    wall_s: float | None = _optional()  # the server's wall seconds from the train message to its reply
+    tier: float | None = optional_field()
+    selected: int | None = optional_field()
+    num_tensors: int | None = optional_field()
+    trained_fraction: float | None = optional_field()
+    rho: float | None = optional_field()
+    predicted_time_s: float | None = optional_field()
+    measured_time_s: float | None = optional_field()
+    full_time_s: float | None = optional_field()
+    bytes_uploaded: int | None = optional_field()
+    steps: int | None = optional_field()
+    personal_selected: int | None = optional_field()
+    loss: float | None = optional_field()
+    rounds_trained: int | None = optional_field()
+    memory_budget_bytes: float | None = optional_field()
+    memory_peak_bytes: float | None = optional_field()
+    memory_added_s: float | None = optional_field()
+    cuda: int | None = optional_field()
+    ready_s: float | None = optional_field()
+    score_time_s: float | None = optional_field()
+    eval_time_s: float | None = optional_field()  # its scoring, in its train reply (pipelined) and evaluation together
+    train_examples: float | None = optional_field()  # its sample weight, when it trained
+    speedup: float | None = optional_field()  # its compute's speedup: set exactly when it trained
+    wall_s: float | None = optional_field()  # the server's wall seconds from the train message to its reply
     # --- what the server derived for it ---
-    round_time_s: float | None = _optional()  # its round on the simulated clock
-    fixed_s: float | None = _optional()  # what its round costs whatever it trains (start, download); None: 0
-    round_speedup: float | None = _optional()  # its whole round against training and uploading everything
+    round_time_s: float | None = optional_field()  # its round on the simulated clock
+    fixed_s: float | None = optional_field()  # what its round costs whatever it trains (start, download); None: 0
+    round_speedup: float | None = optional_field()  # its whole round against training and uploading everything
     # --- what its evaluation said (fleet.federated.shared.records.EvaluateReply) ---
-    global_accuracy: float | None = _optional()
-    personal_accuracy: float | None = _optional()
-    finetuned_accuracy: float | None = _optional()
-    finetune_time_s: float | None = _optional()
-    eval_ready_s: float | None = _optional()
-    test_examples: float | None = _optional()  # its held-out split's size, when it was evaluated
+    global_accuracy: float | None = optional_field()
+    personal_accuracy: float | None = optional_field()
+    finetuned_accuracy: float | None = optional_field()
+    finetune_time_s: float | None = optional_field()
+    eval_ready_s: float | None = optional_field()
+    test_examples: float | None = optional_field()  # its held-out split's size, when it was evaluated
 
     @property
     def trained(self) -> bool:
@@ -106,11 +109,11 @@ class DeviceRow:
         return self.round_speedup if self.round_speedup is not None else self.speedup or 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return _fields_json(self)
+        return fields_json(self)
 
     @classmethod
     def from_json(cls, line: Mapping[str, Any]) -> DeviceRow:
-        return _from_json(cls, line)
+        return from_json_fields(cls, line)
 
 
 @dataclass
@@ -138,8 +141,8 @@ class RoundRecord:
     global_accuracy: float | None = None
     personal_accuracy: float | None = None
     personal_accuracy_p10: float | None = None
-    finetuned_accuracy: float | None = _optional()  # personalization.finetune_steps only
-    finetuned_accuracy_p10: float | None = _optional()
+    finetuned_accuracy: float | None = optional_field()  # personalization.finetune_steps only
+    finetuned_accuracy_p10: float | None = optional_field()
     bytes_uploaded: int = 0  # of the accepted replies' tensors, as the server counted them
     tensors_trained_by_nobody: int = 0  # trainable tensors no accepted reply carried: they kept last round's values
     rejections: list[RejectionRow] = field(default_factory=list)
@@ -161,8 +164,8 @@ class RoundRecord:
     offline: list[str] = field(default_factory=list)  # simulated classes: eligible, but not online
     online: int = 0  # eligible devices online when the round sampled
     sampled_at_s: float = 0.0  # the simulated clock when it sampled: where a trace was read
-    server_accuracy: float | None = _optional()  # evaluation.server_test only
-    evaluated_in_round: int | None = _optional()  # evaluation.pipelined: the round whose trainers scored it
+    server_accuracy: float | None = optional_field()  # evaluation.server_test only
+    evaluated_in_round: int | None = optional_field()  # evaluation.pipelined: the round whose trainers scored it
 
     @property
     def evaluated(self) -> bool:
@@ -172,15 +175,15 @@ class RoundRecord:
         return [d for d in self.devices if d.trained]
 
     def to_json(self) -> dict[str, Any]:
-        out = _fields_json(self)
+        out = fields_json(self)
         out["rejections"] = [dataclasses.asdict(r) for r in self.rejections]
         return {**out, "devices": [d.to_json() for d in self.devices]}
 
     @classmethod
     def from_json(cls, line: Mapping[str, Any]) -> RoundRecord:
         devices = [DeviceRow.from_json(d) for d in line.get("devices", [])]
-        rejections = [_from_json(RejectionRow, r) for r in line.get("rejections", [])]
-        return _from_json(cls, line, devices=devices, rejections=rejections)
+        rejections = [from_json_fields(RejectionRow, r) for r in line.get("rejections", [])]
+        return from_json_fields(cls, line, devices=devices, rejections=rejections)
 
 
 ACCURACIES = ("global_accuracy", "personal_accuracy", "server_accuracy")  # what a bench may read a run's score by

@@ -165,3 +165,41 @@ def test_a_400_digit_number_for_a_float_field_is_one_line(tmp_path):
     path.write_text("train:\n  lr: 1" + "0" * 400 + "\n")
     with pytest.raises(ConfigError, match=r"^train.lr: .* is not a finite number"):
         load_fleet_config(str(path))
+
+
+def _profile_text(**replace: str) -> str:
+    """The reference profile's YAML with the anchors ``row`` (300 items) and ``big`` (300 rows, 90,000 values,
+    within the loader's bound) in its ``host`` mapping, and each field in ``replace`` set to the given text."""
+    import yaml
+
+    from fleet.federated.shared.paths import resolve_path
+
+    data = yaml.safe_load(resolve_path("profiles/resnet18-16px-host.yaml").read_text())
+    data.pop("host")
+    lines = ["host: {row: &row [" + ", ".join(["x"] * 300) + "], big: &big [" + ", ".join(["*row"] * 300) + "]}"]
+    for line in yaml.safe_dump(data, sort_keys=False).splitlines():
+        key = line.split(":", 1)[0]
+        lines.append(f"{key}: {replace[key]}" if key in replace else line)
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    "field, value, named",
+    [
+        ("t_fw", "*big", "t_fw [['x', 'x'"),
+        ("batch_size", "*big", "batch_size [['x'"),
+        ("memory_budget_mb", "1" + "0" * 400, "memory_budget_mb 1000"),
+    ],
+    ids=["alias-time", "alias-batch", "400-digit-budget"],
+)
+def test_a_huge_profile_value_is_quoted_short_in_one_line(tmp_path, capsys, field, value, named):
+    """A profile field set to a 90,000-value alias was quoted whole (a 450 KB error line); a 400-digit
+    memory budget ended in math.isfinite's OverflowError."""
+    path = tmp_path / "profile.yaml"
+    path.write_text(_profile_text(**{field: value}))
+    assert (
+        main(["train", "-c", "simulations/quick.yaml", "--profile", str(path), "--set", f"output_dir={tmp_path}"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert named in err and ("re-create it with `fleet profile`" in err or "remove it" in err)
+    assert err.count("\n") == 1 and len(err) < 400 and "Traceback" not in err

@@ -3,6 +3,7 @@ nesting and profile fields of the wrong type or sign are each a one-line error n
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -203,3 +204,19 @@ def test_a_huge_profile_value_is_quoted_short_in_one_line(tmp_path, capsys, fiel
     err = capsys.readouterr().err
     assert named in err and ("re-create it with `fleet profile`" in err or "remove it" in err)
     assert err.count("\n") == 1 and len(err) < 400 and "Traceback" not in err
+
+
+def test_a_trace_with_a_400_digit_time_or_deep_nesting_names_the_class_trace(tmp_path, capsys):
+    """float() of a 400-digit interval end raised OverflowError; a malformed trace was called a "config file"."""
+    cfg = tmp_path / "fleet.yaml"
+    for text, message in [
+        ("period_s: 100\ndevices:\n  - [[0, 1" + "0" * 400 + "]]\n", r"devices\[0\] must be a list of \[start, end\]"),
+        (DEEP, "is not valid YAML at line 1, column 1001: nested more than 64 levels deep; mend that line"),
+    ]:
+        trace = tmp_path / "trace.yaml"
+        trace.write_text(text)
+        cfg.write_text(f"devices:\n  device_classes:\n    - name: a\n      trace: {trace}\n")
+        assert main(["simulate", str(cfg)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: device_classes trace {trace}") and err.count("\n") == 1
+        assert re.search(message, err) and "config file" not in err

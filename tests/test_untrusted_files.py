@@ -134,16 +134,21 @@ def test_a_testbed_class_profile_is_checked_before_anything_starts(
         path = tmp_path / "garbage.yaml"
     else:
         path = resolve_path(profile)
+    previous = tmp_path / "runs" / "tb-testbed" / "logs" / "superlink.log"  # the last testbed run's logs
+    previous.parent.mkdir(parents=True)
+    previous.write_text("kept\n")
     cfg = tmp_path / "tb.yaml"
     cfg.write_text(
-        "model: {name: resnet18, num_classes: 10, in_channels: 1}\ndata: {dataset: fashion-mnist, input_size: 16}\n"
+        "name: tb\nmodel: {name: resnet18, num_classes: 10, in_channels: 1}\n"
+        "data: {dataset: fashion-mnist, input_size: 16}\n"
         f"testbed:\n  classes:\n    - {{name: pi, count: 1, profile: {path}}}\n"
     )
     assert main(["testbed", str(cfg), "--set", f"output_dir={tmp_path / 'runs'}", *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and "testbed.classes (pi).profile" in err and err.count("\n") == 1
     assert not list(tmp_path.rglob("*.pt"))  # nothing pretrained
-    assert not list(tmp_path.rglob("logs/*"))  # no SuperLink or SuperNode started
+    assert [p.name for p in tmp_path.rglob("logs/*")] == ["superlink.log"]  # no SuperLink or SuperNode started
+    assert previous.read_text() == "kept\n"  # and the previous run's work folder was not removed first
 
 
 def test_a_profile_path_that_is_a_directory_is_named_as_one(tmp_path):
@@ -220,3 +225,31 @@ def test_a_trace_with_a_400_digit_time_or_deep_nesting_names_the_class_trace(tmp
         err = capsys.readouterr().err
         assert err.startswith(f"error: device_classes trace {trace}") and err.count("\n") == 1
         assert re.search(message, err) and "config file" not in err
+
+
+def test_the_testbed_class_profiles_are_checked_by_one_function_callable_before_launch(tmp_path):
+    """class_profiles is what check_requirements (the first step of run_testbed) reads each class's profile
+    with: it starts nothing, so the refusal is known before a SuperLink or a pretraining could start."""
+    from fleet.federated.shared.config import fleet_config_from_dict
+    from fleet.federated.shared.paths import resolve_path
+    from fleet.testbed.calibrate import class_profiles
+
+    def classes(profile: str, batch: int = 32) -> dict:
+        return {
+            "model": {"name": "resnet18", "num_classes": 10, "in_channels": 1},
+            "data": {"dataset": "fashion-mnist", "input_size": 16},
+            "train": {"batch_size": batch},
+            "testbed": {"classes": [{"name": "pi", "count": 1, "profile": profile}]},
+        }
+
+    host = str(resolve_path("profiles/resnet18-16px-host.yaml"))
+    assert list(class_profiles(fleet_config_from_dict(classes(host)))) == ["pi"]
+    (tmp_path / "garbage.yaml").write_text("just: garbage\n")
+    for cfg, message in [
+        (classes(str(tmp_path / "garbage.yaml")), "is not a fleet device profile"),
+        (classes(str(resolve_path("profiles/resnet18-32px-5cls-host.yaml"))), "does not match the model"),
+        (classes(host, batch=16), "measured at batch size 32"),
+    ]:
+        with pytest.raises(ProfileMismatchError, match=message) as err:
+            class_profiles(fleet_config_from_dict(cfg))
+        assert "testbed.classes (pi).profile" in str(err.value) and "\n" not in str(err.value)

@@ -253,3 +253,18 @@ def test_the_testbed_class_profiles_are_checked_by_one_function_callable_before_
         with pytest.raises(ProfileMismatchError, match=message) as err:
             class_profiles(fleet_config_from_dict(cfg))
         assert "testbed.classes (pi).profile" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_simulated_class_profile_is_checked_before_the_simulation_starts(tmp_path, capsys, monkeypatch):
+    """A garbage devices.device_classes profile was refused by each ClientApp inside Flower: ten lines and a
+    round's wait; now one line before the previous run is moved aside or the start model pretrained."""
+    import fleet.federated.launch.pretrain
+
+    monkeypatch.setattr(fleet.federated.launch.pretrain, "pretrain_fleet_model", _must_not_run("pretraining"))
+    (tmp_path / "garbage.yaml").write_text("just: garbage\n")
+    cfg = tmp_path / "fleet.yaml"
+    cfg.write_text(f"devices:\n  device_classes:\n    - name: a\n      profile: {tmp_path / 'garbage.yaml'}\n")
+    assert main(["simulate", str(cfg), "--set", f"output_dir={tmp_path / 'runs'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: devices.device_classes (a).profile: profile ") and err.count("\n") == 1
+    assert "is not a fleet device profile" in err and not (tmp_path / "runs").exists()

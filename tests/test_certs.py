@@ -98,6 +98,7 @@ def test_an_out_folder_that_cannot_be_made_is_one_line(tmp_path, capsys):
         (["--san", "DNS:-bad..lan"], "not a host name"),
         (["--san", "10.0.0.5", "--device", ".."], "--device '..': use 1-64 letters"),
         (["--san", "10.0.0.5", "--device", "pi1", "--device", "pi1"], "--device pi1: named twice"),
+        (["--san", "10.0.0.5", "--device", "pi1", "--device", "pi1.pub"], "--device pi1.pub: clashes with pi1's"),
         (["--san", "IP:not-an-ip"], "--san IP:not-an-ip: 'not-an-ip' is not an IP address"),
         (["--san", "10.0.0.5", "--device", "pi 1"], "--device 'pi 1': use 1-64 letters"),
         (["--san", "10.0.0.5", "--days", "0"], "--days: 0 is not allowed"),

@@ -46,12 +46,16 @@ def flwr_home(tmp_path, monkeypatch):
     [
         ("nosuch", [], "connection: flwr refused it: An unexpected error occurred"),
         ("/etc/flwr/config.toml", [], "connection: '/etc/flwr/config.toml' is a path"),
-        ("dead", ["--run-config", "x='unterminated"], "--run-config: flwr refused it: The provided configuration"),
+        ("dead", ["--run-config", "x='unterminated"], "--run-config: not TOML values (Expected"),
+        ("dead", ["--run-config", "rounds=3 oops"], "--run-config: 'oops' is no KEY=VALUE pair"),
+        ("dead", ["--run-config", "x=[1,2]"], "--run-config: x: a value must be a number"),
+        ("dead", ["--run-config", "resume=true"], "--run-config: resume is set by the supervisor"),
     ],
-    ids=["unknown-connection", "a-path", "malformed-run-config"],
+    ids=["unknown-connection", "a-path", "malformed-run-config", "a-bare-word", "a-list", "resume"],
 )
 def test_what_no_retry_can_mend_is_one_line_at_once(flwr_home, capsys, connection, extra, message):
-    """flwr's own replies (1.42): these were taken for an unreachable SuperLink and retried forever."""
+    """These were taken for an unreachable SuperLink and retried forever: flwr's own replies (1.42), and the run
+    configs flwr drops a word of silently or refuses only once it reaches the SuperLink (checked before any try)."""
     argv = ["supervise", connection, "--config", "simulations/fleet-tiny.yaml", "--poll-s", "0.1", *extra]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()

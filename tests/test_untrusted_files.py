@@ -3,6 +3,7 @@ nesting and profile fields of the wrong type or sign are each a one-line error n
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -133,16 +134,21 @@ def test_a_testbed_class_profile_is_checked_before_anything_starts(
         path = tmp_path / "garbage.yaml"
     else:
         path = resolve_path(profile)
+    previous = tmp_path / "runs" / "tb-testbed" / "logs" / "superlink.log"  # the last testbed run's logs
+    previous.parent.mkdir(parents=True)
+    previous.write_text("kept\n")
     cfg = tmp_path / "tb.yaml"
     cfg.write_text(
-        "model: {name: resnet18, num_classes: 10, in_channels: 1}\ndata: {dataset: fashion-mnist, input_size: 16}\n"
+        "name: tb\nmodel: {name: resnet18, num_classes: 10, in_channels: 1}\n"
+        "data: {dataset: fashion-mnist, input_size: 16}\n"
         f"testbed:\n  classes:\n    - {{name: pi, count: 1, profile: {path}}}\n"
     )
     assert main(["testbed", str(cfg), "--set", f"output_dir={tmp_path / 'runs'}", *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and "testbed.classes (pi).profile" in err and err.count("\n") == 1
     assert not list(tmp_path.rglob("*.pt"))  # nothing pretrained
-    assert not list(tmp_path.rglob("logs/*"))  # no SuperLink or SuperNode started
+    assert [p.name for p in tmp_path.rglob("logs/*")] == ["superlink.log"]  # no SuperLink or SuperNode started
+    assert previous.read_text() == "kept\n"  # and the previous run's work folder was not removed first
 
 
 def test_a_profile_path_that_is_a_directory_is_named_as_one(tmp_path):
@@ -165,3 +171,100 @@ def test_a_400_digit_number_for_a_float_field_is_one_line(tmp_path):
     path.write_text("train:\n  lr: 1" + "0" * 400 + "\n")
     with pytest.raises(ConfigError, match=r"^train.lr: .* is not a finite number"):
         load_fleet_config(str(path))
+
+
+def _profile_text(**replace: str) -> str:
+    """The reference profile's YAML with the anchors ``row`` (300 items) and ``big`` (300 rows, 90,000 values,
+    within the loader's bound) in its ``host`` mapping, and each field in ``replace`` set to the given text."""
+    import yaml
+
+    from fleet.federated.shared.paths import resolve_path
+
+    data = yaml.safe_load(resolve_path("profiles/resnet18-16px-host.yaml").read_text())
+    data.pop("host")
+    lines = ["host: {row: &row [" + ", ".join(["x"] * 300) + "], big: &big [" + ", ".join(["*row"] * 300) + "]}"]
+    for line in yaml.safe_dump(data, sort_keys=False).splitlines():
+        key = line.split(":", 1)[0]
+        lines.append(f"{key}: {replace[key]}" if key in replace else line)
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    "field, value, named",
+    [
+        ("t_fw", "*big", "t_fw [['x', 'x'"),
+        ("batch_size", "*big", "batch_size [['x'"),
+        ("memory_budget_mb", "1" + "0" * 400, "memory_budget_mb 1000"),
+    ],
+    ids=["alias-time", "alias-batch", "400-digit-budget"],
+)
+def test_a_huge_profile_value_is_quoted_short_in_one_line(tmp_path, capsys, field, value, named):
+    """A profile field set to a 90,000-value alias was quoted whole (a 450 KB error line); a 400-digit
+    memory budget ended in math.isfinite's OverflowError."""
+    path = tmp_path / "profile.yaml"
+    path.write_text(_profile_text(**{field: value}))
+    assert (
+        main(["train", "-c", "simulations/quick.yaml", "--profile", str(path), "--set", f"output_dir={tmp_path}"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert named in err and ("re-create it with `fleet profile`" in err or "remove it" in err)
+    assert err.count("\n") == 1 and len(err) < 400 and "Traceback" not in err
+
+
+def test_a_trace_with_a_400_digit_time_or_deep_nesting_names_the_class_trace(tmp_path, capsys):
+    """float() of a 400-digit interval end raised OverflowError; a malformed trace was called a "config file"."""
+    cfg = tmp_path / "fleet.yaml"
+    for text, message in [
+        ("period_s: 100\ndevices:\n  - [[0, 1" + "0" * 400 + "]]\n", r"devices\[0\] must be a list of \[start, end\]"),
+        (DEEP, "is not valid YAML at line 1, column 1001: nested more than 64 levels deep; mend that line"),
+    ]:
+        trace = tmp_path / "trace.yaml"
+        trace.write_text(text)
+        cfg.write_text(f"devices:\n  device_classes:\n    - name: a\n      trace: {trace}\n")
+        assert main(["simulate", str(cfg)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: device_classes trace {trace}") and err.count("\n") == 1
+        assert re.search(message, err) and "config file" not in err
+
+
+def test_the_testbed_class_profiles_are_checked_by_one_function_callable_before_launch(tmp_path):
+    """class_profiles is what check_requirements (the first step of run_testbed) reads each class's profile
+    with: it starts nothing, so the refusal is known before a SuperLink or a pretraining could start."""
+    from fleet.federated.shared.config import fleet_config_from_dict
+    from fleet.federated.shared.paths import resolve_path
+    from fleet.testbed.calibrate import class_profiles
+
+    def classes(profile: str, batch: int = 32) -> dict:
+        return {
+            "model": {"name": "resnet18", "num_classes": 10, "in_channels": 1},
+            "data": {"dataset": "fashion-mnist", "input_size": 16},
+            "train": {"batch_size": batch},
+            "testbed": {"classes": [{"name": "pi", "count": 1, "profile": profile}]},
+        }
+
+    host = str(resolve_path("profiles/resnet18-16px-host.yaml"))
+    assert list(class_profiles(fleet_config_from_dict(classes(host)))) == ["pi"]
+    (tmp_path / "garbage.yaml").write_text("just: garbage\n")
+    for cfg, message in [
+        (classes(str(tmp_path / "garbage.yaml")), "is not a fleet device profile"),
+        (classes(str(resolve_path("profiles/resnet18-32px-5cls-host.yaml"))), "does not match the model"),
+        (classes(host, batch=16), "measured at batch size 32"),
+    ]:
+        with pytest.raises(ProfileMismatchError, match=message) as err:
+            class_profiles(fleet_config_from_dict(cfg))
+        assert "testbed.classes (pi).profile" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_simulated_class_profile_is_checked_before_the_simulation_starts(tmp_path, capsys, monkeypatch):
+    """A garbage devices.device_classes profile was refused by each ClientApp inside Flower: ten lines and a
+    round's wait; now one line before the previous run is moved aside or the start model pretrained."""
+    import fleet.federated.launch.pretrain
+
+    monkeypatch.setattr(fleet.federated.launch.pretrain, "pretrain_fleet_model", _must_not_run("pretraining"))
+    (tmp_path / "garbage.yaml").write_text("just: garbage\n")
+    cfg = tmp_path / "fleet.yaml"
+    cfg.write_text(f"devices:\n  device_classes:\n    - name: a\n      profile: {tmp_path / 'garbage.yaml'}\n")
+    assert main(["simulate", str(cfg), "--set", f"output_dir={tmp_path / 'runs'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: devices.device_classes (a).profile: profile ") and err.count("\n") == 1
+    assert "is not a fleet device profile" in err and not (tmp_path / "runs").exists()

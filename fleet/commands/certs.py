@@ -104,6 +104,9 @@ def check_args(args: argparse.Namespace) -> tuple[Path, list, bool]:
     twice = next((d for i, d in enumerate(args.device) if d in args.device[:i]), None)
     if twice is not None:
         raise ConfigError(f"--device {twice}: named twice; give each device once")
+    clash = next((d for d in args.device if d.endswith(".pub") and d[: -len(".pub")] in args.device), None)
+    if clash is not None:  # its private key would be written over the other device's public one
+        raise ConfigError(f"--device {clash}: clashes with {clash[:-4]}'s public key file; name it without '.pub'")
     out = Path(args.out).expanduser()
     if (out / "ca.key").exists() and args.san:
         raise ConfigError(f"--san: {out / 'ca.key'} exists; to make a new server certificate, use a new --out folder")

@@ -22,11 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: flwr's own TOML reader, which flwr installs
+    import tomli as tomllib
 
 from fleet.base.errors import ConfigError
 
@@ -110,6 +116,46 @@ def status_of(args: argparse.Namespace, run_id: int) -> str | None:
     return str(runs[0].get("status")) if runs else None
 
 
+# flwr's own reading of --run-config (flwr.common.config.parse_config_args): each KEY=VALUE, VALUE quoted or
+# unspaced, then read as TOML. Text between matches is dropped by flwr without a word.
+RUN_CONFIG_PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")
+SET_HERE = ("config", "resume")  # the keys the supervisor writes itself
+
+
+def run_config_problem(text: str) -> str | None:
+    """Why ``--run-config`` cannot work, or None. flwr drops a word that is no KEY=VALUE silently and refuses
+    a list only once it has reached the SuperLink, so a supervisor of an unreachable one retried them forever."""
+    pairs, end = [], 0
+    for match in RUN_CONFIG_PAIR.finditer(text):
+        if text[end : match.start()].strip():
+            break
+        pairs.append(match.groups())
+        end = match.end()
+    if text[end:].strip():
+        word = (text[end:].split() or [""])[0]
+        return f"{word!r} is no KEY=VALUE pair (quote a value with spaces: key='a b')"
+    ours = next((k for k, _ in pairs if k in SET_HERE), None)
+    if ours is not None:
+        return f"{ours} is set by the supervisor (--config; resume on a restart); drop it here"
+    try:
+        values = tomllib.loads("\n".join(f"{k} = {v}" for k, v in pairs))
+    except tomllib.TOMLDecodeError as exc:
+        return f"not TOML values ({exc}); write e.g. rounds=20 output_dir='/srv/fleet-runs'"
+    bad = next((k for k, v in _flat(values) if not isinstance(v, (bool, int, float, str))), None)
+    if bad is not None:
+        return f"{bad}: a value must be a number, true/false or a quoted string, not a list or date"
+    return None
+
+
+def _flat(values: dict, prefix: str = "") -> list[tuple[str, object]]:
+    """``values`` as (dotted key, value) pairs, as flwr flattens a run config."""
+    out: list[tuple[str, object]] = []
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        out += _flat(value, f"{name}.") if isinstance(value, dict) else [(name, value)]
+    return out
+
+
 def check_args(args: argparse.Namespace) -> None:
     if not args.connection or any(c in args.connection for c in "/\\") or args.connection.endswith(".toml"):
         raise ConfigError(
@@ -120,6 +166,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--config: {args.config} is not a file; give the run's fleet YAML")
     if not args.poll_s > 0 or args.max_restarts < 0:
         raise ConfigError("--poll-s: a number of seconds > 0, and --max-restarts an integer >= 0")
+    problem = run_config_problem(args.run_config)
+    if problem is not None:
+        raise ConfigError(f"--run-config: {problem}")
     if not (Path(args.app) / "pyproject.toml").is_file():
         raise ConfigError(f"--app: {args.app} holds no pyproject.toml; give the fleet repo, the app `flwr run` packs")
 

@@ -451,25 +451,27 @@ def read_text_file(path: Path, what: str, fix: str, error: type[FleetError] = Co
         raise error(f"{what} cannot be read ({exc.strerror or exc}); make it readable by this user") from None
 
 
-def read_yaml_mapping(path: str | Path, shown: str | Path | None = None) -> dict:
+def read_yaml_mapping(path: str | Path, shown: str | Path | None = None, *, what: str | None = None) -> dict:
     """A config file's sections, or a one-line ConfigError saying what is wrong with the file
-    (named as ``shown``, the path the user gave, when ``path`` is where it was looked up)."""
+    (named as ``shown``, the path the user gave, when ``path`` is where it was looked up; or as ``what``, the
+    field that named another YAML file, e.g. a class's trace, which no config's sections describe)."""
     path = Path(path)
+    label = what or f"config file {shown or path}"
     if not path.is_file():
-        raise ConfigError(f"config file {shown or path} not found; pass an existing YAML file (see simulations/)")
-    text = read_text_file(path, f"config file {shown or path}", "save it as UTF-8 YAML (see simulations/)")
+        raise ConfigError(f"{label} not found; pass an existing YAML file (see simulations/)")
+    text = read_text_file(path, label, "save it as UTF-8 YAML (see simulations/)")
     try:
         data = load_yaml(text) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or "syntax error"
-        raise ConfigError(f"config file {shown or path} is not valid YAML{where}: {problem}") from None
+        fix = "mend that line" if mark else "mend the file"
+        raise ConfigError(f"{label} is not valid YAML{where}: {problem}; {fix}") from None
     if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {shown or path}: expected a mapping of sections (model, data, train), "
-            f"got {type(data).__name__}; write it as `section:` blocks like simulations/personalize.yaml"
-        )
+        layout = "its fields" if what else "sections (model, data, train)"
+        example = "see simulations/" if what else "write it as `section:` blocks like simulations/personalize.yaml"
+        raise ConfigError(f"{label}: expected a mapping of {layout}, got {type(data).__name__}; {example}")
     return data
 
 

@@ -4,7 +4,6 @@ timing model that predicts a step's cost from it (docs/algorithms.md section 1).
 from __future__ import annotations
 
 import datetime as _dt
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -15,7 +14,7 @@ import yaml
 from fleet.base.atomic import write_text_atomic
 from fleet.base.errors import ProfileMismatchError
 from fleet.base.numbers import is_real
-from fleet.engine.config import read_text_file
+from fleet.engine.config import SHOWN_CHARS, read_text_file, shown
 from fleet.engine.yaml_text import YamlRefused, load_yaml
 
 FORMAT_VERSION = 1
@@ -45,21 +44,21 @@ def first_problem(profile: DeviceProfile) -> str | None:
     time crashed the timing model, and a negative speed factor predicted negative steps and selected nothing."""
     for key in ("t_fw", "speed_factor"):
         if not _number(getattr(profile, key), 0, strict=True):
-            return f"{key} {getattr(profile, key)!r} is not a positive number of seconds or factor"
+            return f"{key} {shown(getattr(profile, key))} is not a positive number of seconds or factor"
     for key in ("model", "host", "calibration"):
         if not isinstance(getattr(profile, key), dict):
-            return f"{key} {getattr(profile, key)!r} is not a mapping"
+            return f"{key} {shown(getattr(profile, key))} is not a mapping"
     for key in ("batch_size", "input_size"):
         v = getattr(profile, key)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            return f"{key} {v!r} is not a whole number >= 1"
+            return f"{key} {shown(v)} is not a whole number >= 1"
     for t in profile.tensors:
         for key in ("t_dw", "t_opt", "t_dy"):
             if not _number(getattr(t, key), 0, strict=False):
-                return f"tensor {t.name!r}: {key} {getattr(t, key)!r} is not a number of seconds >= 0"
+                return f"tensor {shown(t.name)}: {key} {shown(getattr(t, key))} is not a number of seconds >= 0"
         shape_ok = isinstance(t.shape, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in t.shape)
         if not (isinstance(t.name, str) and isinstance(t.layer, str) and shape_ok):
-            return f"tensor {t.name!r}: its name, layer or shape is not text, text and a list of whole numbers"
+            return f"tensor {shown(t.name)}: its name, layer or shape is not text, text and a list of whole numbers"
     return None
 
 
@@ -202,14 +201,16 @@ class DeviceProfile:
             tensors = [TensorTiming(**t) for t in d.pop("tensors")]
             profile = cls(tensors=tensors, **d)
         except (TypeError, KeyError) as exc:
-            raise ProfileMismatchError(f"{source} is malformed ({exc}); re-create it with `fleet profile`") from None
+            raise ProfileMismatchError(
+                f"{source} is malformed ({str(exc)[:SHOWN_CHARS]}); re-create it with `fleet profile`"
+            ) from None
         problem = first_problem(profile)
         if problem is not None:
             raise ProfileMismatchError(f"{source}: {problem}; re-create it with `fleet profile`")
         mb = profile.memory_budget_mb
-        if mb is not None and not (isinstance(mb, (int, float)) and math.isfinite(mb) and mb > 0):
+        if mb is not None and not _number(mb, 0, strict=True):  # is_real: 10**400 made isfinite overflow
             raise ProfileMismatchError(
-                f"{source}: memory_budget_mb {mb!r} is not allowed; use a positive number of MB or remove it"
+                f"{source}: memory_budget_mb {shown(mb)} is not allowed; use a positive number of MB or remove it"
             )
         return profile
 

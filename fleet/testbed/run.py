@@ -147,7 +147,6 @@ class Testbed:
         }
 
     def __enter__(self) -> Testbed:
-        check_requirements(self.cfg)
         remove_stale(self.log)
         self._previous_handlers = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
         try:
@@ -399,6 +398,7 @@ def run_testbed(
                 f"--{fault.kind}: no testbed device is called {fault.device!r}; the devices are {', '.join(names)}"
             )
     joining = {f.device for f in faults if f.kind == "join"}
+    check_requirements(cfg)  # before the previous run's work folder is removed: a bad profile keeps its logs
     work = run_dir(cfg).parent / f"{cfg.name}-testbed"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)

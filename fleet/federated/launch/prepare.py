@@ -16,7 +16,8 @@ import yaml
 
 from fleet.base.errors import ConfigError
 from fleet.engine.config import config_to_dict
-from fleet.engine.experiment import check_model_fits_data, load_data, make_model, obtain_profile
+from fleet.engine.device_profile import DeviceProfile
+from fleet.engine.experiment import check_model_fits_data, check_profile, load_data, make_model, obtain_profile
 from fleet.federated.on_server.state import keep_previous_run
 from fleet.federated.shared.config import FleetConfig, run_dir
 from fleet.federated.shared.names import check_device_name
@@ -50,6 +51,17 @@ def simulated_fleet(cfg: FleetConfig, log: Callable[[str], None]) -> FleetConfig
     return cfg
 
 
+def check_class_profiles(cfg: FleetConfig, model: torch.nn.Module) -> None:
+    """Each device class's ``profile`` read and checked against the model, batch and input size as its
+    devices' ClientApps will: a garbage file was refused by every device inside Flower, ten lines later."""
+    for c in cfg.devices.device_classes:
+        if c.profile:
+            what = f"devices.device_classes ({c.name}).profile"
+            profile = DeviceProfile.load(resolve_path(c.profile), field=what)
+            size, source = cfg.data.input_size, f"profile {c.profile} ({what})"
+            check_profile(profile, model, cfg.train.batch_size, size, source, cfg.train)
+
+
 def prepare(cfg: FleetConfig, *, resume: bool, log: Callable[[str], None] = print) -> tuple[FleetConfig, Path]:
     """Profile, pretrain and write the effective config; returns it and its path."""
     cfg = simulated_fleet(cfg, log)
@@ -58,10 +70,13 @@ def prepare(cfg: FleetConfig, *, resume: bool, log: Callable[[str], None] = prin
         cfg = dataclasses.replace(cfg, hardware=dataclasses.replace(cfg.hardware, profile=profile))
     if not cfg.data.device_roots:  # the shared dataset; devices' own trees are checked as they are read
         check_model_fits_data(cfg, *load_data(cfg.data, cfg.train.seed))
-    if cfg.hardware.profile is not None:
-        # Every ClientApp checks it too, but there a mismatch fails each device inside Flower;
+    if cfg.hardware.profile is not None or any(c.profile for c in cfg.devices.device_classes):
+        # Every ClientApp checks them too, but there a mismatch fails each device inside Flower;
         # here it stops the launch in one line, before the previous run is moved aside.
-        obtain_profile(cfg, make_model(cfg.model, cfg.train.seed), log=log)
+        model = make_model(cfg.model, cfg.train.seed)
+        if cfg.hardware.profile is not None:
+            obtain_profile(cfg, model, log=log)
+        check_class_profiles(cfg, model)
     out = run_dir(cfg)
     if not resume:
         keep_previous_run(out, cfg.name, log)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fleet.base.errors import ConfigError
 from fleet.base.numbers import is_real
-from fleet.engine.config import read_yaml_mapping
+from fleet.engine.config import read_yaml_mapping, shown
 from fleet.federated.shared.fedscale import FedScaleTrace
 from fleet.federated.shared.online import Trace
 from fleet.federated.shared.paths import resolve_path
@@ -57,12 +57,12 @@ def load_trace(path: str) -> Trace:
             f"{where}: no such file; give a trace YAML (period_s, devices: per-device [[start, end], ...] lists), "
             "or drop trace and give the class an availability"
         )
-    data = read_yaml_mapping(resolve_path(path), shown=path)
+    data = read_yaml_mapping(resolve_path(path), what=where)
     period = data.get("period_s")
     devices = data.get("devices")
     if not is_real(period) or not period > 0:
         raise ConfigError(
-            f"{where}: period_s {period!r} is not allowed; use the trace's length in seconds (a finite number > 0)"
+            f"{where}: period_s {shown(period)} is not allowed; use the trace's length in seconds (a finite number > 0)"
         )
     if not isinstance(devices, list) or not devices:
         raise ConfigError(f"{where}: devices must be a non-empty list of per-device [[start, end], ...] lists")
@@ -70,7 +70,7 @@ def load_trace(path: str) -> Trace:
     for i, intervals in enumerate(devices):
         try:
             pairs = tuple((float(a), float(b)) for a, b in intervals)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: an integer no float holds (10**400)
             raise ConfigError(f"{where}: devices[{i}] must be a list of [start, end] pairs in seconds") from None
         if any(not (0 <= a < b <= period) for a, b in pairs):
             raise ConfigError(f"{where}: devices[{i}] has an interval outside 0 <= start < end <= period_s")
@@ -112,7 +112,7 @@ def check_classes(classes: list[DeviceClassConfig]) -> None:
             ("availability", 0 <= c.availability <= 1, "a per-round probability in [0, 1]"),
         ):
             if not ok:
-                raise ConfigError(f"{where}.{field_name}: {getattr(c, field_name)!r} is not allowed; use {use}")
+                raise ConfigError(f"{where}.{field_name}: {shown(getattr(c, field_name))} is not allowed; use {use}")
     total = sum(c.share for c in classes)
     if abs(total - 1) > 1e-6:
         shares = ", ".join(f"{c.name} {c.share:g}" for c in classes)

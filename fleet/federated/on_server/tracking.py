@@ -226,14 +226,16 @@ class Tracker:
         return summary
 
 
-def summarize(records: list[RoundRecord], **run: str) -> RunSummary:
-    """A run's summary from its rounds (``run``: its name, strategy and run_dir): the last round's accuracies,
-    the totals, and each class's and device's means."""
+def summarize(records: list[RoundRecord], *, name: str, strategy: str, run_dir: str) -> RunSummary:
+    """A run's summary from its rounds: the last round's accuracies, the totals, and each class's and device's
+    means."""
     last = records[-1] if records else RoundRecord(round=0)
     personal = [d.personal_accuracy for d in last.devices if d.personal_accuracy is not None]
     tuned = [d.finetuned_accuracy for d in last.devices if d.finetuned_accuracy is not None]
     return RunSummary(
-        **run,
+        name=name,
+        strategy=strategy,
+        run_dir=run_dir,
         rounds=len(records),
         sim_time_s=last.sim_time_s,
         final_accuracy=last.global_accuracy,

@@ -21,10 +21,11 @@ from fleet.base.errors import ConfigError
 from fleet.engine.device_profile import DeviceProfile
 from fleet.federated.on_server.coordinator import shared_bytes
 from fleet.federated.on_server.server_run import initial_arrays
-from fleet.federated.shared.config import fleet_config_from_dict, load_fleet_config
+from fleet.federated.shared.config import FleetConfig, fleet_config_from_dict, load_fleet_config
 from fleet.federated.shared.round_record import DeviceRow, RoundRecord
 from fleet.testbed import cgroup, network
 from fleet.testbed.calibrate import MIN_CPU, measure_full_step, search_quota
+from fleet.testbed.config import load_testbed_config, parse_testbed_config
 from fleet.testbed.run import Fault, class_round_times, run_testbed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +40,7 @@ def test_faults_parse_and_bad_ones_are_one_line():
 
 
 def test_the_testbed_section_is_checked_on_load():
-    ok = fleet_config_from_dict({"testbed": {"classes": [{"name": "pi4", "count": 3, "cpu": 0.2}]}})
+    ok = parse_testbed_config({"testbed": {"classes": [{"name": "pi4", "count": 3, "cpu": 0.2}]}})
     assert ok.testbed.num_devices == 3 and ok.testbed.classes[0].threads() == 1
     bad = (
         ({"name": "Pi4"}, "testbed.classes[0].name: 'Pi4' is not allowed"),
@@ -49,9 +50,19 @@ def test_the_testbed_section_is_checked_on_load():
     )
     for fields, message in bad:
         with pytest.raises(ConfigError) as info:
-            fleet_config_from_dict({"testbed": {"classes": [fields]}})
+            parse_testbed_config({"testbed": {"classes": [fields]}})
         assert str(info.value).startswith(message) and "<class" not in str(info.value)
-    assert load_fleet_config(ROOT / "simulations/testbed.yaml").testbed.num_devices == 6
+    assert load_testbed_config(ROOT / "simulations/testbed.yaml").testbed.num_devices == 6
+
+
+def test_the_core_leaves_the_testbed_section_to_the_testbed():
+    """The server app the testbed submits reads the same file with the core's loader: it skips the section
+    (and a bad class in it, which the testbed refused before starting), and a misspelt section still fails."""
+    core = load_fleet_config(ROOT / "simulations/testbed.yaml")
+    assert type(core) is FleetConfig and not hasattr(core, "testbed") and core.name == "testbed"
+    assert fleet_config_from_dict({"testbed": {"classes": [{"name": "Pi4"}]}}) == FleetConfig()
+    with pytest.raises(ConfigError, match="testbd: unknown field"):
+        fleet_config_from_dict({"testbd": {}})
 
 
 def test_the_quota_search_matches_a_profile_within_ten_percent_or_says_why():
@@ -78,10 +89,10 @@ def test_a_class_gives_cpu_or_a_real_profile(tmp_path):
     profile.write_text("{}")
     both = {"name": "pi4", "cpu": 0.2, "profile": str(profile)}
     with pytest.raises(ConfigError, match=r"testbed.classes \(pi4\): cpu 0.2 and profile .* both set"):
-        fleet_config_from_dict({"testbed": {"classes": [both]}})
+        parse_testbed_config({"testbed": {"classes": [both]}})
     with pytest.raises(ConfigError, match=r"testbed.classes \(pi4\): profile .*nope.yaml is not a file"):
-        fleet_config_from_dict({"testbed": {"classes": [{"name": "pi4", "profile": str(tmp_path / "nope.yaml")}]}})
-    ok = fleet_config_from_dict({"testbed": {"classes": [{"name": "pi4", "profile": str(profile)}]}})
+        parse_testbed_config({"testbed": {"classes": [{"name": "pi4", "profile": str(tmp_path / "nope.yaml")}]}})
+    ok = parse_testbed_config({"testbed": {"classes": [{"name": "pi4", "profile": str(profile)}]}})
     assert ok.testbed.classes[0].profile == str(profile) and ok.testbed.classes[0].threads() == 1
 
 
@@ -105,7 +116,7 @@ def test_a_device_cgroup_is_made_below_our_own(tmp_path):
 
 
 def test_a_device_is_told_its_threads_uplink_and_memory_budget(tmp_path):
-    from fleet.federated.shared.testbed_config import TestbedClassConfig
+    from fleet.testbed.config import TestbedClassConfig
     from fleet.testbed.run import Device
 
     pi = TestbedClassConfig(name="pi4", cpu=0.2, memory_mb=1500, uplink_mbps=20)
@@ -155,7 +166,7 @@ def test_a_three_device_testbed_runs_fedavg_and_fleet_within_real_limits(tmp_pat
     if os.geteuid() != 0:
         pytest.skip("the testbed needs root (cgroups and network namespaces); run the slow tests as root")
     config = tiny_testbed(tmp_path, "fedavg", {"cpu": SLOW_CPU})
-    fedavg = run_testbed(load_fleet_config(config), [], log=print)
+    fedavg = run_testbed(load_testbed_config(config), [], log=print)
     assert fedavg.summary.rounds == 2 and fedavg.memory["slow-0"][1] == 0
     run = tmp_path / "runs" / "tb-fedavg"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -171,7 +182,7 @@ def test_a_three_device_testbed_runs_fedavg_and_fleet_within_real_limits(tmp_pat
     # float16 transfers, as the link counted them: FedAvg uploads the whole model in each of its 2 rounds and
     # downloads it 3 times (2 train messages, the last round's evaluation), each at most half of float32's
     # bytes, Flower's framing included; and no less than the payload the server counted
-    float32 = shared_bytes(initial_arrays(load_fleet_config(config)), frozenset(), "float32")
+    float32 = shared_bytes(initial_arrays(load_testbed_config(config)), frozenset(), "float32")
     sent, received = fedavg.traffic["slow-0"]
     payload = sum(d["bytes_uploaded"] for r in records for d in r["devices"] if d["device"] == "slow-0")
     assert payload <= sent <= 0.5 * 2 * float32 * 1.05, (payload, sent, float32)
@@ -180,7 +191,7 @@ def test_a_three_device_testbed_runs_fedavg_and_fleet_within_real_limits(tmp_pat
     # starts: that round costs at most its bound
     kill = [Fault("kill", "free-1", 2)]
     fleet = run_testbed(
-        load_fleet_config(tiny_testbed(tmp_path, "fleet", {"profile": str(slow_profile)})), kill, log=print
+        load_testbed_config(tiny_testbed(tmp_path, "fleet", {"profile": str(slow_profile)})), kill, log=print
     )
     assert fleet.summary.rounds == 2
     fleet_records = [json.loads(line) for line in (tmp_path / "runs/tb-fleet/metrics.jsonl").read_text().splitlines()]

@@ -35,7 +35,7 @@ from fleet.federated.on_device import tasks
 from fleet.federated.shared import keys
 from fleet.federated.shared.config import fleet_config_from_dict
 from fleet.federated.shared.round_record import DeviceRow, RejectionRow, RoundRecord
-from fleet.federated.shared.testbed_config import TestbedClassConfig
+from fleet.testbed.config import TestbedClassConfig, parse_testbed_config
 from fleet.testbed.run import TestbedRun
 
 PI = TestbedClassConfig(name="pi", count=2, cpu=0.2, uplink_mbps=8, downlink_mbps=16)
@@ -129,7 +129,7 @@ def test_the_simulator_gets_each_class_profile_links_and_what_else_its_rounds_co
     for name in ("pi-0", "board-0"):
         (tmp_path / "devices" / name).mkdir(parents=True)
         (tmp_path / "devices" / name / "device-profile.yaml").write_text("{}")
-    cfg = fleet_config_from_dict(
+    cfg = parse_testbed_config(
         {"name": "tb", "testbed": {"classes": [vars(PI), vars(BOARD)]}, "federation": {"rounds": 4}}
     )
     run = fake_run(tmp_path, [(40, 50, 20)] * 2, [0.7, 0.8])
@@ -141,7 +141,7 @@ def test_the_simulator_gets_each_class_profile_links_and_what_else_its_rounds_co
     # its start: a round's wall less compute (3 s), upload (4 MB at 8 Mbit/s) and download (8 MB at 16): 40 and 50 s
     assert (pi.share, pi.bandwidth_mbps, pi.downlink_mbps, pi.start_s) == (pytest.approx(2 / 3), 8, 16, 34)
     assert pi.profile == str(tmp_path / "devices" / "pi-0" / "device-profile.yaml")
-    board = fleet_config_from_dict(config_to_dict(sim)).devices.device_classes[1]  # it loads back
+    board = fleet_config_from_dict(config_to_dict(sim)).devices.device_classes[1]  # the core loads it back
     assert board.start_s == pytest.approx(20 - 3 - 0.4 - 0.4)
 
 

@@ -230,9 +230,9 @@ def test_a_trace_with_a_400_digit_time_or_deep_nesting_names_the_class_trace(tmp
 def test_the_testbed_class_profiles_are_checked_by_one_function_callable_before_launch(tmp_path):
     """class_profiles is what check_requirements (the first step of run_testbed) reads each class's profile
     with: it starts nothing, so the refusal is known before a SuperLink or a pretraining could start."""
-    from fleet.federated.shared.config import fleet_config_from_dict
     from fleet.federated.shared.paths import resolve_path
     from fleet.testbed.calibrate import class_profiles
+    from fleet.testbed.config import parse_testbed_config
 
     def classes(profile: str, batch: int = 32) -> dict:
         return {
@@ -243,7 +243,7 @@ def test_the_testbed_class_profiles_are_checked_by_one_function_callable_before_
         }
 
     host = str(resolve_path("profiles/resnet18-16px-host.yaml"))
-    assert list(class_profiles(fleet_config_from_dict(classes(host)))) == ["pi"]
+    assert list(class_profiles(parse_testbed_config(classes(host)))) == ["pi"]
     (tmp_path / "garbage.yaml").write_text("just: garbage\n")
     for cfg, message in [
         (classes(str(tmp_path / "garbage.yaml")), "is not a fleet device profile"),
@@ -251,7 +251,7 @@ def test_the_testbed_class_profiles_are_checked_by_one_function_callable_before_
         (classes(host, batch=16), "measured at batch size 32"),
     ]:
         with pytest.raises(ProfileMismatchError, match=message) as err:
-            class_profiles(fleet_config_from_dict(cfg))
+            class_profiles(parse_testbed_config(cfg))
         assert "testbed.classes (pi).profile" in str(err.value) and "\n" not in str(err.value)
 
 

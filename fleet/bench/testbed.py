@@ -50,10 +50,10 @@ from fleet.engine.config import config_to_dict
 from fleet.engine.device_profile import DeviceProfile
 from fleet.federated.on_server.tracking import honest_rejections, read_records
 from fleet.federated.shared.class_config import DeviceClassConfig
-from fleet.federated.shared.config import FleetConfig, pipelined, run_dir
+from fleet.federated.shared.config import pipelined, run_dir
 from fleet.federated.shared.names import DEVICES_DIR
 from fleet.federated.shared.round_record import JSON_KEY, DeviceRow, RoundRecord, fields_json
-from fleet.federated.shared.testbed_config import TestbedConfig
+from fleet.testbed.config import TestbedConfig, TestbedFleetConfig
 from fleet.testbed.run import TestbedRun, run_testbed
 
 METHODS = ("fedavg", "naive", "fleet")
@@ -67,7 +67,7 @@ SPEED_TARGETS = {"upload": 2.0, "compute": 3.0}
 COMPUTE_RATIO = 2.0  # a compute regime: the slowest class computes at least 2x its transfer time under FedAvg
 
 
-def method_config(cfg: FleetConfig, method: str, rounds: int, weights: str | None) -> FleetConfig:
+def method_config(cfg: TestbedFleetConfig, method: str, rounds: int, weights: str | None) -> TestbedFleetConfig:
     """``cfg`` for one method: its own run name, strategy and rounds, the shared start."""
     fed = dataclasses.replace(cfg.federation, strategy=method, rounds=rounds)
     model = dataclasses.replace(cfg.model, weights=weights) if weights else cfg.model
@@ -158,7 +158,7 @@ def device_entries(run: TestbedRun, records: list[RoundRecord], download_bytes: 
     return out
 
 
-def download_bytes(cfg: FleetConfig) -> int:
+def download_bytes(cfg: TestbedFleetConfig) -> int:
     """The global model's size: what every train and evaluate message carries down, as the coordinator
     counts it for the simulator's download."""
     from fleet.federated.on_server.coordinator import shared_bytes
@@ -189,7 +189,7 @@ def method_entry(
     }
 
 
-def start_accuracy(cfg: FleetConfig) -> float:
+def start_accuracy(cfg: TestbedFleetConfig) -> float:
     """The start model's (``model.weights``) figure on the server's test split: every method's curve
     begins there."""
     from fleet.federated.on_server.server_eval import server_accuracy, server_test_set
@@ -226,7 +226,9 @@ def class_profile(run: TestbedRun, cls: str) -> Path:
     return run.run_dir / DEVICES_DIR / f"{cls}-0" / "device-profile.yaml"
 
 
-def simulation_config(cfg: FleetConfig, fleet: TestbedRun, fixed: dict[str, float], rounds: int) -> FleetConfig:
+def simulation_config(
+    cfg: TestbedFleetConfig, fleet: TestbedRun, fixed: dict[str, float], rounds: int
+) -> TestbedFleetConfig:
     """The fleet method in Flower's simulation, a device class per testbed class: its devices' profile
     as measured under their limits, its links, and as its start ``fixed`` of its class: what else a round
     cost it beyond compute and transfers, as FedAvg's rounds measured it (:func:`class_fixed_s`)."""
@@ -251,7 +253,7 @@ def simulation_config(cfg: FleetConfig, fleet: TestbedRun, fixed: dict[str, floa
     )
 
 
-def simulate(cfg: FleetConfig, log) -> list[RoundRecord]:
+def simulate(cfg: TestbedFleetConfig, log) -> list[RoundRecord]:
     """Run ``cfg`` with ``fleet simulate`` (its own session, killed whole); its metrics.jsonl records."""
     from fleet.base.errors import FleetError
     from fleet.bench.launch import HONEST_APP, launch
@@ -288,7 +290,11 @@ def compute_upload_s(row: DeviceRow) -> float | None:
 
 
 def class_entries(
-    cfg: FleetConfig, fleet: TestbedRun, fedavg: TestbedRun, simulated: list[RoundRecord], fixed: dict[str, float]
+    cfg: TestbedFleetConfig,
+    fleet: TestbedRun,
+    fedavg: TestbedRun,
+    simulated: list[RoundRecord],
+    fixed: dict[str, float],
 ) -> dict:
     """Per testbed class: its limits, its measured full step, and its measured against predicted round."""
     measured = slowest_by_class(fleet.records, lambda d: d.wall_s, lambda d: _class(fleet, d))
@@ -400,12 +406,12 @@ def targets(report: dict) -> dict[str, bool | None]:
     }
 
 
-def bench_config(cfg: FleetConfig) -> FleetConfig:
+def bench_config(cfg: TestbedFleetConfig) -> TestbedFleetConfig:
     """``cfg`` as the bench runs it: the server scores the global model on its balanced test split."""
     return dataclasses.replace(cfg, evaluation=dataclasses.replace(cfg.evaluation, server_test=True))
 
 
-def run_methods(cfg: FleetConfig, rounds: int, log) -> tuple[dict[str, TestbedRun], FleetConfig]:
+def run_methods(cfg: TestbedFleetConfig, rounds: int, log) -> tuple[dict[str, TestbedRun], TestbedFleetConfig]:
     """FedAvg for ``rounds`` rounds, then naive and fleet for its wall clock, all from one start;
     returns the runs and ``cfg`` with that start as its weights."""
     cfg = bench_config(cfg)
@@ -421,7 +427,7 @@ def run_methods(cfg: FleetConfig, rounds: int, log) -> tuple[dict[str, TestbedRu
     return runs, cfg
 
 
-def bench_testbed(cfg: FleetConfig, rounds: int, log) -> dict:
+def bench_testbed(cfg: TestbedFleetConfig, rounds: int, log) -> dict:
     """The whole bench: the three methods on the testbed, the simulator on its classes, the report."""
     runs, cfg = run_methods(cfg, rounds, log)
     down, start = download_bytes(cfg), start_accuracy(cfg)

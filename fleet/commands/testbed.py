@@ -44,12 +44,12 @@ def add_runtime_flag(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fleet.commands.fleet import _overrides, summary_table
-    from fleet.federated.shared.config import load_fleet_config
     from fleet.federated.shared.run_summary import RunSummary
+    from fleet.testbed.config import load_testbed_config
     from fleet.testbed.run import Fault, run_testbed
 
     faults = [Fault.parse(kind, text) for kind in ("kill", "freeze", "join") for text in getattr(args, kind)]
-    cfg = load_fleet_config(args.config, _overrides(args))
+    cfg = load_testbed_config(args.config, _overrides(args))
     run = run_testbed(cfg, faults, log=lambda line: print(line, flush=True))
     print(summary_table(run.summary or RunSummary.read(run.run_dir)))  # none: the read says why
     return 0
@@ -81,7 +81,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from fleet.bench.launch import progress_log
     from fleet.bench.testbed import bench_table, bench_testbed, plot_bench
     from fleet.commands.fleet import _overrides
-    from fleet.federated.shared.config import load_fleet_config
+    from fleet.testbed.config import load_testbed_config
     from fleet.testbed.run import check_requirements
 
     if args.combine:
@@ -91,7 +91,7 @@ def run_bench(args: argparse.Namespace) -> int:
             f"--rounds: an integer >= 2 (FedAvg should reach the target in its last two), not {args.rounds}"
         )
     overrides = {k: v for k, v in _overrides(args).items() if k != "federation.rounds"}
-    cfg = load_fleet_config(args.config, overrides)
+    cfg = load_testbed_config(args.config, overrides)
     check_requirements(cfg)
     report = bench_testbed(cfg, args.rounds, progress_log(args.json))
     out = Path(cfg.output_dir) / f"{cfg.name}-bench-seed{cfg.train.seed}.json"

@@ -27,9 +27,9 @@ from pathlib import Path
 from fleet.base.errors import FleetError
 from fleet.engine.device_profile import DeviceProfile
 from fleet.engine.experiment import check_profile, make_model
-from fleet.federated.shared.config import FleetConfig
 from fleet.federated.shared.paths import resolve_path
 from fleet.testbed import cgroup
+from fleet.testbed.config import TestbedFleetConfig
 
 TOLERANCE = 0.10  # a calibrated class's measured full step is within 10% of its profile's
 TRIES = 6  # quotas tried before the search gives up and says how close it came
@@ -99,7 +99,7 @@ def next_quota(tried: list[tuple[float, float]], target_s: float) -> float:
     return min(1.0, max(MIN_CPU, guess))
 
 
-def class_profiles(cfg: FleetConfig) -> dict[str, DeviceProfile]:
+def class_profiles(cfg: TestbedFleetConfig) -> dict[str, DeviceProfile]:
     """Each class's ``profile`` read and checked against the fleet's model, batch and input size, by class
     name: a garbage file, another model's or another batch size's is a one-line error before anything starts."""
     out, given = {}, [c for c in cfg.testbed.classes if c.profile is not None]
@@ -114,7 +114,9 @@ def class_profiles(cfg: FleetConfig) -> dict[str, DeviceProfile]:
     return out
 
 
-def calibrate_classes(cfg: FleetConfig, config: Path, work: Path, log: Callable[[str], None]) -> FleetConfig:
+def calibrate_classes(
+    cfg: TestbedFleetConfig, config: Path, work: Path, log: Callable[[str], None]
+) -> TestbedFleetConfig:
     """``cfg`` with every class that gives a ``profile`` given the quota that matches it, each printed."""
     classes, profiles = [], class_profiles(cfg)
     for c in cfg.testbed.classes:

@@ -28,13 +28,13 @@ from fleet.engine.config import config_to_dict
 from fleet.engine.experiment import check_model_fits_data, load_data
 from fleet.federated.on_server.state import keep_previous_run
 from fleet.federated.on_server.tracking import read_progress, read_records
-from fleet.federated.shared.config import FleetConfig, run_dir
+from fleet.federated.shared.config import run_dir
 from fleet.federated.shared.paths import APP_ROOT
 from fleet.federated.shared.round_record import RoundRecord
 from fleet.federated.shared.run_summary import SUMMARY_FILE, RunSummary
-from fleet.federated.shared.testbed_config import TestbedClassConfig
 from fleet.testbed import cgroup, network
 from fleet.testbed.calibrate import calibrate_classes, class_profiles
+from fleet.testbed.config import TestbedClassConfig, TestbedFleetConfig
 from fleet.testbed.data import class_names, write_device_trees
 
 BIN = Path(sys.executable).parent  # flower-superlink, flower-supernode and flwr of this environment
@@ -87,12 +87,12 @@ class Device:
         return " ".join(parts)
 
 
-def device_names(cfg: FleetConfig) -> list[tuple[str, TestbedClassConfig]]:
+def device_names(cfg: TestbedFleetConfig) -> list[tuple[str, TestbedClassConfig]]:
     """Every device of the testbed, named <class>-<k>, class by class."""
     return [(f"{c.name}-{k}", c) for c in cfg.testbed.classes for k in range(c.count)]
 
 
-def check_requirements(cfg: FleetConfig) -> None:
+def check_requirements(cfg: TestbedFleetConfig) -> None:
     """One line naming what this machine lacks for the testbed, before anything is made."""
     if not cfg.testbed.classes:
         raise ConfigError("testbed.classes: none; list the kinds of device to emulate (docs/testbed.md)")
@@ -133,7 +133,7 @@ class Testbed:
     Use it as a context manager: leaving the block (normally, on Ctrl-C, on an error) removes every
     process, cgroup and namespace it made."""
 
-    def __init__(self, cfg: FleetConfig, work: Path, log: Log = print) -> None:
+    def __init__(self, cfg: TestbedFleetConfig, work: Path, log: Log = print) -> None:
         self.cfg, self.work, self.log = cfg, work, log
         self.home = work / "flwr-home"
         self.devices = [Device(n, i, c, work / "data" / n) for i, (n, c) in enumerate(device_names(cfg))]
@@ -266,7 +266,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def prepare_run(cfg: FleetConfig, work: Path, joining: set[str], log: Log) -> tuple[FleetConfig, Path]:
+def prepare_run(cfg: TestbedFleetConfig, work: Path, joining: set[str], log: Log) -> tuple[TestbedFleetConfig, Path]:
     """The deployed fleet's config: one device per testbed device, each reading its own tree, each
     profiling itself (no shared profile), the start pretrained on held-out samples; written next to the
     run as fleet-config.yaml. Writes every device's tree."""
@@ -387,7 +387,7 @@ class TestbedRun:
 
 
 def run_testbed(
-    cfg: FleetConfig, faults: list[Fault], log: Log = print, stop_after_s: float | None = None
+    cfg: TestbedFleetConfig, faults: list[Fault], log: Log = print, stop_after_s: float | None = None
 ) -> TestbedRun:
     """Start the emulated fleet, run the app on it to the end (or until a round ends past
     ``stop_after_s`` wall seconds), tear it down."""

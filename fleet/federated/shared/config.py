@@ -9,7 +9,7 @@ cannot steer), ``personalization``, ``evaluation`` and ``start`` (the starting
 model). Every field is validated on load; a bad one raises
 :class:`~fleet.base.errors.ConfigError` naming the field, its value and what is
 allowed, and a field of the old flat ``federation`` section names its new place.
-docs/config.md is generated from these dataclasses (``fleet.federated.launch.reference``).
+docs/config.md is generated from these dataclasses (``fleet.commands.reference``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from fleet.base.errors import ConfigError
 from fleet.data.shift import ShiftConfig, check_shift
@@ -37,7 +37,6 @@ from fleet.federated.shared.paths import resolve_path
 from fleet.federated.shared.personal import METHODS as PERSONAL_METHODS
 from fleet.federated.shared.personal import POLICIES as PERSONAL_POLICIES
 from fleet.federated.shared.personal import method_of, models_of
-from fleet.federated.shared.testbed_config import TestbedConfig, check_testbed
 
 STRATEGIES = ("fleet", "naive", "fedavg", "ditto")
 STATE_PRECISIONS = ("float32", "float16")  # federation.state_precision: how a device's saved momentum is stored
@@ -373,8 +372,13 @@ class FleetConfig(ExperimentConfig):
     personalization: PersonalizationConfig = field(default_factory=PersonalizationConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     start: StartConfig = field(default_factory=StartConfig)
-    testbed: TestbedConfig = field(default_factory=TestbedConfig)
 
+
+C = TypeVar("C", bound=FleetConfig)
+# Sections of a fleet YAML that a tool above the core owns, reads and checks with its own extension of
+# FleetConfig: ``testbed``, the emulated devices of ``fleet testbed`` (fleet/testbed/config.py). The core's
+# loader leaves them out, so one file serves that tool and the apps it starts.
+SECTIONS_ABOVE = ("testbed",)
 
 SECTIONS = tuple(
     f.name
@@ -446,7 +450,6 @@ def _check_rules(cfg: FleetConfig) -> None:
     """Checks that span sections; each field's own rule is checked as the section is built."""
     dev, el = cfg.devices, cfg.elastic
     check_classes(dev.device_classes)
-    check_testbed(cfg.testbed)
     _check_shift(cfg)
     if dev.newcomers >= dev.num_devices:
         raise ConfigError(
@@ -522,18 +525,24 @@ def _check_shift(cfg: FleetConfig) -> None:
         )
 
 
-def fleet_config_from_dict(data: dict | None, overrides: dict[str, Any] | None = None) -> FleetConfig:
+def fleet_config_from_dict(data: dict | None, overrides: dict[str, Any] | None = None, cls: type[C] = FleetConfig) -> C:
+    """``cls`` (a FleetConfig, or a tool's extension of it) from a raw mapping, every field and rule checked.
+    A section of :data:`SECTIONS_ABOVE` that ``cls`` does not have is left out: its tool reads and checks it."""
     data = apply_overrides(dict(data or {}), overrides or {})
     check_moved(data, MOVED)
-    cfg = build_dataclass(FleetConfig, data, "")
+    own = {f.name for f in dataclasses.fields(cls)}
+    data = {k: v for k, v in data.items() if k in own or k not in SECTIONS_ABOVE}
+    cfg = build_dataclass(cls, data, "")
     _check_rules(cfg)
     return cfg
 
 
-def load_fleet_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> FleetConfig:
+def load_fleet_config(
+    path: str | Path | None, overrides: dict[str, Any] | None = None, cls: type[C] = FleetConfig
+) -> C:
     data = read_yaml_mapping(resolve_path(path), shown=path) if path is not None else {}
     check_moved(data, MOVED, path)
-    return fleet_config_from_dict(data, overrides)
+    return fleet_config_from_dict(data, overrides, cls)
 
 
 _FROM_RUN_CONFIG: dict[tuple, FleetConfig] = {}  # a simulation worker reads the same run config for every message

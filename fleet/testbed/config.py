@@ -1,8 +1,12 @@
 """The ``testbed`` section: the emulated devices ``fleet testbed`` runs as real SuperNodes on one machine.
 
 Each class is a kind of device with its own CPU share, memory limit and link; the testbed gives every
-device of it a cgroup and a network namespace with exactly those (fleet/testbed/). Pure dataclasses
-and checks, so the config can refuse a bad class when it is loaded, before anything is started.
+device of it a cgroup and a network namespace with exactly those. Pure dataclasses and checks, so the
+config can refuse a bad class when it is loaded, before anything is started.
+
+The section is the testbed's own: :class:`TestbedFleetConfig` is a fleet config with it, read by
+:func:`load_testbed_config`. The core's loader leaves the section out (``config.SECTIONS_ABOVE``), so the
+same YAML file also serves the server app the testbed submits, which needs none of it.
 """
 
 from __future__ import annotations
@@ -10,10 +14,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from fleet.base.errors import ConfigError
 from fleet.engine.config import Rule
+from fleet.federated.shared.config import FleetConfig, fleet_config_from_dict, load_fleet_config
 from fleet.federated.shared.paths import resolve_path
 
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789-")
@@ -115,3 +120,27 @@ def check_testbed(testbed: TestbedConfig) -> None:
                 f"testbed.classes ({c.name}): memory_mb {c.memory_mb:g} leaves nothing above testbed.runtime_mb "
                 f"{testbed.runtime_mb:g} for activations; raise memory_mb or lower testbed.runtime_mb"
             )
+
+
+@dataclass
+class TestbedFleetConfig(FleetConfig):
+    """A fleet config with the emulated devices ``fleet testbed`` and ``fleet bench testbed`` run it on."""
+
+    __test__ = False  # not a pytest class
+
+    testbed: TestbedConfig = field(default_factory=TestbedConfig)
+
+
+def load_testbed_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> TestbedFleetConfig:
+    """The fleet YAML at ``path`` with its ``testbed`` section, every field and the classes checked."""
+    return _checked(load_fleet_config(path, overrides, TestbedFleetConfig))
+
+
+def parse_testbed_config(data: dict | None, overrides: dict[str, Any] | None = None) -> TestbedFleetConfig:
+    """The same from a raw mapping."""
+    return _checked(fleet_config_from_dict(data, overrides, TestbedFleetConfig))
+
+
+def _checked(cfg: TestbedFleetConfig) -> TestbedFleetConfig:
+    check_testbed(cfg.testbed)
+    return cfg

@@ -1,13 +1,14 @@
 """docs/config.md, generated from the config's dataclasses so that the reference cannot drift from the code.
 
 Every section of :class:`~fleet.federated.shared.config.FleetConfig` (the experiment's model, data, train
-and pretrain sections, and the fleet's own) becomes a heading with its dataclass's docstring and a
+and pretrain sections, and the fleet's own) and the testbed's (:class:`~fleet.testbed.config.TestbedFleetConfig`,
+a section the core leaves to ``fleet testbed``) becomes a heading with its dataclass's docstring and a
 table: each field's dotted path, type, default, what is allowed (the rule the loader checks: a
 section's own ``RULES``, else the experiment's ``RULES`` by dotted path, see
 :func:`fleet.engine.config.rule_of`) and why it is there, read from the source comment beside or
 directly above the field. Regenerate with::
 
-    python -m fleet.federated.launch.reference > docs/config.md
+    python -m fleet.commands.reference > docs/config.md
 
 ``tests/test_config_reference.py`` fails when the file and :func:`render` differ.
 """
@@ -27,9 +28,10 @@ from typing import Any
 from fleet.data import shift as shift_module
 from fleet.engine.config import rule_of
 from fleet.federated.shared import class_config
-from fleet.federated.shared.config import MOVED, FleetConfig
+from fleet.federated.shared.config import MOVED, SECTIONS_ABOVE, FleetConfig
+from fleet.testbed.config import TestbedFleetConfig
 
-GENERATE = "python -m fleet.federated.launch.reference > docs/config.md"
+GENERATE = "python -m fleet.commands.reference > docs/config.md"
 NO_RULE = "—"  # the loader checks the type only
 
 INTRO = f"""\
@@ -74,6 +76,12 @@ def sections(cls: type = FleetConfig, path: str = "") -> list[Section]:
             sub_path = f"{path}.{f.name}" if path else f.name
             found += sections(sub, sub_path + ("[]" if _is_list(hints[f.name]) else ""))
     return found
+
+
+def documented() -> list[Section]:
+    """The core's sections, then those a tool above it adds to the same file (the testbed's)."""
+    above = [s for s in sections(TestbedFleetConfig) if s.path.split(".")[0].removesuffix("[]") in SECTIONS_ABOVE]
+    return sections() + above
 
 
 def own_fields(section: Section) -> list[dataclasses.Field]:
@@ -274,7 +282,7 @@ def _moved() -> str:
 
 def render() -> str:
     """docs/config.md."""
-    found = sections()
+    found = documented()
     parts = [INTRO, _contents(found)] + [render_section(s) for s in found] + [_moved()]
     return "\n".join(parts)
 

@@ -10,8 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from fleet.federated.on_server.accept import ModelNames, last_step
 from fleet.federated.on_server.aggregate import error_summary, global_importance, masked_average
-from fleet.federated.on_server.coordinator import Coordinator, ModelNames, PlannedRound, last_step
+from fleet.federated.on_server.coordinator import Coordinator, PlannedRound
 from fleet.federated.on_server.membership import member
 from fleet.federated.on_server.state import RoundReplies, ServerState
 from fleet.federated.shared.config import fleet_config_from_dict

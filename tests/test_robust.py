@@ -37,7 +37,7 @@ PARAMS = ["w"]
 def strategy(sample_caps: dict[str, int] | None = None, global_arrays=GLOBAL, params=PARAMS, **robust) -> Coordinator:
     """The plain masked mean with the config's norm bound, pull and time band unless told otherwise."""
     s = coordinator(global_arrays, params, robust={"norm_bound": RobustConfig.norm_bound, **robust})
-    s.sample_caps = sample_caps or {}  # a simulation knows every device's data size
+    s.accept.sample_caps = sample_caps or {}  # a simulation knows every device's data size
     s.state.roster = {str(n): member(f"pi-{n}", 2.0) for n in range(10, 20)}
     return s
 

@@ -129,7 +129,7 @@ def momentum_step(
 
 def global_importance(steps: Mapping[str, np.ndarray], param_names: Iterable[str], lr: float) -> dict[str, float]:
     """FedEL's global signal ``I_global,k = ||W_k^r - W_k^(r-1)||^2 / lr`` per trainable tensor, from the global
-    model's step (``coordinator.last_step``, which leaves out a tensor that did not move: it scores 0). Summed in
+    model's step (``accept.last_step``, which leaves out a tensor that did not move: it scores 0). Summed in
     float64 without a float64 copy of the model, which cost the server a quarter of a second a round."""
     return {k: squared_norm(steps[k]) / lr if k in steps else 0.0 for k in param_names}
 

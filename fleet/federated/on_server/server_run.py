@@ -88,7 +88,7 @@ class ServerRun:
         if cfg.evaluation.server_test:
             coordinator.server_test = server_test_set(cfg)
         if cfg.robust.validate == "start":
-            coordinator.reference = reference_set(cfg)
+            coordinator.accept.reference = reference_set(cfg)
         return cls(cfg, out, coordinator, tracker)
 
     def rounds(self) -> Iterator[int]:

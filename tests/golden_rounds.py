@@ -15,9 +15,10 @@ sum in other orders, and a round's selection follows the last bits), so a record
 dependency set it was made with, ``requirements.lock`` (which ``scripts/install.sh`` installs), on a CPU of
 its capability. Even one capability's kernels are not one: oneDNN picks its own code path from the CPU's other
 features (VNNI, BF16, AMX), so an Intel and an AMD AVX-512 machine sum a convolution in other orders. Each
-CPU has its own recording (``golden-rounds-<capability>-<vendor>.json``), naming what it was made under; a run
-must equal it exactly, and a difference says first where the environment is not that recording's. Replies are
-aggregated in device-name order, so the arrival order of the simulation's replies does not enter.
+capability therefore has one recording per CPU it was made on (``golden-rounds-<capability>[-<vendor>].json``),
+each naming what it was made under; a run must equal one of them exactly, and a difference from the closest
+one says first where the environment is not that recording's. Replies are aggregated in device-name order, so
+the arrival order of the simulation's replies does not enter.
 
 ``tests/test_golden_rounds.py`` runs the comparison.
 """
@@ -129,14 +130,11 @@ def golden_path(capability: str | None = None, vendor: str | None = None) -> Pat
     return DATA / f"golden-rounds-{capability or environment()[CAPABILITY]}-{vendor or cpu_vendor()}.json"
 
 
-def recordings(capability: str | None = None, vendor: str | None = None) -> dict[Path, dict]:
-    """This CPU's recording (its capability and vendor), the one a run must equal; none where it has none.
-
-    A deliberate change of what a round decides (a new default) is recorded anew on the CPUs at hand, and the
-    recordings that cannot be remade there are removed rather than left to fail: a CPU without its own
-    recording skips the comparison, saying how to make one."""
-    path = golden_path(capability, vendor)
-    return {path: json.loads(path.read_text())} if path.is_file() else {}
+def recordings(capability: str | None = None) -> dict[Path, dict]:
+    """Every recording made on a CPU of this capability (the first ones were named by capability alone)."""
+    cap = capability or environment()[CAPABILITY]
+    paths = sorted({*DATA.glob(f"golden-rounds-{cap}.json"), *DATA.glob(f"golden-rounds-{cap}-*.json")})
+    return {path: json.loads(path.read_text()) for path in paths}
 
 
 def compare(recorded: dict[Path, dict], got: dict) -> tuple[Path, list[str]]:

@@ -15,10 +15,8 @@ global model anywhere. Here, per tensor and over only the devices that trained i
 * **Robust means.** ``trimmed_mean`` drops the ``trim`` share of values at each end of
   every coordinate, ``median`` takes the coordinate-wise median, both over the devices that
   sent the tensor (Flower's own trimmed-mean and median strategies need every device to
-  send every tensor; masked updates do not). Too few senders to be judged against each other
-  move a tensor less, not more: with one sender it takes half that device's step, with two each
-  coordinate takes the smaller of the two steps (neither can be outvoted), and a trimmed mean always
-  cuts at least one value at each end (with three, the median: two colluders cannot set it).
+  send every tensor; masked updates do not). With two senders neither can be outvoted, so
+  each coordinate takes the smaller of the two steps; with one, its value.
 * **Normalization statistics are checked**: a BatchNorm ``running_var`` below zero, or
   statistics far outside what a network produces, poison every later forward pass.
 """
@@ -299,8 +297,6 @@ def robust_average(
             by_name.setdefault(name, []).append(value)
     plain = {n for n, vs in by_name.items() if len(vs) < 2 or vs[0].dtype.kind != "f"}  # one sender; counters
     new, _ = masked_average(current, [({k: v for k, v in a.items() if k in plain}, w) for a, w in updates])
-    for name in (n for n in plain if len(by_name[n]) == 1 and by_name[n][0].dtype.kind == "f"):
-        new[name] = _step_share(current[name], by_name[name][0], LONE_STEP)
     robust = [name for name in by_name if name not in plain]
 
     def one(name: str) -> np.ndarray:
@@ -318,14 +314,7 @@ def _robust_tensor(ref: np.ndarray, values: list[np.ndarray], method: str, trim:
         return _smaller_step(ref, values[0], values[1])
     if method == "median":
         return np.median(np.stack(values), axis=0).astype(ref.dtype)
-    return trimmed_mean(values, max(1, int(np.floor(trim * len(values))))).astype(ref.dtype)
-
-
-LONE_STEP = 0.5  # a tensor one device alone sent moves this share of its step: no other device can judge it
-
-
-def _step_share(ref: np.ndarray, value: np.ndarray, share: float) -> np.ndarray:
-    return (ref + share * (value.astype(np.float64) - ref)).astype(ref.dtype)
+    return trimmed_mean(values, int(np.floor(trim * len(values)))).astype(ref.dtype)
 
 
 def trimmed_mean(values: list[np.ndarray], cut: int) -> np.ndarray:

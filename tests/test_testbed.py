@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from fleet.base.errors import ConfigError
+from fleet.cli import main
 from fleet.engine.device_profile import DeviceProfile
 from fleet.federated.on_server.coordinator import shared_bytes
 from fleet.federated.on_server.server_run import initial_arrays
@@ -63,6 +64,13 @@ def test_the_core_leaves_the_testbed_section_to_the_testbed():
     assert fleet_config_from_dict({"testbed": {"classes": [{"name": "Pi4"}]}}) == FleetConfig()
     with pytest.raises(ConfigError, match="testbd: unknown field"):
         fleet_config_from_dict({"testbd": {}})
+
+
+def test_fleet_profile_reads_the_model_from_a_testbed_file(tmp_path):
+    """Calibration profiles the testbed file's model with ``fleet profile --config``: the section is not its own."""
+    out = tmp_path / "profile.yaml"
+    argv = ["profile", "--config", str(tiny_testbed(tmp_path, "fedavg")), "--repeats", "1", "--out", str(out)]
+    assert main(argv) == 0 and DeviceProfile.load(out).full_step_time > 0
 
 
 def test_the_quota_search_matches_a_profile_within_ten_percent_or_says_why():

@@ -106,9 +106,11 @@ def run(args: argparse.Namespace) -> int:
         "train.amp": args.amp,
         "hardware.memory_budget_mb": args.memory_budget_mb,
     }
-    from fleet.federated.shared.config import SECTIONS  # a fleet YAML's own sections: a profile reads none of them
+    # a fleet YAML's own sections and those of the tools above it (the testbed's): a profile reads none of them
+    from fleet.federated.shared.config import SECTIONS, SECTIONS_ABOVE
 
-    cfg = load_config(args.config, {k: v for k, v in flags.items() if v is not None}, ignore_sections=SECTIONS)
+    overrides = {k: v for k, v in flags.items() if v is not None}
+    cfg = load_config(args.config, overrides, ignore_sections=SECTIONS + SECTIONS_ABOVE)
     out = output_file(args.out)
     device = resolve_device(cfg.train.device, "--device" if args.device is not None else "train.device")
     if args.threads:

@@ -21,7 +21,7 @@ from fleet.federated.on_server.robust import (
     update_limits,
     update_norms,
 )
-from fleet.federated.shared.config import RobustConfig
+from fleet.federated.shared.config import RobustConfig, fleet_config_from_dict
 from fleet.federated.shared.records import Reply
 from fleet.federated.shared.schema import TRAIN, metric_problem
 from tests.test_fleet_strategy import coordinator, device_metrics, reply, train
@@ -187,6 +187,26 @@ def test_trimmed_mean_and_median_ignore_an_outlier_over_the_devices_that_trained
     assert trimmed["w"][0] == pytest.approx(1.0333333, rel=1e-5)  # 0.9 and 50 dropped
     assert median["w"][0] == pytest.approx(1.0)
     assert senders == {"w": 5, "v": 1} and trimmed["v"][0] == median["v"][0] == 2.0  # one sender: its value
+
+
+def test_centered_clipping_is_the_mean_of_an_honest_fleet_and_counts_an_outlier_as_one_typical_update():
+    cur = {"w": np.zeros(2, np.float32), "v": np.zeros(2, np.float32)}
+    honest = [({"w": np.full(2, x, np.float32)}, 1.0) for x in (1.0, 1.1, 0.9, 1.0)]
+    clipped, _ = robust_average(cur, honest, "centered_clip")
+    assert clipped["w"].dtype == np.float32 and clipped["w"][0] == pytest.approx(1.0, abs=0.03)  # the mean: 1.0
+    attacked = honest + [({"w": np.full(2, 50.0, np.float32)}, 1.0), ({"v": np.full(2, 2.0, np.float32)}, 1.0)]
+    clipped, senders = robust_average(cur, attacked, "centered_clip")
+    assert clipped["w"][0] == pytest.approx(1.0, abs=0.05)  # the mean would be 10.8
+    assert senders == {"w": 5, "v": 1} and clipped["v"][0] == 2.0  # one sender: its value
+
+
+def test_centered_clipping_weighs_senders_by_their_samples():
+    cur = {"w": np.zeros(1, np.float32)}
+    ups = [({"w": np.array([x], np.float32)}, w) for x, w in ((1.0, 3.0), (1.2, 1.0), (0.8, 1.0), (1.1, 1.0))]
+    clipped, _ = robust_average(cur, ups, "centered_clip")
+    mean, _ = robust_average(cur, ups, "mean")
+    assert clipped["w"][0] == pytest.approx(mean["w"][0], abs=0.02) and mean["w"][0] == pytest.approx(1.0167, abs=1e-3)
+    assert fleet_config_from_dict({"robust": {"aggregation": "centered_clip"}}).robust.aggregation == "centered_clip"
 
 
 def test_two_senders_take_the_smaller_step_per_coordinate():

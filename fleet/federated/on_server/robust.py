@@ -17,6 +17,10 @@ global model anywhere. Here, per tensor and over only the devices that trained i
   sent the tensor (Flower's own trimmed-mean and median strategies need every device to
   send every tensor; masked updates do not). With two senders neither can be outvoted, so
   each coordinate takes the smaller of the two steps; with one, its value.
+* **Centered clipping** (``centered_clip``, Karimireddy et al., ICML'21) starts from no step and moves,
+  a few times, by the weighted mean of the senders' updates relative to where it stands, each clipped to
+  the median of their distances from it: an update of ordinary size counts in full, as in a mean, and
+  none counts for more than a typical one. ByzFL ships it; here it runs per tensor over its senders.
 * **Normalization statistics are checked**: a BatchNorm ``running_var`` below zero, or
   statistics far outside what a network produces, poison every later forward pass.
 """
@@ -288,18 +292,23 @@ def robust_average(
     method: str = "mean",
     trim: float = 0.2,
 ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-    """Per tensor over its senders: the weighted mean, a trimmed mean or the median; (arrays, senders)."""
+    """Per tensor over its senders: the weighted mean, a trimmed mean, the median or centered clipping;
+    (arrays, senders)."""
     if method == "mean":
         return masked_average(current, updates)
     by_name: dict[str, list[np.ndarray]] = {}
-    for arrays, _ in updates:
+    weights: dict[str, list[float]] = {}
+    for arrays, weight in updates:
         for name, value in arrays.items():
             by_name.setdefault(name, []).append(value)
+            weights.setdefault(name, []).append(weight)
     plain = {n for n, vs in by_name.items() if len(vs) < 2 or vs[0].dtype.kind != "f"}  # one sender; counters
     new, _ = masked_average(current, [({k: v for k, v in a.items() if k in plain}, w) for a, w in updates])
     robust = [name for name in by_name if name not in plain]
 
     def one(name: str) -> np.ndarray:
+        if method == "centered_clip":
+            return centered_clip(current[name], by_name[name], weights[name])
         return _robust_tensor(current[name], by_name[name], method, trim)
 
     # numpy sorts without the GIL: the tensors are spread over the cores (about 2x on this 2-core machine)
@@ -315,6 +324,29 @@ def _robust_tensor(ref: np.ndarray, values: list[np.ndarray], method: str, trim:
     if method == "median":
         return np.median(np.stack(values), axis=0).astype(ref.dtype)
     return trimmed_mean(values, int(np.floor(trim * len(values)))).astype(ref.dtype)
+
+
+CLIP_ITERATIONS = 3  # centered clipping's steps: the centre settles within a few (Karimireddy et al., ICML'21)
+
+
+def centered_clip(
+    ref: np.ndarray, values: list[np.ndarray], weights: list[float], iterations: int = CLIP_ITERATIONS
+) -> np.ndarray:
+    """One tensor's centered clipping over its senders, in its own dtype: from ``ref`` (no step), each
+    iteration moves by the ``weights``-weighted mean of every sender's offset from the centre, each offset
+    clipped to the median of their lengths. Half the senders are never clipped, so an honest fleet gets
+    about its mean; an outlier, however far, counts as one typical offset."""
+    deltas = np.stack([np.subtract(v, ref, dtype=np.float64).ravel() for v in values])
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum() if w.sum() > 0 else np.full(len(values), 1.0 / len(values))
+    centre = np.zeros(deltas.shape[1])
+    for _ in range(iterations):
+        offsets = deltas - centre
+        lengths = np.linalg.norm(offsets, axis=1)
+        tau = float(np.median(lengths))
+        scale = np.where(lengths > tau, tau / np.maximum(lengths, 1e-300), 1.0)
+        centre = centre + (w * scale) @ offsets
+    return (ref.astype(np.float64) + centre.reshape(ref.shape)).astype(ref.dtype)
 
 
 def trimmed_mean(values: list[np.ndarray], cut: int) -> np.ndarray:

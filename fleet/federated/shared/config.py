@@ -41,7 +41,7 @@ from fleet.federated.shared.personal import method_of, models_of
 STRATEGIES = ("fleet", "naive", "fedavg", "ditto")
 STATE_PRECISIONS = ("float32", "float16")  # federation.state_precision: how a device's saved momentum is stored
 TRANSFERS = ("float32", "float16")  # federation.transfer: the dtype a model's float tensors cross the network in
-AGGREGATIONS = ("mean", "trimmed_mean", "median")
+AGGREGATIONS = ("mean", "trimmed_mean", "median", "centered_clip")
 NORM_ACTIONS = ("clip", "reject")
 RAY_ADDRESS = re.compile(r"[A-Za-z0-9.\-]+:[0-9]{1,5}")  # host:port of a Ray head (its GCS)
 PARTITIONS = ("iid", "dirichlet", "shards")
@@ -224,8 +224,9 @@ class MembershipConfig:
 class RobustConfig:
     """Robust aggregation: every reply is untrusted, so no single device can move the model or the clocks far."""
 
-    # mean | trimmed_mean | median, per tensor over the devices that trained it; trimmed_mean by default: one
-    # device's scaled update cannot carry the tensor with it, as it carries a mean (docs/results.md, robustness)
+    # mean | trimmed_mean | median | centered_clip, per tensor over the devices that trained it; trimmed_mean by
+    # default: one device's scaled update cannot carry the tensor with it, as it carries a mean (docs/results.md,
+    # robustness)
     aggregation: str = "trimmed_mean"
     trim_fraction: float = 0.25  # trimmed_mean: drop this share of the values at each end, per coordinate
     # an update's norm may be this multiple of the median norm per tensor (else clipped to it), and a device's

@@ -13,6 +13,7 @@ DEFAULT_CONFIG = "simulations/robustness.yaml"
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
     from fleet.bench.attack_names import ATTACKS  # the help lists exactly what the bench runs
+    from fleet.federated.shared.config import AGGREGATIONS
 
     p = sub.add_parser(
         "robustness", help="final accuracy and rejections of an 8-device fleet with 1, then 2, adversarial devices"
@@ -28,7 +29,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--adversaries", type=int, nargs="+", default=[1, 2], help="adversarial devices per run: partitions 0..k-1"
     )
-    p.add_argument("--aggregation", help="robust.aggregation: mean, trimmed_mean or median")
+    p.add_argument("--aggregation", help=f"robust.aggregation: one of {', '.join(AGGREGATIONS)}")
     p.add_argument(
         "--cost-seeds",
         type=int,

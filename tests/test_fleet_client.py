@@ -391,6 +391,17 @@ def test_a_probe_is_skipped_when_it_would_cost_more_than_the_round_must_shed():
     assert probe_pays(tight, probe_s=1.8)
 
 
+def test_a_probe_is_skipped_when_it_would_push_the_round_past_its_deadline():
+    from fleet.federated.on_device.round import RoundBudget, probe_fits
+
+    # a 4x-slow device: 17 s of full training, its cheapest selection 0.24 of it (4.1 s), a 3.4 s probe
+    slow = RoundBudget(deadline_s=6.05, full_time_s=17.06, upload_s=[0.5], buffers_s=0.01)
+    assert not probe_fits(slow, probe_s=3.41, floor=0.24)  # 7.5 s: the fleet would wait 1.4 s for it
+    quicker = RoundBudget(deadline_s=6.05, full_time_s=12.79, upload_s=[0.5], buffers_s=0.01)
+    assert probe_fits(quicker, probe_s=2.56, floor=0.26)  # 5.9 s
+    assert probe_fits(RoundBudget(deadline_s=0, full_time_s=17.06, upload_s=[], buffers_s=0), 3.41, 0.24)
+
+
 def test_a_profile_file_is_read_once_per_process_until_it_changes(setup, tmp_path):
     """A simulation worker serves every device's messages from one profile file: it is parsed and
     checked once, and a rewritten file (a re-profiled device) is read again."""

@@ -264,6 +264,14 @@ def probe_pays(budget: RoundBudget, probe_s: float) -> bool:
     return shortfall > probe_s
 
 
+def probe_fits(budget: RoundBudget, probe_s: float, floor: float) -> bool:
+    """Whether a probe leaves the round's cheapest selection (``floor``, a fraction of full training) inside the
+    deadline. A slow device whose probe does not fit overruns the deadline on every probe round, and the whole
+    fleet's round waits for it; it selects by its last (or the server's) importance instead."""
+    cheapest_s = probe_s + floor * budget.full_time_s + budget.buffers_s
+    return budget.deadline_s <= 0 or cheapest_s <= budget.deadline_s
+
+
 def uploaded_s(budget: RoundBudget, mask: list[bool]) -> float:
     """Seconds the reply of a round that trained ``mask`` takes to upload: its tensors and the norm statistics."""
     return sum(u for u, m in zip(budget.upload_s, mask) if m) + budget.buffers_s
@@ -302,7 +310,9 @@ def select_for_round(
     known = len(last.values) == len(trainer.names)
     due = not known or plan.server_round - last.probed_round >= cfg.elastic.importance_interval
     probe_s = RESTORE_PROBE_STEPS * (trainer.profile.full_step_time + trainer.memory_added_s())
-    if due and (probe_pays(budget, probe_s) or not cfg.elastic.probe_only_when_it_pays):
+    pays = probe_pays(budget, probe_s) or not cfg.elastic.probe_only_when_it_pays
+    fits = probe_fits(budget, probe_s, rho_floor(cfg, trainer.profile)) or not cfg.elastic.probe_only_when_it_fits
+    if due and pays and fits:
         importance = Importance(trainer.probe_importance(trainer.probe_batch(data)), plan.server_round)
         probe_cost = probe_s
     elif not known:

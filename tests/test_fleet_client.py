@@ -480,3 +480,26 @@ def test_fine_tuning_gets_its_steps_share_of_the_deadline_and_no_upload(setup):
     # the server orders FedAvg no deadline (aggregate.round_deadline, the one place that decides it): FedAvg+FT
     # fine-tunes every tensor
     assert finetune_work(cfg, TrainOrder(4, "fedavg", 0.0)).deadline_s == 0.0
+
+
+@pytest.mark.parametrize("rule", [True, False])
+def test_a_probe_that_would_overrun_the_deadline_is_skipped_and_the_round_keeps_it(setup, rule):
+    """A slow device whose probe and cheapest selection exceed the deadline selects without probing and ends
+    within the deadline; with the rule off it probes and overruns, as the compute regime's tier-4 device did."""
+    cfg, profile = setup
+    cfg = dataclasses.replace(
+        cfg,
+        federation=dataclasses.replace(cfg.federation, deadline_includes_upload=False, local_steps=10),
+        elastic=dataclasses.replace(cfg.elastic, probe_only_when_it_fits=rule),
+    )
+    slow = profile.scaled(4.0)
+    full_s = cfg.federation.local_steps * slow.full_step_time
+    deadline = (rho_floor(cfg, slow) + 0.1) * full_s  # the probe (two full steps: 0.2 of it) does not fit
+    first = train_round(
+        cfg, make_model(cfg.model, 0), slow, device_data(cfg, 1).train, TrainOrder(1, "naive", deadline)
+    )
+    predicted = first.metrics["predicted-time-s"]
+    if rule:
+        assert first.state.importance_round != 1 and predicted <= deadline * 1.001
+    else:
+        assert first.state.importance_round == 1 and predicted > deadline

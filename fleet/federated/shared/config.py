@@ -110,7 +110,7 @@ class ElasticConfig:
     probe_only_when_it_pays: bool = True
     # skip a due probe that leaves less of the deadline than the device's cheapest round (its floor): the probe
     # would stretch the round past the deadline, and every device waits for the slowest
-    probe_only_when_it_fits: bool = True
+    probe_only_when_it_fits: bool = False
     # FedEL sliding block window with rollback (fleet strategy only); off by default: it never lifted the
     # benchmark's accuracy (docs/results.md)
     window: bool = False

@@ -18,6 +18,7 @@ from fleet.federated.on_device import tasks
 from fleet.federated.on_device.device import device_memory, memory_budget_of
 from fleet.federated.on_device.round import DeviceRound, RoundResult, drop_stale_momentum, rho_floor, step_budget
 from fleet.federated.on_server.aggregate import round_deadline
+from fleet.federated.shared import keys
 from fleet.federated.shared.config import fleet_config_from_dict, load_fleet_config
 from fleet.federated.shared.records import TrainOrder
 from fleet.federated.shared.split import device_data, fleet_indices
@@ -498,7 +499,7 @@ def test_a_probe_that_would_overrun_the_deadline_is_skipped_and_the_round_keeps_
     first = train_round(
         cfg, make_model(cfg.model, 0), slow, device_data(cfg, 1).train, TrainOrder(1, "naive", deadline)
     )
-    predicted = first.metrics["predicted-time-s"]
+    predicted = first.metrics[keys.PREDICTED_TIME_S]
     if rule:
         assert first.state.importance_round != 1 and predicted <= deadline * 1.001
     else:

@@ -109,8 +109,9 @@ class ElasticConfig:
     # false: probe whenever due, as ElasticTrainer does (docs/results.md, "The probe rule, measured")
     probe_only_when_it_pays: bool = True
     # skip a due probe that leaves less of the deadline than the device's cheapest round (its floor): the probe
-    # would stretch the round past the deadline, and every device waits for the slowest
-    probe_only_when_it_fits: bool = False
+    # would stretch the round past the deadline, and every device waits for the slowest (docs/results.md, "A probe
+    # that does not fit the deadline")
+    probe_only_when_it_fits: bool = True
     # FedEL sliding block window with rollback (fleet strategy only); off by default: it never lifted the
     # benchmark's accuracy (docs/results.md)
     window: bool = False

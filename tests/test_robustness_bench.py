@@ -428,6 +428,33 @@ def test_honest_devices_leave_their_update_for_the_next_rounds_adversaries(devic
         shutil.rmtree(spec.parent / adv.SPY_DIR, ignore_errors=True)
 
 
+def test_an_adaptive_adversary_sends_the_strength_its_dry_run_found_and_notes_it(device):
+    ctx3, ctx0 = device["context"](3), device["context"](0)
+    spec = run_dir(device["cfg"]) / adv.ATTACK_FILE
+    spec.parent.mkdir(parents=True, exist_ok=True)
+    spec.write_text(json.dumps({"attack": "backdoor", "partitions": [0], "adaptive": True}))
+    try:
+        adv.train(device["train_msg"], ctx3)  # an honest device of round 1 leaves its update
+        assert adv.train(device["train_msg"], ctx0) is not None  # round 1: nothing seen, nothing searched ...
+        assert not (spec.parent / adv.EDGE_DIR).exists()
+        assert (adv.spy_dir(ctx0, 1) / adv.RECEIVED).is_file()  # ... but its model kept: round 2's last step
+        content = device["train_msg"].content
+        config = ConfigRecord({**dict(content[keys.CONFIG]), keys.SERVER_ROUND: 2})
+        round2 = incoming(MessageType.TRAIN, RecordDict({**content, keys.CONFIG: config}))
+        reply = adv.train(round2, ctx0)
+        note = json.loads((spec.parent / adv.EDGE_DIR / "2-0.json").read_text())
+        assert note["round"] == 2 and note["partition"] == 0 and note["strength"] > 0
+        # each tensor the honest device trained too is boosted to the strength found, in its typical lengths
+        honest = adv.spied_updates(ctx0, round2)[0]
+        sent = adv.own_update(values(device, reply), device["state_dict"], set(honest))
+        ratios = [float(sent[n].norm() / honest[n].norm()) for n in honest if n in sent and honest[n].norm() > 0]
+        assert ratios and all(r == pytest.approx(note["strength"], rel=2e-3) for r in ratios)
+    finally:
+        spec.unlink()
+        shutil.rmtree(spec.parent / adv.SPY_DIR, ignore_errors=True)
+        shutil.rmtree(spec.parent / adv.EDGE_DIR, ignore_errors=True)
+
+
 def test_data_attacks_train_the_real_device_on_altered_labels(device):
     base = client_app.device_of(device["context"](0))
     flipped = adv.PoisonedDevice(base.cfg, base.partition_id, base.name, base.node_config, attack="label_flip")

@@ -30,7 +30,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from client import client_app
-from fleet.bench import attacks
+from fleet.bench import attacks, edge
 from fleet.bench.attack_names import ATTACKS, DATA_ATTACKS, KNOWING
 from fleet.federated.on_device import tasks
 from fleet.federated.shared import keys, packing
@@ -167,10 +167,12 @@ def poison_train_reply(
     honest: list[attacks.Update] | None = None,
     *,
     transfer: str,
+    strength: float | None = None,
 ) -> Message:
     """The honest train ``reply`` to ``msg`` rewritten by ``attack``: a new reply to the same message.
     ``honest``: the spied honest updates an adaptive attack works from (without them, in round 1, it
-    sends its honest reply); ``transfer``: the fleet's, as the reply is encoded."""
+    sends its honest reply); ``transfer``: the fleet's, as the reply is encoded; ``strength``: an attack
+    that knows the honest updates at this strength (None: its fixed one)."""
     if reply.has_error() or attack == "label_flip" or (attack in KNOWING and not honest):
         return reply  # label flipping is all in the data it trained on
     content = reply.content
@@ -178,7 +180,7 @@ def poison_train_reply(
     metrics = poison_train_metrics(attack, dict(content[keys.METRICS]), sent)
     if attack in KNOWING:
         names = trainable_names(msg)
-        arrays = adaptive_arrays(attack, sent, received, honest or [], names)
+        arrays = adaptive_arrays(attack, sent, received, honest or [], names, strength)
         metrics[keys.SELECTED] = sum(1 for name in arrays if name in set(names))
         metrics[keys.BYTES_UPLOADED] = sum(t.numel() * t.element_size() for t in arrays.values())
     else:
@@ -199,24 +201,11 @@ def adaptive_arrays(
     received: Mapping[str, torch.Tensor],
     honest: list[attacks.Update],
     names: list[str],
+    strength: float | None = None,
 ) -> dict[str, torch.Tensor]:
-    """What an adaptive attacker uploads: its honest upload with the trainable tensors' updates
-    replaced (mask abuse: only the tensors it claims)."""
-    own = own_update(sent, received, set(names))
-    if attack == "alie":
-        update = attacks.alie(own, honest)
-    elif attack in attacks.IPM_EPS:
-        update = attacks.ipm(own, honest, attacks.IPM_EPS[attack])
-    elif attack == "min_max":
-        update = attacks.min_max(own, honest)
-    elif attack == "min_max_unsampled":
-        update = attacks.min_max_unsampled(own, honest)
-    elif attack == "alie_large":
-        update = attacks.alie_large(own, honest)
-    elif attack == "backdoor":
-        update = attacks.under_bound(own, honest)
-    else:
-        update = attacks.mask_abuse(own, honest, list(own))  # among what it may send: no personal tensor
+    """What an adaptive attacker uploads at ``strength`` (None: the attack's fixed one): its honest upload
+    with the trainable tensors' updates replaced (mask abuse: only the tensors it claims)."""
+    update = attacks.craft(attack, own_update(sent, received, set(names)), honest, strength)
     out = {} if attack == "mask_abuse" else dict(sent)
     for name, u in update.items():
         out[name] = (received[name].double() + u).float()  # values; encoded as an honest upload is
@@ -269,6 +258,60 @@ def _round_of(msg: Message) -> int:
     return int(msg.content[keys.CONFIG].get(keys.SERVER_ROUND, 0))
 
 
+# --- at the edge of the checks: the largest strength the server's own defense accepts (fleet.bench.edge) --------
+EDGE_DIR = "edge"  # <run_dir>/edge/<round>-<partition>.json: the strength each adversary chose, for the bench
+RECEIVED = "received.model"  # in a round's spy folder: the global model an adversary received (not a *.pt update)
+
+
+def is_adaptive(context: Context) -> bool:
+    spec = attack_spec(context)
+    return bool(spec and spec.get("adaptive"))
+
+
+def last_step_seen(context: Context, msg: Message, received: Mapping[str, torch.Tensor], names: list[str]) -> dict:
+    """The global model's last step as an adversary saw it (this round's model less the last it received, where
+    it received one), after leaving this round's for the next."""
+    server_round = _round_of(msg)
+    folder = spy_dir(context, server_round)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{RECEIVED}.{os.getpid()}.tmp"
+    torch.save({n: received[n] for n in names}, tmp)
+    os.replace(tmp, folder / RECEIVED)
+    before = spy_dir(context, server_round - 1) / RECEIVED
+    if not before.is_file():
+        return {}
+    old = torch.load(before, weights_only=True)
+    steps = {n: (received[n] - old[n]).numpy() for n in names if n in old}
+    return {n: d for n, d in steps.items() if d.any()}
+
+
+def edge_of(attack: str, context: Context, msg: Message, reply: Message, honest: list[attacks.Update]) -> float | None:
+    """The largest strength at which the server's defense, run here on the spied honest updates and the
+    colluders' crafted replies, keeps them whole (:mod:`fleet.bench.edge`); noted for the bench. None in a
+    round with no honest update seen yet, which still leaves the model received for the next round's last step."""
+    cfg = config_from_run_config(dict(context.run_config))
+    sent, received = uploaded_values(msg, reply, cfg.federation.transfer)
+    names = trainable_names(msg)
+    trend = last_step_seen(context, msg, received, names)
+    if not honest:
+        return None
+    own = own_update(sent, received, set(names))
+
+    def values(update: attacks.Update) -> dict:
+        return {n: (received[n].double() + u).float().numpy() for n, u in update.items()}
+
+    colluders = len(attack_spec(context)["partitions"])
+    current = {n: t.numpy() for n, t in received.items()}
+    dry = edge.DryRun(cfg.robust, current, names, [values(h) for h in honest], colluders, trend)
+    start = attacks.FIXED_STRENGTH[attack] or 1.0
+    strength = edge.edge_strength(lambda s: dry.accepts(values(attacks.craft(attack, own, honest, s))), start)
+    partition = int(context.node_config.get(keys.NODE_PARTITION_ID, 0))
+    note = attack_file(context).parent / EDGE_DIR / f"{_round_of(msg)}-{partition}.json"
+    note.parent.mkdir(parents=True, exist_ok=True)
+    note.write_text(json.dumps({"round": _round_of(msg), "partition": partition, "strength": strength}))
+    return strength
+
+
 @dataclasses.dataclass
 class PoisonedDevice(tasks.Device):
     """The real device, training on altered data: labels flipped, or part of it backdoored."""
@@ -313,7 +356,10 @@ def train(msg: Message, context: Context) -> Message:
             leave_update(context, msg, reply)
         return reply
     honest = spied_updates(context, msg) if attack in KNOWING else None
-    return poison_train_reply(attack, msg, reply, _generator(msg, context), honest, transfer=transfer_of(context))
+    adaptive = attack in KNOWING and not reply.has_error() and is_adaptive(context)
+    strength = edge_of(attack, context, msg, reply, honest or []) if adaptive else None
+    gen, transfer = _generator(msg, context), transfer_of(context)
+    return poison_train_reply(attack, msg, reply, gen, honest, transfer=transfer, strength=strength)
 
 
 @app.evaluate()

@@ -84,13 +84,16 @@ def ipm(own: Update, honest: list[Update], eps: float) -> Update:
     return out
 
 
-def min_max(own: Update, honest: list[Update]) -> Update:
+def min_max(own: Update, honest: list[Update], gamma: float | None = None) -> Update:
     """Per tensor the honest mean minus ``gamma`` standard deviations, ``gamma`` as large as keeps the
-    farthest honest update no farther than the two farthest-apart honest updates are."""
+    farthest honest update no farther than the two farthest-apart honest updates are (a given ``gamma``:
+    that one, as the adaptive mode's search sets it)."""
 
     def make(stack: torch.Tensor) -> torch.Tensor:
         flat = stack.flatten(1)
         mean, direction = flat.mean(0), -flat.std(0, unbiased=False)
+        if gamma is not None:
+            return mean + gamma * direction
         limit = float(torch.cdist(flat, flat).max())
         return mean + _largest_gamma(flat, mean, direction, limit) * direction
 
@@ -127,16 +130,16 @@ def largest(own: Update, share: float = LARGE_SHARE) -> list[str]:
     return chosen
 
 
-def alie_large(own: Update, honest: list[Update]) -> Update:
+def alie_large(own: Update, honest: list[Update], z: float = ALIE_Z) -> Update:
     """ALIE on :func:`largest` only; every other tensor its own honest update, voting for it."""
-    poisoned, chosen = alie(own, honest), set(largest(own))
+    poisoned, chosen = alie(own, honest, z), set(largest(own))
     return {name: poisoned[name] if name in chosen else mine for name, mine in own.items()}
 
 
-def min_max_unsampled(own: Update, honest: list[Update]) -> Update:
+def min_max_unsampled(own: Update, honest: list[Update], gamma: float | None = None) -> Update:
     """Min-Max on every coordinate but those the screen would judge with no secret (its key-0 sample,
     ``fleet.federated.on_server.robust.sampled``), which keep its own honest update."""
-    poisoned = min_max(own, honest)
+    poisoned = min_max(own, honest, gamma)
     out = {}
     for name, mine in own.items():
         if mine.numel() <= SCREEN_COORDINATES:  # judged on every coordinate: nothing to hide behind
@@ -151,11 +154,17 @@ def min_max_unsampled(own: Update, honest: list[Update]) -> Update:
 
 def under_bound(update: Update, honest: list[Update], margin: float = UNDER_BOUND) -> Update:
     """Each tensor scaled to ``margin`` x the bound an attacker expects (NORM_BOUND x the honest lower
-    median): as large as it can be without being clipped. Tensors nobody honest trained are kept."""
+    median): as large as it can be without being clipped."""
+    return boosted(update, honest, margin * NORM_BOUND)
+
+
+def boosted(update: Update, honest: list[Update], lengths: float) -> Update:
+    """Each tensor scaled to ``lengths`` typical honest lengths (the honest lower median). Tensors nobody
+    honest trained are kept."""
     out = {}
     for name, value in update.items():
         typical, norm = typical_norm(honest, name), float(value.norm())
-        out[name] = value if typical is None or norm == 0 else value * (margin * NORM_BOUND * typical / norm)
+        out[name] = value if typical is None or norm == 0 else value * (lengths * typical / norm)
     return out
 
 
@@ -214,3 +223,36 @@ def triggered_test(test: ArrayDataset, input_size: int | None) -> ArrayDataset:
     images = trigger(test.images[keep], input_size)
     labels = torch.full((int(keep.sum()),), BACKDOOR_TARGET, dtype=torch.int64)
     return dataclasses.replace(test, images=images, labels=labels)
+
+
+# An adaptive attack's strength, and the one it has at fixed strength (None: Min-Max's own, the largest the honest
+# spread hides): ALIE's z, IPM's eps, Min-Max's gamma, the backdoor's length and mask abuse's, in typical honest
+# lengths. Label flipping has none: its harm is all in its data.
+FIXED_STRENGTH: dict[str, float | None] = {
+    "alie": ALIE_Z,
+    "alie_large": ALIE_Z,
+    **IPM_EPS,
+    "min_max": None,
+    "min_max_unsampled": None,
+    "backdoor": UNDER_BOUND * NORM_BOUND,
+    "mask_abuse": MASK_SCALE,
+}
+
+
+def craft(attack: str, own: Update, honest: list[Update], strength: float | None = None) -> Update:
+    """The update an attack that knows the honest ones sends, at ``strength`` (None: its fixed one,
+    FIXED_STRENGTH); ``own``: its own honest update (trainable tensors only)."""
+    s = FIXED_STRENGTH[attack] if strength is None else strength
+    if attack == "alie":
+        return alie(own, honest, s)
+    if attack in IPM_EPS:
+        return ipm(own, honest, s)
+    if attack == "min_max":
+        return min_max(own, honest, s)
+    if attack == "min_max_unsampled":
+        return min_max_unsampled(own, honest, s)
+    if attack == "alie_large":
+        return alie_large(own, honest, s)
+    if attack == "backdoor":
+        return boosted(own, honest, s)
+    return mask_abuse(own, honest, list(own), s)  # among what it may send: no personal tensor

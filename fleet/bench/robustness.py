@@ -21,13 +21,15 @@ import dataclasses
 import json
 import math
 import shutil
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from fleet.base.errors import ConfigError
-from fleet.bench.adversary_app import ATTACK_FILE, ATTACKS
-from fleet.bench.attacks import triggered_test
+from fleet.bench.adversary_app import ATTACK_FILE, ATTACKS, EDGE_DIR
+from fleet.bench.attack_names import ADAPTIVE
+from fleet.bench.attacks import FIXED_STRENGTH, triggered_test
 from fleet.bench.launch import HONEST_APP, Log, launch, progress_log, shared_start
 from fleet.engine.config import NULL
 from fleet.engine.experiment import model_with_weights
@@ -43,6 +45,7 @@ from fleet.federated.shared.run_summary import SUMMARY_FILE
 
 DEFAULT_CONFIG = "simulations/robustness.yaml"
 REPORT_FILE = "robustness.json"
+EDGE_REPORT_FILE = "robustness-edge.json"  # --adaptive's report: beside the fixed-strength one, not over it
 ADVERSARY_APP = "fleet.bench.adversary_app:app"
 
 
@@ -112,23 +115,30 @@ def run_one(
     timeout_s: float,
     log: Log,
     honest_from: int = 2,
+    adaptive: bool = False,
 ) -> dict[str, Any]:
     """One simulation: clean (``attack`` None, the real ClientApp) or with ``partitions`` adversarial;
-    its accuracy judged on partitions >= ``honest_from``."""
+    its accuracy judged on partitions >= ``honest_from``. ``adaptive``: the attack at the edge of the
+    checks (:mod:`fleet.bench.edge`), the strength each round found reported."""
     name = load_fleet_config(path, overrides).name
-    run_name = f"{name}-clean" if attack is None else f"{name}-{attack}-{len(partitions)}"
+    mode, at_edge = ("-edge", " at the edge") if adaptive else ("", "")
+    run_name = f"{name}-clean" if attack is None else f"{name}-{attack}{mode}-{len(partitions)}"
     cfg, config_path = prepare(load_fleet_config(path, {**overrides, "name": run_name}), resume=False, log=log)
     out = run_dir(cfg)
     (out / SUMMARY_FILE).unlink(missing_ok=True)  # only this launch's summary may count
     (out / ATTACK_FILE).unlink(missing_ok=True)
+    shutil.rmtree(out / EDGE_DIR, ignore_errors=True)
     if attack is not None:
-        (out / ATTACK_FILE).write_text(json.dumps({"attack": attack, "partitions": partitions}))
-    who = "clean" if attack is None else f"{attack}, adversarial partitions {partitions}"
+        spec = {"attack": attack, "partitions": partitions, **({"adaptive": True} if adaptive else {})}
+        (out / ATTACK_FILE).write_text(json.dumps(spec))
+    who = "clean" if attack is None else f"{attack}{at_edge}, adversarial partitions {partitions}"
     log(f"--- {run_name}: {who}; {cfg.federation.rounds} rounds on {cfg.devices.num_devices} devices ---")
     error = launch(config_path, HONEST_APP if attack is None else ADVERSARY_APP, timeout_s, log)
-    entry = {"attack": attack, "adversaries": len(partitions), "partitions": partitions}
+    entry: dict[str, Any] = {"attack": attack, "adversaries": len(partitions), "partitions": partitions}
     names = {pid: name for name, pid in simulated_names(cfg).items()}
     entry.update(run_figures(out, error, honest_from, [names[p] for p in partitions]))
+    if adaptive:
+        entry["edge_strengths"] = edge_strengths(out)
     if attack in (None, "backdoor"):  # the clean model's rate is the baseline a backdoor is measured against
         entry["backdoor_success"] = backdoor_success(cfg, out)
     shutil.rmtree(out / DEVICES_DIR, ignore_errors=True)  # 8 devices' weights and momentum: ~0.7 GB a run, unused
@@ -141,11 +151,25 @@ def run_one(
     return entry
 
 
-def check_choices(attacks: Sequence[str], adversaries: Sequence[int], num_devices: int) -> None:
-    """One-line errors for an unknown attack or an adversary count the fleet cannot hold."""
+def edge_strengths(out: Path) -> dict[str, float]:
+    """Per round, the strength the first adversary found at the edge of the checks (its colluders search the
+    same replies and find the same)."""
+    notes = [json.loads(f.read_text()) for f in sorted((out / EDGE_DIR).glob("*.json"))]
+    first = min((n["partition"] for n in notes), default=None)
+    rows = sorted((n["round"], n["strength"]) for n in notes if n["partition"] == first)
+    return {str(r): s for r, s in rows}
+
+
+def check_choices(attacks: Sequence[str], adversaries: Sequence[int], num_devices: int, adaptive: bool = False) -> None:
+    """One-line errors for an unknown attack (in adaptive mode: one without a strength to search) or an
+    adversary count the fleet cannot hold."""
     for attack in attacks:
         if attack not in ATTACKS:
             raise ConfigError(f"--attacks: {attack!r} is not an attack; use some of {', '.join(ATTACKS)}")
+        if adaptive and attack not in FIXED_STRENGTH:
+            raise ConfigError(
+                f"--attacks: {attack!r} has no strength to search in --adaptive mode; use some of {', '.join(ADAPTIVE)}"
+            )
     for k in adversaries:
         if not 1 <= k < num_devices:
             raise ConfigError(
@@ -206,12 +230,14 @@ def bench_robustness(
     timeout_s: float = 1800.0,
     quiet: bool = False,
     cost_seeds: Sequence[int] = (),
+    adaptive: bool = False,
 ) -> dict[str, Any]:
     """The clean run, then every attack with each number of adversaries, then (``cost_seeds``) what
     the defenses cost a clean fleet; the report is also written to ``<output_dir>/robustness.json``
-    after every run, so a killed bench keeps what it measured."""
+    after every run, so a killed bench keeps what it measured. ``adaptive``: each attack at the largest
+    strength the server's defense accepts, searched every round (:mod:`fleet.bench.edge`)."""
     base = load_fleet_config(path, overrides or {})
-    check_choices(attacks, adversaries, base.devices.num_devices)
+    check_choices(attacks, adversaries, base.devices.num_devices, adaptive)
     log = progress_log(quiet)
     common = started(path, dict(overrides or {}), log)
     fed = base.federation
@@ -221,6 +247,7 @@ def bench_robustness(
         "rounds": fed.rounds,
         "strategy": fed.strategy,
         "aggregation": base.robust.aggregation,
+        "adaptive": adaptive,
         "defenses": dataclasses.asdict(base.robust),  # the robust section as it is, every field
         "final_accuracy_is": f"mean over the last {FINAL_ROUNDS} rounds of the global model's accuracy on the "
         f"server's test set ({base.data.test_per_class} per class, evaluation.server_test)",
@@ -230,7 +257,7 @@ def bench_robustness(
         "clean": None,
         "attacks": [],
     }
-    out = Path(base.output_dir).expanduser().resolve() / REPORT_FILE
+    out = Path(base.output_dir).expanduser().resolve() / (EDGE_REPORT_FILE if adaptive else REPORT_FILE)
     out.parent.mkdir(parents=True, exist_ok=True)
     honest = max(adversaries)
     report["clean"] = run_one(path, common, None, [], timeout_s=timeout_s, log=log, honest_from=honest)
@@ -239,7 +266,10 @@ def bench_robustness(
     out.write_text(json.dumps(report, indent=2))
     for attack in attacks:
         for k in adversaries:
-            entry = run_one(path, common, attack, list(range(k)), timeout_s=timeout_s, log=log, honest_from=honest)
+            partitions = list(range(k))
+            entry = run_one(
+                path, common, attack, partitions, timeout_s=timeout_s, log=log, honest_from=honest, adaptive=adaptive
+            )
             report["attacks"].append(entry)
             out.write_text(json.dumps(report, indent=2))
     if cost_seeds:
@@ -260,15 +290,17 @@ def robustness_table(report: dict[str, Any]) -> str:
         f"{report['devices']} devices, {report['rounds']} rounds, {report['strategy']}, "
         f"aggregation {report['aggregation']}; clean final accuracy {pct(clean).strip()}, "
         f"backdoor success of the clean model {pct(report.get('clean_backdoor_success')).strip()}",
-        f"{'attack':>15} {'adv':>3} {'final':>8} {'vs clean':>9} {'rejected':>8} {'rounds':>6} {'backdoor':>8}  server",
+        f"{'attack':>17} {'adv':>3} {'final':>8} {'vs clean':>9} {'rejected':>8} {'rounds':>6} {'backdoor':>8} "
+        f"{'strength':>8}  server",
     ]
     for e in report["attacks"]:
         acc = e["final_accuracy"]
         gap = f"{100 * (acc - clean):+8.2f}" if acc is not None and clean is not None else "     n/a"
         backdoor = pct(e["backdoor_success"]) if "backdoor_success" in e else "       -"
         lines.append(
-            f"{e['attack']:>15} {e['adversaries']:>3} {pct(acc)} {gap:>9} {e['rejected_replies']:>8} "
-            f"{e['rounds']:>6} {backdoor:>8}  {'CRASHED: ' + e['error'] if e['server_crashed'] else 'ok'}"
+            f"{e['attack']:>17} {e['adversaries']:>3} {pct(acc)} {gap:>9} {e['rejected_replies']:>8} "
+            f"{e['rounds']:>6} {backdoor:>8} {median_strength(e):>8}  "
+            f"{'CRASHED: ' + e['error'] if e['server_crashed'] else 'ok'}"
         )
     cost = report.get("clean_cost")
     if cost:
@@ -279,3 +311,9 @@ def robustness_table(report: dict[str, Any]) -> str:
         lines.append(f"clean cost (plain mean - defenses): {mean} points ({per_seed})")
     lines.append(f"report: {report.get('report', '')}")
     return "\n".join(lines)
+
+
+def median_strength(entry: dict[str, Any]) -> str:
+    """An adaptive run's median strength over the rounds it searched ("-" at fixed strength)."""
+    found = list(entry.get("edge_strengths", {}).values())
+    return f"{statistics.median(found):.3g}" if found else "-"

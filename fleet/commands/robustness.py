@@ -12,7 +12,7 @@ DEFAULT_CONFIG = "simulations/robustness.yaml"
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
-    from fleet.bench.attack_names import ATTACKS  # the help lists exactly what the bench runs
+    from fleet.bench.attack_names import ADAPTIVE, ATTACKS  # the help lists exactly what the bench runs
     from fleet.federated.shared.config import AGGREGATIONS
 
     p = sub.add_parser(
@@ -30,6 +30,12 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
         "--adversaries", type=int, nargs="+", default=[1, 2], help="adversarial devices per run: partitions 0..k-1"
     )
     p.add_argument("--aggregation", help=f"robust.aggregation: one of {', '.join(AGGREGATIONS)}")
+    p.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="each attack at the largest strength the server's own defense accepts, searched every round by a dry "
+        f"run of it (default attacks then: {' '.join(ADAPTIVE)}); the report goes to robustness-edge.json",
+    )
     p.add_argument(
         "--cost-seeds",
         type=int,
@@ -57,17 +63,18 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 
 def run_robustness(args: argparse.Namespace) -> int:
-    from fleet.bench.attack_names import ATTACKS
+    from fleet.bench.attack_names import ADAPTIVE, ATTACKS
     from fleet.bench.robustness import bench_robustness, robustness_table
 
     report = bench_robustness(
         args.config,
         _overrides(args),
-        attacks=list(dict.fromkeys(args.attacks or ATTACKS)),
+        attacks=list(dict.fromkeys(args.attacks or (ADAPTIVE if args.adaptive else ATTACKS))),
         adversaries=list(dict.fromkeys(args.adversaries)),
         timeout_s=args.timeout_s,
         quiet=args.json,
         cost_seeds=list(dict.fromkeys(args.cost_seeds)),
+        adaptive=args.adaptive,
     )
     print(json.dumps(report, indent=2) if args.json else robustness_table(report))
     return 0

@@ -470,3 +470,21 @@ def test_with_one_strike_allowed_a_pull_is_rejected_at_once_and_strikes_survive_
     assert [r.device for r in s.state.replies.rejections] == ["pi-15"] and s.state.strikes == {"pi-15": [1]}
     save_checkpoint(tmp_path, s.arrays, s.state)
     assert load_checkpoint(tmp_path)[1].strikes == {"pi-15": [1]}
+
+
+def test_with_similarity_on_sybils_alike_over_rounds_are_weighed_down_not_rejected():
+    start = {**GLOBAL, "u": np.zeros(64, np.float32)}
+    s = spread_strategy(similarity=True, max_sign_skew=None, min_cos=None)
+    goal = 2.0 * np.random.default_rng(99).normal(size=64)
+    for r in range(1, 4):
+        s.arrays = {k: v.copy() for k, v in start.items()}
+        replies = [spread_update(n, 10 * r + n) for n in (11, 12, 13, 14, 15, 16)]
+        for node in (17, 18):
+            sybil = spread_update(node, 10 * r + node)
+            sybil.arrays["u"] = (goal + 0.3 * np.random.default_rng(node + r).normal(size=64)).astype(np.float32)
+            replies.append(sybil)
+        out = train(s, r, replies)
+    weights = s.state.replies.defense.similarity
+    assert set(weights) == {"pi-17", "pi-18"} and max(weights.values()) < 0.5  # every honest device keeps 1
+    assert s.state.replies.rejections == [] and s.state.replies.defense.as_dict()["similarity"] == weights
+    assert abs(float(out["u"] @ goal)) < abs(float(np.mean([r.arrays["u"] for r in replies], axis=0) @ goal))

@@ -29,6 +29,7 @@ from fleet.federated.on_server.aggregate import (
 from fleet.federated.on_server.defense import Candidate, Judging, defend, loss_problems, sample_cap
 from fleet.federated.on_server.robust import plausible, robust_average, round_key, scale_update, upload_problem
 from fleet.federated.on_server.server_eval import reference_loss
+from fleet.federated.on_server.similarity import similarity_weights
 from fleet.federated.on_server.state import ServerState
 from fleet.federated.shared import keys, schema
 from fleet.federated.shared.config import FleetConfig
@@ -126,6 +127,7 @@ class Acceptance:
         )
         kept, rejected = defend(judging, candidates)
         kept, rejected = self._validate(kept, rejected)
+        kept = self._weigh_by_similarity(kept)
         for c, reason in rejected:
             self._reject(server_round, c.reply.node_id, c.reply.device, reason)
         if not kept:
@@ -156,6 +158,24 @@ class Acceptance:
         problems = loss_problems(rises, self.cfg.robust)
         late = [(kept[i], reason) for i, reason in problems.items()]
         return [c for i, c in enumerate(kept) if i not in problems], rejected + late
+
+    def _weigh_by_similarity(self, kept: list[Candidate]) -> list[Candidate]:
+        """``robust.similarity``: each kept update scaled by its FoolsGold weight; a weight of 0 leaves it out of
+        the average (not a rejection: its device is not told it lied)."""
+        if not self.cfg.robust.similarity or not kept:
+            return kept
+        current, report = self.state.replies.sent, self.state.replies.defense
+        by_device = {c.reply.device or str(c.reply.node_id): c for c in kept}
+        weights = similarity_weights(self.state.similarity, {d: c.arrays for d, c in by_device.items()}, current)
+        out = []
+        for device, c in by_device.items():
+            w = weights[device]
+            if w < 1.0:
+                report.similarity[device] = round(w, 3)
+                c.arrays, c.norms = scale_update(current, c.arrays, w, self.names.params), None
+            if w > 0.0:
+                out.append(c)
+        return out
 
     def _reject(self, server_round: int, node_id: int, device: str | None, reason: str) -> None:
         rejection = Rejection(server_round, node_id, device, reason)

@@ -69,13 +69,15 @@ class DefenseReport:
     # device -> the figure that failed (its pull or its cosine with the last step), where it was a strike within
     # robust.strike_window rounds: kept, its update scaled by STRIKE_SCALE (non-IID honest devices do this now and then)
     strikes: dict[str, str] = field(default_factory=dict)
+    # device -> its FoolsGold weight (robust.similarity), where below 1: its update scaled by it (0: left out)
+    similarity: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """The screens always (what every device measured); the rest only when it happened."""
         out: dict[str, Any] = {"capped": self.capped} if self.capped else {}
         out["screen"] = self.screen
         extra = {"scaled": self.scaled, "clipped": self.clipped, "trend": self.trend, "loss_rise": self.loss_rise}
-        extra["strikes"] = self.strikes
+        extra["strikes"], extra["similarity"] = self.strikes, self.similarity
         out.update({k: v for k, v in extra.items() if v})
         return out
 

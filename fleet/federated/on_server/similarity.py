@@ -80,8 +80,8 @@ def foolsgold(cs: np.ndarray) -> np.ndarray:
             if i != j and top[i] < top[j] and top[j] > 0:
                 cs[i, j] *= top[i] / top[j]  # pardon: i resembles j less than j resembles someone
     w = np.clip(1.0 - cs.max(axis=1), 0.0, 1.0)
-    if w.max() <= 0:
-        return np.zeros(n)
+    if w.max() <= 0:  # every device alike: nobody to tell apart, as with no one to compare
+        return np.ones(n)
     w = w / w.max()
     w[w >= 1.0] = 0.99
     with np.errstate(divide="ignore"):

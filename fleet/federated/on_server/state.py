@@ -26,6 +26,7 @@ from fleet.base.errors import FleetError
 from fleet.federated.on_server.aggregate import Rejection
 from fleet.federated.on_server.defense import DefenseReport
 from fleet.federated.on_server.membership import Attendance, Roster
+from fleet.federated.on_server.similarity import History
 from fleet.federated.on_server.wall import ServerWork
 from fleet.federated.shared.records import Accuracy, EvaluateReply, Member, TrainReply
 from fleet.federated.shared.round_record import RoundRecord
@@ -85,6 +86,8 @@ class ServerState:
     # a resumed run judges against the first step it takes
     last_step: dict[str, np.ndarray] = field(default_factory=dict)
     momentum: dict[str, np.ndarray] = field(default_factory=dict)  # federation.server_momentum, per trained tensor
+    # device -> tensor -> its summed update (robust.similarity); not checkpointed: a resumed run sums afresh
+    similarity: History = field(default_factory=dict)
     server_work: ServerWork | None = (
         None  # the server's own seconds around the waits, learned (fleet.federated.on_server.wall)
     )
@@ -109,7 +112,7 @@ class ServerState:
 
 
 # not in the checkpoint's meta: the round's replies, and arrays (momentum is saved as tensors, the last step not)
-TENSORS = ("replies", "momentum", "last_step")
+TENSORS = ("replies", "momentum", "last_step", "similarity")
 
 
 def _tensors(arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:

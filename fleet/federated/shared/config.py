@@ -261,6 +261,10 @@ class RobustConfig:
     validate: str | None = None
     # a reply whose loss rise on that data exceeds the fleet's median rise by more than this (nats) is rejected
     max_loss_rise: float = 0.2
+    # FoolsGold: each device's update scaled by how unlike every other device its updates have been over the rounds
+    # (sybils that share a goal, such as flipped labels or a backdoor, send alike updates round after round; honest
+    # non-IID devices differ); false: off (docs/results.md, "FoolsGold")
+    similarity: bool = False
     max_samples_per_device: int = 100_000  # cap on a reply's sample weight (simulation: the device's data size)
     time_band: float = 4.0  # a reported full-round time is clamped to [known / band, known * band]
 

@@ -467,7 +467,7 @@ def test_data_attacks_train_the_real_device_on_altered_labels(device):
 def test_the_plain_mean_the_defenses_cost_is_measured_against_has_every_defense_off():
     from fleet.bench.robustness import PLAIN_MEAN
 
-    robust = load_fleet_config("simulations/robustness.yaml", PLAIN_MEAN).robust
+    robust = load_fleet_config("simulations/robustness.yaml", {"robust.similarity": True, **PLAIN_MEAN}).robust
     assert robust.aggregation == "mean"
     assert (robust.norm_bound, robust.min_pull, robust.min_cos, robust.max_sign_skew, robust.norm_growth) == (None,) * 5
-    assert robust.validate is None
+    assert robust.validate is None and robust.similarity is False  # off, though the bench's --set turned it on

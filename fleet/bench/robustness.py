@@ -198,6 +198,7 @@ PLAIN_MEAN = {
     "robust.min_cos": NULL,
     "robust.max_sign_skew": NULL,
     "robust.norm_growth": NULL,
+    "robust.similarity": False,
 }
 
 

@@ -15,7 +15,8 @@ Design notes:
 * **The weights** are FoolsGold's: one minus a device's largest cosine with another, the cosines of a device
   less alike than its partner pardoned (scaled by the ratio of their largest cosines, so an honest device
   does not pay for resembling a sybil), rescaled to the largest weight, and spread by a logit (confidence 1)
-  into [0, 1] (docs/results.md, "FoolsGold").
+  into [0, 1]. Measured, it lost: honest pairs looked alike over the rounds, not the colluders
+  (docs/results.md, "FoolsGold's weights").
 * **How a weight acts.** A device's update is scaled by it (a weight of 0: left out of the average, not
   rejected): the robust means the screens feed take no sample weights, and a shortened update moves the
   trimmed mean toward the others.

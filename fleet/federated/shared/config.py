@@ -263,7 +263,8 @@ class RobustConfig:
     max_loss_rise: float = 0.2
     # FoolsGold: each device's update scaled by how unlike every other device its updates have been over the rounds
     # (sybils that share a goal, such as flipped labels or a backdoor, send alike updates round after round; honest
-    # non-IID devices differ); false: off (docs/results.md, "FoolsGold")
+    # non-IID devices differ); off: on the robustness bench it weighed honest pairs down and missed the colluders
+    # (docs/results.md, "FoolsGold's weights")
     similarity: bool = False
     max_samples_per_device: int = 100_000  # cap on a reply's sample weight (simulation: the device's data size)
     time_band: float = 4.0  # a reported full-round time is clamped to [known / band, known * band]

@@ -263,11 +263,6 @@ EDGE_DIR = "edge"  # <run_dir>/edge/<round>-<partition>.json: the strength each 
 RECEIVED = "received.model"  # in a round's spy folder: the global model an adversary received (not a *.pt update)
 
 
-def is_adaptive(context: Context) -> bool:
-    spec = attack_spec(context)
-    return bool(spec and spec.get("adaptive"))
-
-
 def last_step_seen(context: Context, msg: Message, received: Mapping[str, torch.Tensor], names: list[str]) -> dict:
     """The global model's last step as an adversary saw it (this round's model less the last it received, where
     it received one), after leaving this round's for the next."""
@@ -285,9 +280,11 @@ def last_step_seen(context: Context, msg: Message, received: Mapping[str, torch.
     return {n: d for n, d in steps.items() if d.any()}
 
 
-def edge_of(attack: str, context: Context, msg: Message, reply: Message, honest: list[attacks.Update]) -> float | None:
+def edge_of(
+    attack: str, context: Context, msg: Message, reply: Message, honest: list[attacks.Update], colluders: int
+) -> float | None:
     """The largest strength at which the server's defense, run here on the spied honest updates and the
-    colluders' crafted replies, keeps them whole (:mod:`fleet.bench.edge`); noted for the bench. None in a
+    ``colluders``' crafted replies, keeps them whole (:mod:`fleet.bench.edge`); noted for the bench. None in a
     round with no honest update seen yet, which still leaves the model received for the next round's last step."""
     cfg = config_from_run_config(dict(context.run_config))
     sent, received = uploaded_values(msg, reply, cfg.federation.transfer)
@@ -300,7 +297,6 @@ def edge_of(attack: str, context: Context, msg: Message, reply: Message, honest:
     def values(update: attacks.Update) -> dict:
         return {n: (received[n].double() + u).float().numpy() for n, u in update.items()}
 
-    colluders = len(attack_spec(context)["partitions"])
     current = {n: t.numpy() for n, t in received.items()}
     dry = edge.DryRun(cfg.robust, current, names, [values(h) for h in honest], colluders, trend)
     start = attacks.FIXED_STRENGTH[attack] or 1.0
@@ -356,8 +352,9 @@ def train(msg: Message, context: Context) -> Message:
             leave_update(context, msg, reply)
         return reply
     honest = spied_updates(context, msg) if attack in KNOWING else None
-    adaptive = attack in KNOWING and not reply.has_error() and is_adaptive(context)
-    strength = edge_of(attack, context, msg, reply, honest or []) if adaptive else None
+    adaptive = attack in KNOWING and not reply.has_error() and bool(spec and spec.get("adaptive"))
+    colluders = len(spec["partitions"]) if spec else 0
+    strength = edge_of(attack, context, msg, reply, honest or [], colluders) if adaptive else None
     gen, transfer = _generator(msg, context), transfer_of(context)
     return poison_train_reply(attack, msg, reply, gen, honest, transfer=transfer, strength=strength)
 

@@ -165,10 +165,10 @@ class Acceptance:
         if not self.cfg.robust.similarity or not kept:
             return kept
         current, report = self.state.replies.sent, self.state.replies.defense
-        by_device = {c.reply.device or str(c.reply.node_id): c for c in kept}
-        weights = similarity_weights(self.state.similarity, {d: c.arrays for d, c in by_device.items()}, current)
+        devices = [c.reply.device or str(c.reply.node_id) for c in kept]
+        weights = similarity_weights(self.state.similarity, {d: c.arrays for d, c in zip(devices, kept)}, current)
         out = []
-        for device, c in by_device.items():
+        for device, c in zip(devices, kept):  # every kept reply, even one whose name another reply also claims
             w = weights[device]
             if w < 1.0:
                 report.similarity[device] = round(w, 3)

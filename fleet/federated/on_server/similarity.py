@@ -24,7 +24,6 @@ Design notes:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -97,4 +96,4 @@ def similarity_weights(
     names = remember(history, updates, current)
     devices = list(updates)
     weights = foolsgold(cosines(history, devices, names))
-    return {d: float(w) if math.isfinite(w) else 0.0 for d, w in zip(devices, weights)}
+    return {d: float(w) for d, w in zip(devices, weights)}  # finite: foolsgold clips every weight to [0, 1]

@@ -106,3 +106,17 @@ def small_profile():
         make_optimizer=lambda ps: make_optimizer(ps, TrainConfig(batch_size=BATCH)),
         repeats=3,
     )
+
+
+def cli_refusal(capsys, argv: list[str]) -> tuple[int, str]:
+    """``fleet ARGV`` run in this process (a console start costs ~4 s of imports): (exit status, stderr's last
+    line). argparse's refusals raise SystemExit; fleet's own return 2."""
+    from fleet.cli import main
+
+    try:
+        status = main(argv)
+    except SystemExit as exc:
+        status = exc.code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return status, err.strip().splitlines()[-1]

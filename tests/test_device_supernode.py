@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from fleet.commands import device_supernode
+from tests.conftest import cli_refusal
 from tests.test_deploy_loopback import BIN
 
 # module -> the names the command uses from it, with the parameters it relies on
@@ -162,11 +163,9 @@ def test_a_reply_object_that_never_comes_is_left_to_flowers_wait(monkeypatch):
 
 @pytest.mark.parametrize("flag", ["--pull-s", "--reply-poll-s"])
 @pytest.mark.parametrize("bad", ["0", "-1", "nan", "61", "soon"])
-def test_a_bad_interval_is_one_line_and_exit_2(flag, bad):
-    done = subprocess.run(
-        [str(BIN / "fleet"), "device", "supernode", flag, bad, "--", "--insecure"], capture_output=True, text=True
-    )
-    assert done.returncode == 2 and flag in done.stderr.splitlines()[-1], done.stderr
+def test_a_bad_interval_is_one_line_and_exit_2(flag, bad, capsys):
+    status, last = cli_refusal(capsys, ["device", "supernode", flag, bad, "--", "--insecure"])
+    assert status == 2 and flag in last, last
 
 
 def test_flowers_flags_reach_flowers_parser():

@@ -105,9 +105,6 @@ def bound_update(
 
 
 MIN_PEERS = 3  # a device is compared on the tensors at least this many other devices also trained
-# a tensor's own sign skew is read on at least this many coordinates: a share of rising ones then swings by about
-# 0.02 by chance (0.5 / sqrt(512)), a tenth of the bound, where on a bias of 16 values it swings by 0.13
-SKEW_COORDINATES = 512
 
 
 @dataclass
@@ -118,8 +115,6 @@ class Screen:
     pull: float  # median over shared tensors of its update's length along the others' median, in those norms
     tensors: int  # how many shared tensors the figures rest on
     sign_skew: float = 0.0  # median over shared tensors of its share of rising coordinates less the others' median
-    # shared tensors judged on SKEW_COORDINATES or more whose own sign skew is past the bound: left out of its reply
-    skewed: tuple[str, ...] = ()
 
     def as_dict(self) -> dict:
         figures = {"norm_ratio": self.norm_ratio, "pull": self.pull, "sign_skew": self.sign_skew}
@@ -134,7 +129,6 @@ def screen_devices(
     size_cap: float = math.inf,
     norms: list[dict[str, float]] | None = None,
     key: int = 0,
-    skew_bound: float | None = None,
 ) -> dict[int, Screen]:
     """Per device (index into ``arrays``): its update's size and direction against the others'.
 
@@ -163,15 +157,9 @@ def screen_devices(
     honest, and it is the many small tensors, where their step falls on nearly every coordinate, that
     give them away (docs/results.md, "Robustness").
 
-    The median lets an attacker poison only the large tensors and leave the many small ones honest to
-    carry its verdict (Min-Max off the judged coordinates, docs/results.md). So each large tensor's own
-    skew is held to ``skew_bound`` too, and a tensor past it is left out of the device's reply
-    (``Screen.skewed``): an honest device's large tensors rise on about half their coordinates.
-
     ``norms``: each device's :func:`update_norms`, when the caller has them (else taken here); ``key``: the
     round's key for the judged coordinates (:func:`round_key`)."""
     figures: dict[int, list[tuple[float, float, float]]] = {}  # (ratio, pull, skew) per shared tensor
-    skewed: dict[int, list[str]] = {}
     for name in names:
         senders = [i for i, sent in enumerate(arrays) if name in sent]
         if len(senders) <= peers or current[name].dtype.kind != "f":
@@ -190,9 +178,7 @@ def screen_devices(
                 ratio, cos = float(sizes[j]) / typical, float(deltas[j] @ median) / denom
                 skew = float(rising[j] - rising_medians[j])
                 figures.setdefault(i, []).append((ratio, min(ratio, size_cap) * cos, skew))
-                if skew_bound is not None and deltas.shape[1] >= SKEW_COORDINATES and abs(skew) > skew_bound:
-                    skewed.setdefault(i, []).append(name)
-    return {i: _screen(rows, skewed.get(i, [])) for i, rows in figures.items()}
+    return {i: _screen(rows) for i, rows in figures.items()}
 
 
 def leave_one_out_medians(rows: np.ndarray) -> np.ndarray:
@@ -214,9 +200,9 @@ def leave_one_out_medians(rows: np.ndarray) -> np.ndarray:
     return kept(half) if (n - 1) % 2 else (kept(half - 1) + kept(half)) / 2
 
 
-def _screen(rows: list[tuple[float, float, float]], skewed: list[str]) -> Screen:
+def _screen(rows: list[tuple[float, float, float]]) -> Screen:
     ratio, pull, skew = (statistics.median(column) for column in zip(*rows))
-    return Screen(ratio, pull, len(rows), skew, tuple(skewed))
+    return Screen(ratio, pull, len(rows), skew)
 
 
 def trend_cosines(

@@ -38,7 +38,8 @@ def test_the_search_stops_at_its_cap_and_reports_zero_when_nothing_passes():
 
 
 # a small fleet: tensors of several sizes, honest updates along one shared step plus their own noise
-SHAPES = {f"t{i}": s for i, s in enumerate([9000, 5000, 600, 64, 64, 64, 64, 32, 32, 10])}
+# two large weights held to the sign skew on their own, vectors, and a classifier last (robust.held_alone)
+SHAPES = {f"t{i}": s for i, s in enumerate([(90, 100), (50, 100), 600, 64, 64, 64, 64, 32, 32, (1, 10)])}
 
 
 def fleet(seed: int = 0):
@@ -64,7 +65,7 @@ def server_keeps_whole(current, honest, crafted, colluders: int, trend, key: int
     cands = [Candidate(edge._reply(i, n), dict(a)) for i, (n, a) in enumerate(zip(names, arrays))]
     report = DefenseReport()
     kept, _ = defend(Judging(5, current, list(SHAPES), RobustConfig(), {}, report, {}, trend, {}, key), cands)
-    whole = {c.reply.device for c in kept} - set(report.strikes) - set(report.scaled)
+    whole = {c.reply.device for c in kept} - set(report.strikes) - set(report.scaled) - set(report.skewed)
     return all(f"a{i}" in whole for i in range(colluders))
 
 
@@ -90,6 +91,22 @@ def test_the_strength_found_passes_the_servers_defense_and_a_fifth_more_does_not
     for key in range(100, 105):
         assert server_keeps_whole(current, honest, crafted(found), 2, trend, key)
         assert not server_keeps_whole(current, honest, crafted(1.2 * found), 2, trend, key)
+
+
+def test_min_max_on_the_large_tensors_alone_is_no_longer_kept_whole_at_any_strength_up_to_the_cap():
+    current, honest, own, trend = fleet()
+    dry = edge.DryRun(RobustConfig(), current, list(SHAPES), [values(current, h) for h in honest], 2, trend)
+    cap = 2.0**edge.MAX_DOUBLINGS
+    crafted = values(current, attacks.craft("min_max_unsampled", own, honest, cap))
+    assert not dry.accepts(crafted)  # its large tensors are left out for their own sign skew
+    for key in range(100, 105):  # ... by the server too: kept, but not whole
+        assert not server_keeps_whole(current, honest, crafted, 2, trend, key)
+    assert (
+        edge.edge_strength(
+            lambda s: dry.accepts(values(current, attacks.craft("min_max_unsampled", own, honest, s))), 1.0
+        )
+        < cap
+    )
 
 
 def test_every_knowing_attack_has_a_strength_and_its_fixed_one_is_the_bench_attack():

@@ -14,6 +14,7 @@ from fleet.federated.on_server.coordinator import Coordinator
 from fleet.federated.on_server.defense import sample_cap
 from fleet.federated.on_server.membership import member
 from fleet.federated.on_server.robust import (
+    held_alone,
     leave_one_out_medians,
     plausible_times,
     robust_average,
@@ -309,6 +310,58 @@ def test_updates_that_fall_on_nearly_every_coordinate_are_rejected_for_their_sig
     assert [r.device for r in s.state.replies.rejections] == ["pi-16"]
     assert "rises on a share of coordinates" in s.state.replies.rejections[0].reason
     assert all(abs(s.state.replies.defense.screen[f"pi-{n}"]["sign_skew"]) < 0.2 for n in range(11, 16))
+
+
+SMALL = ("s1", "s2", "s3")  # biases: too few values each for a tensor's own sign skew to mean anything
+
+
+def layered_update(node: int, seed: int, big_shift: float = 0.0, head_shift: float = 0.0) -> Reply:
+    """Honest noise around a common step on three small tensors and a large weight ("big", 32 x 32, held to
+    the sign skew on its own) and a classifier ("head", 8 x 64, last), moved by ``big_shift`` and ``head_shift``."""
+    rng = np.random.default_rng(seed)
+    msg = spread_update(node, seed)
+    for name in SMALL:
+        msg.arrays[name] = (0.3 + rng.normal(size=16)).astype(np.float32)
+    msg.arrays["big"] = (0.3 + big_shift + rng.normal(size=(32, 32))).astype(np.float32)
+    msg.arrays["head"] = (0.3 + head_shift + rng.normal(size=(8, 64))).astype(np.float32)
+    msg.metrics["selected"] = 7
+    return msg
+
+
+def layered_strategy() -> Coordinator:
+    start = {**GLOBAL, "u": np.zeros(64, np.float32), "big": np.zeros((32, 32), np.float32)}
+    start.update({name: np.zeros(16, np.float32) for name in SMALL}, head=np.zeros((8, 64), np.float32))
+    return strategy(global_arrays=start, params=["w", "u", *SMALL, "big", "head"], norm_bound=3.0, min_pull=-0.5)
+
+
+def test_only_large_weights_short_of_the_classifier_are_held_to_the_sign_skew_alone():
+    shapes = {"conv": (8, 8, 3, 3), "bn.weight": (1024,), "small": (4, 4), "fc.weight": (10, 64), "fc.bias": (10,)}
+    current = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+    assert held_alone(current, list(shapes)) == {"conv"}  # 576 values; the classifier (640) is last
+    assert held_alone(current, ["fc.weight", "conv"]) == {"fc.weight"}  # the last matrix in order is the classifier
+
+
+def test_a_large_tensor_poisoned_behind_honest_small_ones_is_left_out():
+    honest_ones = [layered_update(n, n) for n in (11, 12, 13, 14, 15)]
+    # Min-Max on the large tensor alone: it falls on nearly every coordinate there, while the small tensors,
+    # honest, carry the median over its tensors (its whole-reply skew stays honest)
+    attacker = layered_update(16, 16, big_shift=-3.0)
+    s = layered_strategy()
+    out = aggregate(s, [*honest_ones, attacker])
+    assert s.state.replies.rejections == [] and s.state.replies.defense.skewed == {"pi-16": 1}
+    assert abs(s.state.replies.defense.screen["pi-16"]["sign_skew"]) < 0.2
+    alone = aggregate(layered_strategy(), honest_ones)
+    np.testing.assert_allclose(out["big"], alone["big"], rtol=1e-6)  # as if it had not sent it
+    assert not np.allclose(out["s1"], alone["s1"])  # ... while its honest tensors still count
+    assert s.state.replies.defense.as_dict()["skewed"] == {"pi-16": 1}
+    s = layered_strategy()
+    aggregate(s, honest_ones)
+    assert s.state.replies.defense.skewed == {}  # no honest device's large tensor is skewed
+    # a device that lacks most classes: its classifier falls on nearly every coordinate, and counts in full
+    lacking = layered_update(16, 16, head_shift=-3.0)
+    s = layered_strategy()
+    aggregate(s, [*honest_ones, lacking])
+    assert s.state.replies.rejections == [] and s.state.replies.defense.skewed == {}
 
 
 def test_an_update_against_the_global_models_last_step_is_rejected_however_small():

@@ -264,6 +264,7 @@ def test_figures_of_a_finished_and_of_a_crashed_run(tmp_path):
             + [{"device": "device-2", "reason": "y"}] * (r == 2),
             "devices": [row(0, 0.0), row(2, a), row(3, b, 30)],
             "server_accuracy": server,
+            "defense": {"skewed": {"device-0": 2, "device-2": 1}} if r == 3 else {},
         }
         for r, a, b, server in ((1, 0.1, 0.1, 0.2), (2, 0.5, 0.7, 0.3), (3, 0.6, 0.6, 0.4), (4, 0.9, 0.5, 0.8))
     ]
@@ -274,6 +275,7 @@ def test_figures_of_a_finished_and_of_a_crashed_run(tmp_path):
         "honest_device_accuracy": pytest.approx((0.65 + 0.6 + 0.6) / 3),
         "rejected_replies": 2,
         "honest_rejected": 1,  # device-2's: the adversary's rejection is not counted
+        "honest_tensors_left_out": 1,  # device-2's tensor; the adversary's two are not counted
         "server_crashed": False,
         "rounds": 4,
     }

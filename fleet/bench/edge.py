@@ -10,8 +10,8 @@ largest strength that comes through. Every future defense then faces its own wor
 Design notes:
 
 * **Accepted** means every colluder's reply is kept whole: not rejected, not struck (a strike halves the
-  update, and repeated strikes reject it), not scaled down as oversized. Clipping to the norm bound is
-  allowed: it only shortens the tensors past it.
+  update, and repeated strikes reject it), not scaled down as oversized, no tensor left out for its own sign
+  skew. Clipping to the norm bound is allowed: it only shortens the tensors past it.
 * **What the attacker cannot know.** The server judges directions on coordinates drawn from its secret; the
   dry run draws its own, GUESSES times, and a strength must pass on each: near the edge one sample's verdict
   is a coin toss. The server's typical norms of earlier rounds are unknown too, so the dry run's
@@ -104,5 +104,5 @@ class DryRun:
         report = DefenseReport()
         judging = Judging(DRY_ROUND, self.current, self.params, self.robust, {}, report, {}, self.trend, {}, key)
         kept, _ = defend(judging, candidates)
-        whole = {c.reply.device for c in kept} - set(report.strikes) - set(report.scaled)
+        whole = {c.reply.device for c in kept} - set(report.strikes) - set(report.scaled) - set(report.skewed)
         return all(f"{ATTACKER}-{i}" in whole for i in range(self.colluders))

@@ -38,7 +38,7 @@ from fleet.bench.launch import progress_log
 from fleet.bench.regimes import run_profile
 from fleet.engine.config import config_to_dict
 from fleet.federated.launch.prepare import EFFECTIVE_CONFIG, prepare
-from fleet.federated.on_server.tracking import honest_rejections, read_records
+from fleet.federated.on_server.tracking import honest_rejections, honest_tensors_left_out, read_records
 from fleet.federated.shared.config import FleetConfig, load_fleet_config, run_dir
 from fleet.federated.shared.round_record import RoundRecord, fields_json
 from fleet.federated.shared.run_summary import SUMMARY_FILE, RunSummary
@@ -120,6 +120,7 @@ def method_entry(
 ) -> dict:
     """The bench figures of one method's run, over the rounds in ``history``."""
     last = history[-1] if history else None
+    records = within(read_records(Path(summary.run_dir)), horizon_s)
     return {
         "time_to_target_s": time_to_target(history, target, clock=SIM_CLOCK),
         "final_accuracy": final_accuracy(history, final_rounds),
@@ -134,7 +135,8 @@ def method_entry(
         "personalized_accuracy_mean": last.personal_accuracy if last else summary.personalized_accuracy_mean,
         "personalized_accuracy_p10": last.personal_accuracy_p10 if last else summary.personalized_accuracy_p10,
         "bytes_uploaded": int(sum(r.bytes_uploaded for r in history)),
-        "honest_rejected": honest_rejections(within(read_records(Path(summary.run_dir)), horizon_s)),
+        "honest_rejected": honest_rejections(records),
+        "honest_tensors_left_out": honest_tensors_left_out(records),
         "rounds": len(history),
         "sim_time_s": 0.0 if last is None else last.sim_time_s,
         # per device class, over the whole run (devices.device_classes)

@@ -52,7 +52,7 @@ from fleet.engine.device_profile import DeviceProfile
 from fleet.federated.launch.newcomer import mean_curve, personalize_newcomer
 from fleet.federated.launch.prepare import prepare
 from fleet.federated.on_server.state import CHECKPOINT_FILE, load_checkpoint
-from fleet.federated.on_server.tracking import honest_rejections, p10, read_records
+from fleet.federated.on_server.tracking import honest_rejections, honest_tensors_left_out, p10, read_records
 from fleet.federated.shared.config import load_fleet_config, run_dir
 from fleet.federated.shared.names import DEVICES_DIR
 from fleet.federated.shared.round_record import DeviceRow, RoundRecord
@@ -148,6 +148,7 @@ def method_figures(summary: RunSummary, method: str, horizon: float | None) -> d
         "personalized_accuracy_p10": p10(devices),
         "bytes_uploaded": int(sum(r.bytes_uploaded for r in history)),
         "honest_rejected": honest_rejections(records),  # nobody attacks here
+        "honest_tensors_left_out": honest_tensors_left_out(records),
         "global_accuracy_swing": accuracy_swing(history),
         "rounds": len(history),
         "sim_time_s": history[-1].sim_time_s if history else 0.0,

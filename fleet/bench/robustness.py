@@ -12,7 +12,8 @@ crashes or hangs the server is a finding (``server_crashed``), not the end of th
 Figures per run: ``final_accuracy`` is the mean global accuracy of the last 3 rounds, over the
 devices that are honest in every run (the same test sets judge every run, whether or not an
 attack's evaluation replies were rejected); ``rejected_replies`` the replies the server rejected
-over the run, ``honest_rejected`` those of them from honest devices, ``rounds`` the rounds done.
+over the run, ``honest_rejected`` those of them from honest devices, ``honest_tensors_left_out`` the
+tensors left out of honest replies for their own sign skew, ``rounds`` the rounds done.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from fleet.engine.trainer import accuracy
 from fleet.federated.launch.prepare import prepare
 from fleet.federated.on_server.server_eval import server_test_set
 from fleet.federated.on_server.state import load_checkpoint
-from fleet.federated.on_server.tracking import honest_rejections, read_records
+from fleet.federated.on_server.tracking import honest_rejections, honest_tensors_left_out, read_records
 from fleet.federated.shared.config import FleetConfig, load_fleet_config, run_dir
 from fleet.federated.shared.names import DEVICES_DIR, simulated_names
 from fleet.federated.shared.round_record import RoundRecord
@@ -87,6 +88,7 @@ def run_figures(out: Path, error: str | None, honest_from: int, adversaries: lis
         "honest_device_accuracy": _mean(honest),
         "rejected_replies": sum(len(r.rejections) for r in records),
         "honest_rejected": honest_rejections(records, adversaries),
+        "honest_tensors_left_out": honest_tensors_left_out(records, adversaries),
         "server_crashed": crashed,
         "rounds": len(records),
     }

@@ -48,7 +48,7 @@ import yaml
 from fleet.bench.figures import WALL_CLOCK, first_reaching, speedup, time_to_target
 from fleet.engine.config import config_to_dict
 from fleet.engine.device_profile import DeviceProfile
-from fleet.federated.on_server.tracking import honest_rejections, read_records
+from fleet.federated.on_server.tracking import honest_rejections, honest_tensors_left_out, read_records
 from fleet.federated.shared.class_config import DeviceClassConfig
 from fleet.federated.shared.config import pipelined, run_dir
 from fleet.federated.shared.names import DEVICES_DIR
@@ -183,6 +183,7 @@ def method_entry(
         "mean_accuracy": mean_accuracy(curve, start, budget_s),
         "final_accuracy": last_evaluated(records, "global_accuracy"),
         "honest_rejected": honest_rejections(records),  # nobody attacks here
+        "honest_tensors_left_out": honest_tensors_left_out(records),
         "personalized_accuracy_mean": last_evaluated(records, "personal_accuracy"),
         "curve": curve,
         "devices": {name: fields_json(d) for name, d in devices.items()},

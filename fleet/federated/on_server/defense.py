@@ -56,6 +56,9 @@ STRIKE_SCALE = 0.5
 FORGIVEN = 2.0
 
 
+SKEWED = "skewed"  # metrics.jsonl's defense key: device -> tensors left out for their own sign skew
+
+
 @dataclass
 class DefenseReport:
     """What the defense did in one round (metrics.jsonl's ``defense``)."""
@@ -64,6 +67,7 @@ class DefenseReport:
     screen: dict[str, dict] = field(default_factory=dict)  # device -> its Screen (as_dict)
     scaled: dict[str, float] = field(default_factory=dict)  # device -> the factor its update was scaled down by
     clipped: dict[str, int] = field(default_factory=dict)  # device -> tensors clipped to the norm bound
+    skewed: dict[str, int] = field(default_factory=dict)  # device -> tensors left out for their own sign skew
     trend: dict[str, float] = field(default_factory=dict)  # device -> its cosine with the global model's last step
     loss_rise: dict[str, float] = field(default_factory=dict)  # device -> the loss its update adds on the server's data
     # device -> the figure that failed (its pull or its cosine with the last step), where it was a strike within
@@ -76,7 +80,8 @@ class DefenseReport:
         """The screens always (what every device measured); the rest only when it happened."""
         out: dict[str, Any] = {"capped": self.capped} if self.capped else {}
         out["screen"] = self.screen
-        extra = {"scaled": self.scaled, "clipped": self.clipped, "trend": self.trend, "loss_rise": self.loss_rise}
+        extra = {"scaled": self.scaled, "clipped": self.clipped, SKEWED: self.skewed, "trend": self.trend}
+        extra["loss_rise"] = self.loss_rise
         extra["strikes"], extra["similarity"] = self.strikes, self.similarity
         out.update({k: v for k, v in extra.items() if v})
         return out
@@ -211,6 +216,9 @@ def screen(j: Judging, candidates: list[Candidate]) -> tuple[list[Candidate], li
             j.report.scaled[name] = round(sc.norm_ratio, 3)
         elif sc is not None:
             j.suspects.pop(name, None)  # back to an ordinary size: trusted again
+        if sc is not None and sc.skewed:  # poisoned where the median over its tensors could not see it
+            c.arrays, c.norms = {k: v for k, v in c.arrays.items() if k not in sc.skewed}, None
+            j.report.skewed[name] = len(sc.skewed)
         if pulls_back(sc, j.robust):  # forgiven there: a strike, and its pull weighs less
             j.forgive(c, f"pull {sc.pull:.2f}")
         kept.append(c)
@@ -233,11 +241,12 @@ def worst_first(j: Judging, candidates: list[Candidate]) -> tuple[list[Screen | 
     against it can read as pulling back, which it no longer does once they are gone. Returns each
     candidate's last screen (None: not judged) and the rejected, in the order rejected."""
     cap = j.robust.norm_bound if j.robust.norm_bound is not None else math.inf
+    skew = j.robust.max_sign_skew  # also each large weight's own (Screen.skewed, robust.held_alone)
     alive, rejected = list(range(len(candidates))), []
     screens: list[Screen | None] = [None] * len(candidates)
     while True:
         arrays, norms = [candidates[i].arrays for i in alive], [norms_of(candidates[i], j.current) for i in alive]
-        found = screen_devices(j.current, arrays, j.param_names, size_cap=cap, norms=norms, key=j.key)
+        found = screen_devices(j.current, arrays, j.param_names, size_cap=cap, norms=norms, key=j.key, skew_bound=skew)
         for k, i in enumerate(alive):
             screens[i] = found.get(k)
         failing = {}

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from fleet.base.atomic import write_json, write_text_atomic
+from fleet.federated.on_server.defense import SKEWED
 from fleet.federated.on_server.membership import Attendance
 from fleet.federated.on_server.state import ServerState
 from fleet.federated.shared.classes import FleetClasses
@@ -185,6 +186,13 @@ def honest_rejections(records: list[RoundRecord], adversaries: Collection[str] =
     """The replies the server rejected from devices not among ``adversaries``: in a fleet nobody attacks each is
     an honest device's round thrown away, which every bench reports and should find 0."""
     return sum(j.device not in adversaries for r in records for j in r.rejections)
+
+
+def honest_tensors_left_out(records: list[RoundRecord], adversaries: Collection[str] = ()) -> int:
+    """The tensors the defense left out of the replies of devices not among ``adversaries`` for their own sign skew
+    (``robust.held_alone``): each one an honest device's step on a tensor thrown away, which a fleet nobody attacks
+    should find none of."""
+    return sum(n for r in records for device, n in r.defense.get(SKEWED, {}).items() if device not in adversaries)
 
 
 def p10(values: list[float]) -> float | None:

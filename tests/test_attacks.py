@@ -48,6 +48,17 @@ def test_min_max_stays_within_the_honest_spread_and_goes_as_far_as_it_allows():
     assert gamma > 0 and torch.allclose(out["w"], mean - gamma * std)
 
 
+def test_min_max_classifier_poisons_the_last_weight_matrix_alone():
+    def update(shift: float) -> attacks.Update:
+        conv, bias, head = torch.arange(8.0).reshape(2, 4), torch.ones(3), torch.arange(6.0).reshape(3, 2)
+        return {"conv": conv + shift, "head": head * (1 + shift), "head_bias": bias + shift}
+
+    honest = [update(s) for s in (0.0, 1.0, 2.0, -1.0)]
+    out, min_max = attacks.min_max_classifier(update(0.5), honest, 2.0), attacks.min_max(update(0.5), honest, 2.0)
+    assert torch.equal(out["head"], min_max["head"]) and not torch.equal(out["head"], update(0.5)["head"])
+    assert torch.equal(out["conv"], update(0.5)["conv"]) and torch.equal(out["head_bias"], update(0.5)["head_bias"])
+
+
 def test_under_bound_scales_each_tensor_just_below_the_bound_an_attacker_expects():
     out = attacks.under_bound(OWN, honest_updates())
     norms = sorted(float(u["w"].norm()) for u in honest_updates())

@@ -17,7 +17,8 @@ aggregation use attackers who know the honest updates and stay just inside what 
 * **Attacks tuned to the screen's own checks**, as an attacker who reads fleet's code would send them:
   Min-Max on every coordinate but those it takes the screen to judge (``min_max_unsampled``: the sample
   drawn with no secret, which is all a reader of the code can compute), and ALIE on only the largest
-  tensors, which hold most of the model, while the many small ones stay honest (``alie_large``).
+  tensors, which hold most of the model, while the many small ones stay honest (``alie_large``), and Min-Max
+  on the classifier alone, the one large weight not held to the sign skew on its own (``min_max_classifier``).
 * **Mask abuse**, fleet's own hole: a device chooses which tensors it claims to have trained. The
   attacker claims those the fewest honest devices trained (where no majority can outvote it) and
   sends a reversed, enlarged update on them.
@@ -152,6 +153,14 @@ def min_max_unsampled(own: Update, honest: list[Update], gamma: float | None = N
     return out
 
 
+def min_max_classifier(own: Update, honest: list[Update], gamma: float | None = None) -> Update:
+    """Min-Max on the classifier alone (the last weight matrix, which the screen leaves to the per-device medians
+    rather than hold to the sign skew on its own: ``robust.held_alone``); every other tensor its own honest update,
+    voting for it."""
+    poisoned, head = min_max(own, honest, gamma), [name for name, t in own.items() if t.dim() >= 2][-1:]
+    return {name: poisoned[name] if name in head else mine for name, mine in own.items()}
+
+
 def under_bound(update: Update, honest: list[Update], margin: float = UNDER_BOUND) -> Update:
     """Each tensor scaled to ``margin`` x the bound an attacker expects (NORM_BOUND x the honest lower
     median): as large as it can be without being clipped."""
@@ -234,6 +243,7 @@ FIXED_STRENGTH: dict[str, float | None] = {
     **IPM_EPS,
     "min_max": None,
     "min_max_unsampled": None,
+    "min_max_classifier": None,
     "backdoor": UNDER_BOUND * NORM_BOUND,
     "mask_abuse": MASK_SCALE,
 }
@@ -253,6 +263,8 @@ def craft(attack: str, own: Update, honest: list[Update], strength: float | None
         return min_max_unsampled(own, honest, s)
     if attack == "alie_large":
         return alie_large(own, honest, s)
+    if attack == "min_max_classifier":
+        return min_max_classifier(own, honest, s)
     if attack == "backdoor":
         return boosted(own, honest, s)
     return mask_abuse(own, honest, list(own), s)  # among what it may send: no personal tensor

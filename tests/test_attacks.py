@@ -48,15 +48,17 @@ def test_min_max_stays_within_the_honest_spread_and_goes_as_far_as_it_allows():
     assert gamma > 0 and torch.allclose(out["w"], mean - gamma * std)
 
 
-def test_min_max_classifier_poisons_the_last_weight_matrix_alone():
+def test_min_max_unheld_poisons_the_large_tensors_not_held_alone_and_nothing_else():
     def update(shift: float) -> attacks.Update:
-        conv, bias, head = torch.arange(8.0).reshape(2, 4), torch.ones(3), torch.arange(6.0).reshape(3, 2)
-        return {"conv": conv + shift, "head": head * (1 + shift), "head_bias": bias + shift}
+        shapes = {"conv": (32, 32), "bn.weight": (600,), "fc.weight": (16, 40), "fc.bias": (16,)}
+        return {name: torch.full(shape, 1.0 + shift) for name, shape in shapes.items()}
 
-    honest = [update(s) for s in (0.0, 1.0, 2.0, -1.0)]
-    out, min_max = attacks.min_max_classifier(update(0.5), honest, 2.0), attacks.min_max(update(0.5), honest, 2.0)
-    assert torch.equal(out["head"], min_max["head"]) and not torch.equal(out["head"], update(0.5)["head"])
-    assert torch.equal(out["conv"], update(0.5)["conv"]) and torch.equal(out["head_bias"], update(0.5)["head_bias"])
+    honest, own = [update(s) for s in (0.0, 1.0, 2.0, -1.0)], update(0.5)
+    out, min_max = attacks.min_max_unheld(own, honest, 2.0), attacks.min_max(own, honest, 2.0)
+    for name in ("bn.weight", "fc.weight"):  # 600 and 640 values, left to the medians: the classifier, a vector
+        assert torch.equal(out[name], min_max[name]) and not torch.equal(out[name], own[name])
+    for name in ("conv", "fc.bias"):  # held to the sign skew on its own; too small to be
+        assert torch.equal(out[name], own[name])
 
 
 def test_under_bound_scales_each_tensor_just_below_the_bound_an_attacker_expects():

@@ -18,15 +18,15 @@ ATTACKS = (
     "mask_abuse",  # claims only the tensors the fewest honest devices trained; reversed and enlarged there
     "min_max_unsampled",  # Min-Max everywhere but the coordinates a reader of the code takes to be judged
     "alie_large",  # ALIE on the largest tensors (80% of the values), the many small ones honest
-    "min_max_classifier",  # Min-Max on the classifier alone, the one large weight not judged on its own sign skew
+    "min_max_unheld",  # Min-Max on the large tensors not judged on their own sign skew: classifier, norm vectors
 )
 # need the honest updates (spied)
 KNOWING = (
     *("alie", "ipm_0.1", "ipm_1", "min_max", "backdoor", "mask_abuse"),
-    *("min_max_unsampled", "alie_large", "min_max_classifier"),
+    *("min_max_unsampled", "alie_large", "min_max_unheld"),
 )
 DATA_ATTACKS = ("label_flip", "backdoor")  # train on altered data
 # the attacks with a strength to search in adaptive mode (--adaptive; fleet.bench.edge); Min-Max's and IPM's other
 # scale are left out: at a searched strength Min-Max is ALIE (the honest mean along minus the honest spread), and
 # ipm_0.1 is ipm_1
-ADAPTIVE = ("alie", "ipm_1", "alie_large", "min_max_unsampled", "min_max_classifier", "backdoor", "mask_abuse")
+ADAPTIVE = ("alie", "ipm_1", "alie_large", "min_max_unsampled", "min_max_unheld", "backdoor", "mask_abuse")

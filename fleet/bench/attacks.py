@@ -18,7 +18,8 @@ aggregation use attackers who know the honest updates and stay just inside what 
   Min-Max on every coordinate but those it takes the screen to judge (``min_max_unsampled``: the sample
   drawn with no secret, which is all a reader of the code can compute), and ALIE on only the largest
   tensors, which hold most of the model, while the many small ones stay honest (``alie_large``), and Min-Max
-  on the classifier alone, the one large weight not held to the sign skew on its own (``min_max_classifier``).
+  on the large tensors not held to the sign skew on their own, the classifier and the normalization vectors
+  (``min_max_unheld``).
 * **Mask abuse**, fleet's own hole: a device chooses which tensors it claims to have trained. The
   attacker claims those the fewest honest devices trained (where no majority can outvote it) and
   sends a reversed, enlarged update on them.
@@ -34,10 +35,11 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
+import numpy as np
 import torch
 
 from fleet.data.datasets import ArrayDataset
-from fleet.federated.on_server.robust import SCREEN_COORDINATES, sample_coordinates
+from fleet.federated.on_server.robust import SCREEN_COORDINATES, SKEW_COORDINATES, held_alone, sample_coordinates
 
 Update = dict[str, torch.Tensor]  # tensor name -> its update (float64): sent - received
 
@@ -153,12 +155,15 @@ def min_max_unsampled(own: Update, honest: list[Update], gamma: float | None = N
     return out
 
 
-def min_max_classifier(own: Update, honest: list[Update], gamma: float | None = None) -> Update:
-    """Min-Max on the classifier alone (the last weight matrix, which the screen leaves to the per-device medians
-    rather than hold to the sign skew on its own: ``robust.held_alone``); every other tensor its own honest update,
-    voting for it."""
-    poisoned, head = min_max(own, honest, gamma), [name for name, t in own.items() if t.dim() >= 2][-1:]
-    return {name: poisoned[name] if name in head else mine for name, mine in own.items()}
+def min_max_unheld(own: Update, honest: list[Update], gamma: float | None = None) -> Update:
+    """Min-Max on the large tensors the screen leaves to the per-device medians rather than hold to the sign skew on
+    their own (``robust.held_alone``: the classifier, the normalization layers' vectors); every other tensor its own
+    honest update, voting for it. ``own``: in the model's order, as a device sends it."""
+    shapes = {name: np.broadcast_to(np.float32(0), tuple(t.shape)) for name, t in own.items()}  # no copies
+    held = held_alone(shapes, list(own))
+    chosen = {name for name, t in own.items() if t.numel() >= SKEW_COORDINATES and name not in held}
+    poisoned = min_max(own, honest, gamma)
+    return {name: poisoned[name] if name in chosen else mine for name, mine in own.items()}
 
 
 def under_bound(update: Update, honest: list[Update], margin: float = UNDER_BOUND) -> Update:
@@ -243,7 +248,7 @@ FIXED_STRENGTH: dict[str, float | None] = {
     **IPM_EPS,
     "min_max": None,
     "min_max_unsampled": None,
-    "min_max_classifier": None,
+    "min_max_unheld": None,
     "backdoor": UNDER_BOUND * NORM_BOUND,
     "mask_abuse": MASK_SCALE,
 }
@@ -263,8 +268,8 @@ def craft(attack: str, own: Update, honest: list[Update], strength: float | None
         return min_max_unsampled(own, honest, s)
     if attack == "alie_large":
         return alie_large(own, honest, s)
-    if attack == "min_max_classifier":
-        return min_max_classifier(own, honest, s)
+    if attack == "min_max_unheld":
+        return min_max_unheld(own, honest, s)
     if attack == "backdoor":
         return boosted(own, honest, s)
     return mask_abuse(own, honest, list(own), s)  # among what it may send: no personal tensor

@@ -10,6 +10,7 @@ import logging
 import numpy as np
 import pytest
 
+from fleet.engine.models import MODEL_NAMES, build_model, head_parameter_names
 from fleet.federated.on_server.coordinator import Coordinator
 from fleet.federated.on_server.defense import sample_cap
 from fleet.federated.on_server.membership import member
@@ -339,6 +340,17 @@ def test_only_large_weights_short_of_the_classifier_are_held_to_the_sign_skew_al
     current = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
     assert held_alone(current, list(shapes)) == {"conv"}  # 576 values; the classifier (640) is last
     assert held_alone(current, ["fc.weight", "conv"]) == {"fc.weight"}  # the last matrix in order is the classifier
+
+
+@pytest.mark.parametrize("model_name", MODEL_NAMES)
+def test_the_weight_held_alone_takes_for_the_classifier_is_every_zoo_models_head(model_name):
+    # held_alone finds the classifier as the last matrix in the model's order; a model whose head comes earlier
+    # would have its classifier held alone, and honest non-IID devices' heads left out
+    model = build_model(model_name, 10, in_channels=1, small_input=True)
+    current = {name: p.detach().numpy() for name, p in model.named_parameters()}
+    head = [name for name in head_parameter_names(model) if current[name].ndim >= 2]
+    assert [name for name in current if current[name].ndim >= 2][-1:] == head
+    assert head[0] not in held_alone(current, list(current))
 
 
 def test_a_large_tensor_poisoned_behind_honest_small_ones_is_left_out():

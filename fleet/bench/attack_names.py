@@ -22,8 +22,15 @@ ATTACKS = (
 )
 # need the honest updates (spied)
 KNOWING = (
-    *("alie", "ipm_0.1", "ipm_1", "min_max", "backdoor", "mask_abuse"),
-    *("min_max_unsampled", "alie_large", "min_max_unheld"),
+    "alie",
+    "ipm_0.1",
+    "ipm_1",
+    "min_max",
+    "backdoor",
+    "mask_abuse",
+    "min_max_unsampled",
+    "alie_large",
+    "min_max_unheld",
 )
 DATA_ATTACKS = ("label_flip", "backdoor")  # train on altered data
 # the attacks with a strength to search in adaptive mode (--adaptive; fleet.bench.edge); Min-Max's and IPM's other

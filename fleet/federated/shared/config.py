@@ -245,8 +245,8 @@ class RobustConfig:
     # this, however small (IPM, mask abuse); an honest non-IID device can dip below it in one round, hence the
     # strikes below (docs/results.md has the measured ranges); null: off
     min_cos: float | None = -0.3
-    # ... and one whose share of rising coordinates is this far from the others' (ALIE, Min-Max); a large weight of
-    # its but the classifier past this on its own is left out of its reply (Min-Max on the large tensors); null: off
+    # ... and one whose share of rising coordinates is this far from the others' (ALIE, Min-Max); each large weight
+    # but the classifier is held to it on its own too, and left out of the reply past it (Min-Max on those); null: off
     max_sign_skew: float | None = 0.2
     # a device below min_pull or min_cos by at most twice the floor is rejected only on its strikes-th such round
     # within strike_window rounds; before that its update is kept at half its length: one round's direction does not

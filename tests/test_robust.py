@@ -454,7 +454,7 @@ def test_the_servers_reference_data_is_its_own_held_out_start_and_none_without_o
     assert len(data) == min(REFERENCE_SAMPLES, len(pre))
     loss = reference_loss(cfg, initial_arrays(cfg), data)
     assert 0 < loss < 10  # an untrained 10-class model: about ln 10
-    with pytest.raises(ConfigError, match="robust.validate: 'start' needs the server's own held-out data"):
+    with pytest.raises(ConfigError, match="robust.validate: judging replies needs the server's own held-out data"):
         reference_set(load_fleet_config("simulations/fleet-tiny.yaml", {"start.samples": 0}))
 
 

@@ -31,6 +31,7 @@ from fleet.federated.on_server.robust import plausible, robust_average, round_ke
 from fleet.federated.on_server.server_eval import reference_loss
 from fleet.federated.on_server.similarity import similarity_weights
 from fleet.federated.on_server.state import ServerState
+from fleet.federated.on_server.trust import direction, server_step, trust_problems
 from fleet.federated.shared import keys, schema
 from fleet.federated.shared.config import FleetConfig
 from fleet.federated.shared.personal import personal_names
@@ -126,7 +127,7 @@ class Acceptance:
             round_key(state.screen_secret, server_round),
         )
         kept, rejected = defend(judging, candidates)
-        kept, rejected = self._validate(kept, rejected)
+        kept, rejected = self._validate(kept, rejected, server_round)
         kept = self._weigh_by_similarity(kept)
         for c, reason in rejected:
             self._reject(server_round, c.reply.node_id, c.reply.device, reason)
@@ -145,11 +146,14 @@ class Acceptance:
         state.global_importance = global_importance(state.last_step, shared, self.cfg.train.lr)
         return new
 
-    def _validate(self, kept: list[Candidate], rejected: list) -> tuple[list[Candidate], list]:
-        """``robust.validate``: each kept reply scored by the loss its update adds on the server's own clean
-        data; one far above the fleet's median rise is rejected."""
+    def _validate(self, kept: list[Candidate], rejected: list, server_round: int) -> tuple[list[Candidate], list]:
+        """``robust.validate``: each kept reply judged on the server's own clean data, by the loss its update adds
+        there (``start``: one far above the fleet's median rise is rejected) or by its direction against the
+        server's own step over the rounds (``trust``)."""
         if self.reference is None or not kept:
             return kept, rejected
+        if self.cfg.robust.validate == "trust":
+            return self._trust(kept, rejected, server_round)
         current = self.state.replies.sent
         base = reference_loss(self.cfg, current, self.reference)
         rises = [reference_loss(self.cfg, probe_step(current, c.arrays), self.reference) - base for c in kept]
@@ -158,6 +162,18 @@ class Acceptance:
         problems = loss_problems(rises, self.cfg.robust)
         late = [(kept[i], reason) for i, reason in problems.items()]
         return [c for i, c in enumerate(kept) if i not in problems], rejected + late
+
+    def _trust(self, kept: list[Candidate], rejected: list, server_round: int) -> tuple[list[Candidate], list]:
+        """``robust.validate: trust``: each kept reply's cosine with the server's own step added to its device's
+        history; a device whose mean falls below the floor is rejected (:mod:`~fleet.federated.on_server.trust`)."""
+        current, report = self.state.replies.sent, self.state.replies.defense
+        step = server_step(self.cfg, current, self.reference, self.names.shared, server_round)
+        devices = [c.reply.device or str(c.reply.node_id) for c in kept]
+        cosines = {d: direction(current, c.arrays, step) for d, c in zip(devices, kept)}
+        report.trust.update({d: round(v, 4) for d, v in cosines.items()})
+        problems = trust_problems(self.state.trust, cosines)
+        late = [(c, problems[d]) for d, c in zip(devices, kept) if d in problems]
+        return [c for d, c in zip(devices, kept) if d not in problems], rejected + late
 
     def _weigh_by_similarity(self, kept: list[Candidate]) -> list[Candidate]:
         """``robust.similarity``: each kept update scaled by its FoolsGold weight; a weight of 0 leaves it out of

@@ -70,6 +70,7 @@ class DefenseReport:
     skewed: dict[str, int] = field(default_factory=dict)  # device -> tensors left out for their own sign skew
     trend: dict[str, float] = field(default_factory=dict)  # device -> its cosine with the global model's last step
     loss_rise: dict[str, float] = field(default_factory=dict)  # device -> the loss its update adds on the server's data
+    trust: dict[str, float] = field(default_factory=dict)  # device -> its cosine with the server's own step
     # device -> the figure that failed (its pull or its cosine with the last step), where it was a strike within
     # robust.strike_window rounds: kept, its update scaled by STRIKE_SCALE (non-IID honest devices do this now and then)
     strikes: dict[str, str] = field(default_factory=dict)
@@ -81,7 +82,7 @@ class DefenseReport:
         out: dict[str, Any] = {"capped": self.capped} if self.capped else {}
         out["screen"] = self.screen
         extra = {"scaled": self.scaled, "clipped": self.clipped, SKEWED: self.skewed, "trend": self.trend}
-        extra["loss_rise"] = self.loss_rise
+        extra["loss_rise"], extra["trust"] = self.loss_rise, self.trust
         extra["strikes"], extra["similarity"] = self.strikes, self.similarity
         out.update({k: v for k, v in extra.items() if v})
         return out

@@ -51,7 +51,8 @@ def reference_set(cfg: FleetConfig) -> ArrayDataset:
     pre, _ = fleet_indices(cfg, train.labels.numpy())
     if len(pre) == 0:
         raise ConfigError(
-            "robust.validate: 'start' needs the server's own held-out data; set start.samples > 0 or validate: null"
+            "robust.validate: judging replies needs the server's own held-out data; set start.samples > 0 or "
+            "validate: null"
         )
     chosen = np.random.default_rng([cfg.train.seed, 11]).permutation(pre)[:REFERENCE_SAMPLES]
     return train.subset(np.sort(chosen))

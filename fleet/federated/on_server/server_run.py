@@ -87,7 +87,7 @@ class ServerRun:
         coordinator = Coordinator(cfg, state, arrays, classes=classes, simulated=simulated)
         if cfg.evaluation.server_test:
             coordinator.server_test = server_test_set(cfg)
-        if cfg.robust.validate == "start":
+        if cfg.robust.validate is not None:
             coordinator.accept.reference = reference_set(cfg)
         return cls(cfg, out, coordinator, tracker)
 

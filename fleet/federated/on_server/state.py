@@ -27,6 +27,7 @@ from fleet.federated.on_server.aggregate import Rejection
 from fleet.federated.on_server.defense import DefenseReport
 from fleet.federated.on_server.membership import Attendance, Roster
 from fleet.federated.on_server.similarity import History
+from fleet.federated.on_server.trust import Trust
 from fleet.federated.on_server.wall import ServerWork
 from fleet.federated.shared.records import Accuracy, EvaluateReply, Member, TrainReply
 from fleet.federated.shared.round_record import RoundRecord
@@ -88,6 +89,8 @@ class ServerState:
     momentum: dict[str, np.ndarray] = field(default_factory=dict)  # federation.server_momentum, per trained tensor
     # device -> tensor -> its summed update (robust.similarity); not checkpointed: a resumed run sums afresh
     similarity: History = field(default_factory=dict)
+    # device -> its update's cosine with the server's own step, one per round it sent (robust.validate: trust)
+    trust: Trust = field(default_factory=dict)
     server_work: ServerWork | None = (
         None  # the server's own seconds around the waits, learned (fleet.federated.on_server.wall)
     )

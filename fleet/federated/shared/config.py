@@ -42,6 +42,7 @@ STRATEGIES = ("fleet", "naive", "fedavg", "ditto")
 STATE_PRECISIONS = ("float32", "float16")  # federation.state_precision: how a device's saved momentum is stored
 TRANSFERS = ("float32", "float16")  # federation.transfer: the dtype a model's float tensors cross the network in
 AGGREGATIONS = ("mean", "trimmed_mean", "median", "centered_clip")
+VALIDATIONS = (None, "start", "trust")  # robust.validate: the server's own data, by loss or by direction
 NORM_ACTIONS = ("clip", "reject")
 RAY_ADDRESS = re.compile(r"[A-Za-z0-9.\-]+:[0-9]{1,5}")  # host:port of a Ray head (its GCS)
 PARTITIONS = ("iid", "dirichlet", "shards")
@@ -256,9 +257,10 @@ class RobustConfig:
     # a tensor's bound follows its typical update norm of earlier rounds, which may grow by at most this factor a
     # round: where only attackers (or one honest device) trained a tensor, its senders cannot set their own bound
     norm_growth: float | None = 1.25
-    # judge each reply by the loss a tenth of its step adds on the server's own clean data (Zeno): start = a sample
-    # of the data the server pretrained on, held out from every device; null: off (a deployed server holds no data,
-    # and on the robustness bench it caught two label flippers only from round 3 and once rejected an honest device)
+    # judge each reply on the server's own clean data (a sample of what it pretrained on, held out from every device):
+    # start = by the loss a tenth of its step adds (Zeno); trust = by its direction against the server's own step, its
+    # mean over the rounds (FLTrust's cosine, over rounds); null: off (a deployed server holds no data; on the
+    # robustness bench start rejected an honest device, trust an honest device in 4 of 8 attack runs: docs/results.md)
     validate: str | None = None
     # a reply whose loss rise on that data exceeds the fleet's median rise by more than this (nats) is rejected
     max_loss_rise: float = 0.2
@@ -281,7 +283,7 @@ class RobustConfig:
         "min_cos": (lambda v: v is None or -1 <= v <= 0, "a cosine in [-1, 0], or null"),
         "max_sign_skew": (lambda v: v is None or 0 < v <= 1, "a share in (0, 1], or null"),
         "norm_growth": (lambda v: v is None or v >= 1, "a factor >= 1, or null"),
-        "validate": (lambda v: v in (None, "start"), "start or null"),
+        "validate": (lambda v: v in VALIDATIONS, "start, trust or null"),
         "max_loss_rise": (lambda v: v > 0, "a loss difference > 0 (nats)"),
         "max_samples_per_device": (lambda v: v >= 1, "an integer >= 1"),
         "time_band": (lambda v: v >= 1, "a factor >= 1"),

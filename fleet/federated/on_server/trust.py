@@ -19,7 +19,7 @@ Design notes:
 * **A rejection, not a weight.** A device past the floor is rejected with its figure, so every bench counts it
   among the rejections: an honest device rejected is a defect the benches show.
 * **Measured, it lost** (docs/results.md, "Trust from the server's own step"): honest means fell as low as the
-  flippers' (-0.13 against -0.08 to -0.14), so the floor rejected an honest device in 4 of 8 attack runs. It
+  attackers' (-0.13 against -0.08 to -0.14), so the floor rejected an honest device in 4 of 8 attack runs. It
   stays available, off.
 """
 

@@ -13,7 +13,7 @@ DEFAULT_CONFIG = "simulations/robustness.yaml"
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
     from fleet.bench.attack_names import ADAPTIVE, ATTACKS  # the help lists exactly what the bench runs
-    from fleet.federated.shared.config import AGGREGATIONS
+    from fleet.federated.shared.robust_choices import AGGREGATIONS  # no torch: devices build this parser
 
     p = sub.add_parser(
         "robustness", help="final accuracy and rejections of an 8-device fleet with 1, then 2, adversarial devices"

@@ -37,13 +37,11 @@ from fleet.federated.shared.paths import resolve_path
 from fleet.federated.shared.personal import METHODS as PERSONAL_METHODS
 from fleet.federated.shared.personal import POLICIES as PERSONAL_POLICIES
 from fleet.federated.shared.personal import method_of, models_of
+from fleet.federated.shared.robust_choices import AGGREGATIONS, NORM_ACTIONS, VALIDATIONS
 
 STRATEGIES = ("fleet", "naive", "fedavg", "ditto")
 STATE_PRECISIONS = ("float32", "float16")  # federation.state_precision: how a device's saved momentum is stored
 TRANSFERS = ("float32", "float16")  # federation.transfer: the dtype a model's float tensors cross the network in
-AGGREGATIONS = ("mean", "trimmed_mean", "median", "centered_clip")
-VALIDATIONS = (None, "start", "trust")  # robust.validate: the server's own data, by loss or by direction
-NORM_ACTIONS = ("clip", "reject")
 RAY_ADDRESS = re.compile(r"[A-Za-z0-9.\-]+:[0-9]{1,5}")  # host:port of a Ray head (its GCS)
 PARTITIONS = ("iid", "dirichlet", "shards")
 RUN_ONLY_KEYS = ("config", "resume", "simulation")  # run-config keys that are not fields of the YAML

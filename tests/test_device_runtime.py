@@ -115,6 +115,17 @@ def test_a_task_stopped_before_its_reply_still_replies_so_the_supernode_serves_o
     assert calls == []  # never pulled: left to Flower's heartbeat expiry, which hands it to the next runtime
 
 
+def test_a_task_gives_its_freed_memory_back_before_its_reply_is_copied_out(monkeypatch):
+    """On a 1,202 MB pi4 the moment of the push was the device's peak: the task's freed training memory was still
+    resident while Flower serialized the reply and the SuperNode stored it."""
+    task, calls = fake_task()
+    monkeypatch.setattr(device_runtime, "release_freed", lambda: calls.append(("released", None)))
+    device_runtime.owe_reply(task)
+    task.pull_task_input("client")
+    task.push_message("client", "the reply", "context")
+    assert calls == [("released", None), ("reply", "the reply")]
+
+
 def test_the_executor_answers_flowers_protocol():
     from flwr.supercore.superexec.executor.types import Executor
 

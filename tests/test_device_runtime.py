@@ -380,7 +380,8 @@ def test_the_runtimes_poller_does_not_hold_torch():
 def test_the_fleet_commands_parser_does_not_hold_torch():
     """A device's SuperNode and poller start as ``fleet device ...``, so the whole parser is built in both. One
     bench's help once read its choices from the config module, which imports torch: every device process then
-    held 300 MB more, and a 1,202 MB pi4's SuperNode was OOM-killed at its first message."""
+    held hundreds of MB more (a pi4's SuperNode 765 MB, 320 without), and a 1,202 MB pi4's SuperNode was OOM-killed
+    at its first message."""
     code = (
         "import sys; from fleet.cli import build_parser; build_parser(); "
         "print(sorted({'torch', 'torchvision'} & set(sys.modules)))"

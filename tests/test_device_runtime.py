@@ -369,22 +369,17 @@ def test_the_loaded_app_is_frozen_out_of_the_collectors_scans():
         gc.unfreeze()
 
 
-def test_the_runtimes_poller_does_not_hold_torch():
-    """The poller is a process of its own in the device's memory limit: torch (300 MB) belongs to the fork server
-    alone. An import of torch slipped into the poller once, and a 1,202 MB pi4 went out of memory at its query."""
-    code = "import sys, fleet.commands.device_runtime; print(sorted({'torch', 'torchvision'} & set(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]", out
-
-
-def test_the_fleet_commands_parser_does_not_hold_torch():
-    """A device's SuperNode and poller start as ``fleet device ...``, so the whole parser is built in both. One
-    bench's help once read its choices from the config module, which imports torch: every device process then
-    held hundreds of MB more (a pi4's SuperNode 765 MB, 320 without), and a 1,202 MB pi4's SuperNode was OOM-killed
-    at its first message."""
-    code = (
-        "import sys; from fleet.cli import build_parser; build_parser(); "
-        "print(sorted({'torch', 'torchvision'} & set(sys.modules)))"
-    )
+@pytest.mark.parametrize(
+    "setup",
+    ["import fleet.commands.device_runtime", "from fleet.cli import build_parser; build_parser()"],
+    ids=["the poller's module", "the fleet command's parser"],
+)
+def test_a_devices_supernode_and_poller_do_not_hold_torch(setup):
+    """The SuperNode and the poller are processes of their own in the device's memory limit: torch belongs to the
+    fork server alone. Both start as ``fleet device ...``, so the whole parser is built in them too. An import of
+    torch slipped into the poller once, and later one bench's help read its choices from the config module, which
+    imports torch: a pi4's SuperNode then held 765 MB (320 without), and a 1,202 MB pi4 went out of memory at its
+    first message, both times."""
+    code = f"import sys; {setup}; print(sorted({{'torch', 'torchvision'}} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -169,3 +170,46 @@ def test_round_ones_model_is_the_trimmed_mean_of_the_four_that_answered(rounds):
         np.testing.assert_allclose(after[name], start[name] + np.float32(0.2), rtol=0, atol=1e-6)
     assert after["conv1.weight"] is start["conv1.weight"]  # trained by nobody: kept as it was
     assert rounds["coord"].state.round == 3
+
+
+class SlowJoins(FakeLink):
+    """Devices whose answer to their first query comes ``late_s`` seconds after it was sent (a board profiling
+    itself as it joins); None: never."""
+
+    def __init__(self, answer: Answer, nodes: list[str], late_s: dict[str, float | None]) -> None:
+        super().__init__(answer, nodes)
+        self.late_s, self.due = late_s, {}
+
+    def send(self, nodes: list[str], kind: str, arrays, order: TrainOrder | None) -> list[str]:
+        ids = super().send(nodes, kind, arrays, order)
+        for node, msg_id in zip(nodes, ids, strict=True):
+            if kind == QUERY and node in self.late_s:
+                reply, late = self.inbox.pop(msg_id), self.late_s[node]
+                if late is not None:
+                    self.due[msg_id] = (time.monotonic() + late, reply)
+        return ids
+
+    def receive(self, sent: Mapping[str, Sent]) -> list[tuple[str, Reply]]:
+        for msg_id, (when, reply) in list(self.due.items()):
+            if time.monotonic() >= when:
+                self.inbox[msg_id] = reply
+                del self.due[msg_id]
+        return super().receive(sent)
+
+
+@pytest.mark.parametrize("late_s", [0.8, None])
+def test_the_first_round_waits_for_the_devices_joining_within_the_fleets_timeout(late_s):
+    """A device answering its first query after ``grace_s`` still trains in round 1; one that never answers
+    holds round 1 for ``federation.timeout_s`` at most."""
+    coord = pipelined_coordinator()
+    cfg = coord.cfg
+    fed, member = dataclasses.replace(cfg.federation, timeout_s=2.0), dataclasses.replace(cfg.membership, grace_s=0.2)
+    coord.cfg = dataclasses.replace(cfg, federation=fed, membership=member)
+    link = SlowJoins(devices(pulling="", pull_round=0), NODES, {"105": late_s})
+    started = time.monotonic()
+    run_round(coord, Mailbox(link), 1)
+    took, trained = time.monotonic() - started, {n for n, kind, r in link.sent if kind == TRAIN}
+    if late_s is not None:
+        assert trained == set(NODES) and late_s <= took < 1.5
+    else:
+        assert trained == set(NODES) - {"105"} and 2.0 <= took < 2.8

@@ -13,9 +13,11 @@ Design notes:
   every wait. server/ implements the link over Flower's Grid and does nothing else, and tests drive
   whole rounds through a fake one.
 * **Membership waits are policy, and bounded.** The fleet starts once ``membership.min_devices``
-  are connected (a FleetError after ``federation.timeout_s``); a device that connected since the
-  last round is waited for ``membership.grace_s``, once; a round with nobody eligible waits for
-  query answers up to ``federation.timeout_s``.
+  are connected (a FleetError after ``federation.timeout_s``); a round with nobody eligible, the
+  first one among them, waits for query answers up to ``federation.timeout_s``, so the fleet's first
+  round trains every device it waited for, however long a slow board takes to join (a pi4 profiling
+  itself at a fifth of a core: about 90 s); in a running fleet, a device that connected since the last
+  round is waited for ``membership.grace_s``, once.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ def open_membership(coord: Coordinator, box: Mailbox, server_round: int, connect
         take_queries(coord, box.collect(waiting, 0.0), server_round, connected)
     ask(coord, box, server_round, connected)
     first = box.first_queries()
-    if first:  # a device that connected since the last round takes part in this one: its answer is waited for, once
+    if first and coord.eligible(connected):  # a newcomer to a running fleet takes part at once: waited for, once
         take_queries(coord, box.collect(first, coord.cfg.membership.grace_s), server_round, connected)
     return coord.eligible(connected) or wait_for_members(coord, box, server_round)
 

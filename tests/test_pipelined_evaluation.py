@@ -94,6 +94,7 @@ def test_a_rounds_record_waits_for_the_next_rounds_scores_and_the_last_round_is_
     assert coord.state.held.round == 2
     second_rows = {d.device: d for d in coord.state.held.devices}
     assert second_rows["device-0"].eval_time_s == pytest.approx(0.05)
+    assert second_rows["device-0"].train_eval_time_s == pytest.approx(0.05)  # inside its train message
     released, _ = one_round(coord, box, 3, lambda order, sent: [scored(n, 3, sent, 0.6) for n in NODES])
     assert [r["round"] for r in released] == [2, 3] and coord.state.held is None  # the last round is not held
     assert released[0]["global_accuracy"] == pytest.approx(0.6)

@@ -114,6 +114,18 @@ def test_class_figures_are_medians_of_each_rounds_slowest_device(tmp_path):
     assert pi0.round_s == 45 and pi0.overhead_share == pytest.approx(1 - 7 / 45)
 
 
+def test_scoring_inside_a_train_message_is_the_devices_compute_not_overhead(tmp_path):
+    """A device's scoring inside its train message (the received model, its personalized one) is its own model
+    work; the last round's separate evaluation message is not inside that message's wall_s."""
+    run = fake_run(tmp_path, [(40, 50, 20)] * 2, [0.7, 0.8])
+    for r in run.records:
+        r.devices[0].train_eval_time_s, r.devices[0].score_time_s = 2.0, 1.0
+    run.records[-1].devices[0].eval_time_s = 2.0 + 6.0  # the row joins the evaluation message's 6 s
+    pi0 = device_entries(run, run.records, 0)["pi-0"]
+    assert pi0.scoring_s == 3.0 and pi0.compute_s == 3.0
+    assert pi0.overhead_share == pytest.approx(1 - (3 + 3 + 4) / 40)
+
+
 def test_the_overhead_is_the_slowest_class_share_in_the_worst_method():
     def method(*shares: tuple[float | None, float | None]) -> dict[str, DeviceFigures]:
         rows = [("pi", 0.2, shares[0]), ("pi", 0.2, shares[1]), ("board", 0.4, 0.9), ("host", None, 0.9)]

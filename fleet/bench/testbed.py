@@ -22,8 +22,11 @@ Design notes:
   The report names the regime the run measured: the slowest class's compute against its transfers under
   FedAvg (``compute`` at 2x or more), and holds fleet to that regime's speed target.
 * **Where a device's round goes.** The server times each reply (``wall_s``: sending the message to pulling
-  the reply); the device reports its compute and ``ready_s`` (its ClientApp's age when its work starts);
-  the transfers are the bytes at the link's rate; the rest is neither (polling, serialization).
+  the reply); the device reports its compute (its training, and apart its scoring inside the message: the
+  model it received and its personalized one) and ``ready_s`` (its ClientApp's age when its work starts);
+  the transfers are the bytes at the link's rate; the rest is neither (the start, polling, serialization,
+  its state). The overhead share counts scoring as compute: it is the device's own model work, which
+  FedAvg's devices do too.
 * **The simulator against it.** ``fleet simulate`` runs the fleet method with one class per testbed class:
   its devices' own measured profile, its uplink and downlink, and as its start everything else a round cost
   the class in FedAvg's rounds (the median ``wall_s`` less compute and transfers, :func:`class_fixed_s`: the
@@ -112,11 +115,14 @@ class DeviceFigures:
     cpu: float | None = None  # its class's CPU share; None: unlimited
     rounds: int = 0
     round_s: float | None = None  # the server's wall seconds from its message to its reply
-    compute_s: float | None = None
+    compute_s: float | None = None  # its training
+    # its scoring: the model it received (the last round's evaluation, riding on this message) and its personalized
+    # model on its held-out split; the device's own model work, as training is, which the overhead does not count
+    scoring_s: float | None = None
     ready_s: float | None = None  # its ClientApp's age when its work started
     upload_s: float | None = None  # its bytes at its link's rate
     download_s: float | None = None
-    overhead_share: float | None = None  # the share of its round neither compute nor transfer, per round
+    overhead_share: float | None = None  # the share of its round neither compute (training, scoring) nor transfer
     trained_fraction: float = 0.0
     bytes_uploaded: int = 0
     link_bytes_sent: int | None = None  # what its link carried up over the whole run, Flower's framing included
@@ -137,13 +143,15 @@ def device_entries(run: TestbedRun, records: list[RoundRecord], download_bytes: 
         sent, received = run.traffic.get(name, (None, None))
         upload = [8 * d.bytes_uploaded / (cls.uplink_mbps * 1e6) for d in rows]
         download = 8 * download_bytes / (cls.downlink_mbps * 1e6)
-        work = [d.measured_time_s + up + download for d, up in zip(rows, upload, strict=True)]
+        scoring = [(d.train_eval_time_s or 0.0) + (d.score_time_s or 0.0) for d in rows]
+        work = [d.measured_time_s + s + up + download for d, s, up in zip(rows, scoring, upload, strict=True)]
         out[name] = DeviceFigures(
             device_class=cls.name,
             cpu=cls.cpu,
             rounds=len(rows),
             round_s=_median([d.wall_s for d in rows]),
             compute_s=_median([d.measured_time_s for d in rows]),
+            scoring_s=_median(scoring),
             ready_s=_median([d.ready_s for d in rows if d.ready_s is not None]),
             upload_s=_median(upload),
             download_s=download,
@@ -370,7 +378,7 @@ def regime_ratio(fedavg: dict[str, DeviceFigures]) -> float | None:
 
 def overhead_share(methods: dict[str, dict[str, DeviceFigures]]) -> float | None:
     """The largest, over methods (each its devices), of the median share of a slowest-class device's round that
-    is neither compute nor transfer: what a round costs beyond the device's own work."""
+    is neither compute (training and scoring) nor transfer: what a round costs beyond the device's own work."""
     shares = [
         statistics.median(found)
         for devices in methods.values()
@@ -500,7 +508,8 @@ def bench_table(report: dict) -> str:
         )
     lines.append("rounds: medians of each class's slowest device; before: the simulator without start and download")
     share = report["overhead_share"]
-    lines.append(f"slowest class: {_pct(share).strip()} of a round neither compute nor transfer (start, polling)")
+    rest = "neither compute (training, scoring) nor transfer"
+    lines.append(f"slowest class: {_pct(share).strip()} of a round {rest} (start, polling, the state)")
     lines += [f"  {'met' if ok else 'MISSED' if ok is False else 'n/a'}: {k}" for k, ok in report["targets"].items()]
     return "\n".join(lines)
 

@@ -68,6 +68,7 @@ def device_rows(
         row = DeviceRow.from_json({**(t.row() if t else {}), **(e.row() if e else {}), "device": name})
         if t is not None and e is not None and t.eval_time_s is not None and e.eval_time_s is not None:
             row.eval_time_s = t.eval_time_s + e.eval_time_s  # it also scored the model it received
+        row.train_eval_time_s = None if t is None else t.eval_time_s
         row.device_class = classes.class_name(name)
         if t is not None:
             bandwidth, fixed_s = classes.bandwidth(name), fixed(name)

@@ -84,6 +84,8 @@ class DeviceRow:
     ready_s: float | None = optional_field()
     score_time_s: float | None = optional_field()
     eval_time_s: float | None = optional_field()  # its scoring, in its train reply (pipelined) and evaluation together
+    # ... of which its train reply's: work inside the train message, so inside its wall_s
+    train_eval_time_s: float | None = optional_field()
     train_examples: float | None = optional_field()  # its sample weight, when it trained
     speedup: float | None = optional_field()  # its compute's speedup: set exactly when it trained
     wall_s: float | None = optional_field()  # the server's wall seconds from the train message to its reply

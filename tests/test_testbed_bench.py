@@ -18,6 +18,7 @@ from fleet.bench.testbed import (
     class_fixed_s,
     class_start_s,
     device_entries,
+    from_assembly,
     mean_accuracy,
     memory_entries,
     method_entry,
@@ -32,11 +33,12 @@ from fleet.bench.testbed import (
 from fleet.bench.testbed_seeds import combine, combined_table, read_reports
 from fleet.engine.config import config_to_dict
 from fleet.federated.on_device import tasks
+from fleet.federated.on_server.wall import Lap
 from fleet.federated.shared import keys
 from fleet.federated.shared.config import fleet_config_from_dict
 from fleet.federated.shared.round_record import DeviceRow, RejectionRow, RoundRecord
 from fleet.testbed.config import TestbedClassConfig, parse_testbed_config
-from fleet.testbed.run import TestbedRun
+from fleet.testbed.run import TestbedRun, assembly_s
 
 PI = TestbedClassConfig(name="pi", count=2, cpu=0.2, uplink_mbps=8, downlink_mbps=16)
 BOARD = TestbedClassConfig(name="board", count=1, cpu=0.4, uplink_mbps=80, downlink_mbps=160)
@@ -260,3 +262,15 @@ def test_too_few_rounds_stop_the_bench_before_any_device_starts(capsys):
 
     assert main(["bench", "testbed", "--rounds", "1"]) == 2
     assert "--rounds: an integer >= 2" in capsys.readouterr().err
+
+
+def test_a_methods_clock_starts_once_its_fleet_has_assembled(tmp_path):
+    """The first round's wait for the devices' query answers (their profiling as they join) is reported apart,
+    and every figure of time is counted after it."""
+    run = fake_run(tmp_path, [(40, 50, 20)] * 3, [0.70, 0.80, 0.90])
+    run.records[0].server_s = {Lap.OPEN: 50.0, Lap.WAIT_TRAIN: 10.0}  # its 60 s: 50 of them waiting for the joins
+    assert assembly_s(run.records) == 50.0 and assembly_s(run.records[1:]) == 0.0  # only a first round's
+    shifted = from_assembly(run)
+    assert [r.wall_time_s for r in shifted.records] == [10, 70, 130] and run.records[0].wall_time_s == 60
+    entry = method_entry(shifted, 70, 0.79, 0.6, device_entries(shifted, within(shifted.records, 70), 0))
+    assert entry["assembly_s"] == 50.0 and entry["rounds"] == 2 and entry["time_to_target_s"] == 70

@@ -28,6 +28,7 @@ from fleet.engine.config import config_to_dict
 from fleet.engine.experiment import check_model_fits_data, load_data
 from fleet.federated.on_server.state import keep_previous_run
 from fleet.federated.on_server.tracking import read_progress, read_records
+from fleet.federated.on_server.wall import Lap
 from fleet.federated.shared.config import run_dir
 from fleet.federated.shared.paths import APP_ROOT
 from fleet.federated.shared.round_record import RoundRecord
@@ -317,19 +318,33 @@ def progress_line(rec: RoundRecord, rounds: int, wall_s: float, classes: dict[st
     )
 
 
+def assembly_s(records: list[RoundRecord]) -> float:
+    """How long the first round waited for the fleet to assemble: every device's answer to its first query (its
+    data loaded, its profiles measured), its opening lap. A device measures its profiles once, not once per
+    run of a job, so a bench's clock starts after it (:func:`since_assembly`)."""
+    first = records[0] if records and records[0].round == 1 else None
+    return 0.0 if first is None else first.server_s.get(Lap.OPEN, 0.0)
+
+
+def since_assembly(records: list[RoundRecord]) -> list[RoundRecord]:
+    """The records with their wall clock counted from the fleet's assembly (:func:`assembly_s`)."""
+    offset = assembly_s(records)
+    return [dataclasses.replace(r, wall_time_s=r.wall_time_s - offset) for r in records]
+
+
 def watch(
     tb: Testbed, out: Path, faults: list[Fault], log: Log, stop_after_s: float | None = None
 ) -> list[RoundRecord]:
     """Print a line per round as the run writes metrics.jsonl, replay each fault when its round starts,
     and return the records once summary.json is written, or once a round ends past ``stop_after_s`` of
-    the run's wall clock (a bench's budget); a FleetError past testbed.timeout_s."""
+    the run's wall clock since the fleet assembled (a bench's budget); a FleetError past testbed.timeout_s."""
     cfg = tb.cfg
     classes = {d.name: d.cls.name for d in tb.devices}
     started = time.monotonic()
     end = started + cfg.testbed.timeout_s
     pending, thaw, records = sorted(faults, key=lambda f: f.round), {}, []
     while not (out / SUMMARY_FILE).is_file():
-        if stop_after_s is not None and records and records[-1].wall_time_s >= stop_after_s:
+        if stop_after_s is not None and records and records[-1].wall_time_s - assembly_s(records) >= stop_after_s:
             log(f"testbed: the wall-clock budget of {stop_after_s:.0f}s is spent; stopped after round {len(records)}")
             return records
         if time.monotonic() > end:

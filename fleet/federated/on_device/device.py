@@ -139,12 +139,12 @@ def device_profile(
     cfg: FleetConfig,
     model: nn.Module | None,
     node_config: dict[str, Any],
-    state_dir: Path,
+    profile_dir: Path,
     partition_id: int | None = None,
 ) -> DeviceProfile:
     """This device's measured profile (node config ``profile``, its class's, or the config's), before its tier.
 
-    A device with none measures itself once and keeps the result in its state directory.
+    A device with none measures itself once and keeps the result in ``profile_dir`` (:func:`profile_dir_of`).
     """
     cls = None if partition_id is None else class_of(cfg, partition_id)
     class_profile = None if cls is None else cls.profile
@@ -157,7 +157,7 @@ def device_profile(
     else:
         if model is None:
             model = make_model(cfg.model, cfg.train.seed)
-        base = obtain_profile(cfg, model, state_dir / "device-profile.yaml", repeats=5, log=lambda s: None)
+        base = obtain_profile(cfg, model, profile_dir / "device-profile.yaml", repeats=5, log=lambda s: None)
     return base
 
 
@@ -214,9 +214,15 @@ def memory_budget_of(
 
 
 def device_memory(
-    cfg: FleetConfig, model: nn.Module, budget_mb: float, state_dir: Path, node_config: dict[str, Any]
+    cfg: FleetConfig,
+    model: nn.Module,
+    budget_mb: float,
+    state_dir: Path,
+    node_config: dict[str, Any],
+    profile_dir: Path,
 ) -> MemoryBudget:
-    """Plans for this device's budget; its memory profile is measured once and kept in its state directory."""
+    """Plans for this device's budget; its memory profile is measured once and kept in ``profile_dir``
+    (:func:`profile_dir_of`)."""
     shape = (cfg.train.batch_size, cfg.model.in_channels, cfg.data.input_size, cfg.data.input_size)
     spill = node_config.get(keys.NODE_SPILL_DIR) or cfg.hardware.spill_dir or str(state_dir / "spill")
     return MemoryBudget.measure(
@@ -225,10 +231,23 @@ def device_memory(
         budget_mb,
         str(spill),
         model_name=cfg.model.name,
-        cache=state_dir / "memory-profile.json",
+        cache=profile_dir / "memory-profile.json",
         flag="memory-budget-mb",
         device=resolve_device(train_device_of(cfg, node_config)),
     )
+
+
+PROFILES_DIR = "profiles"  # under node config state-dir: what a device measured of itself, for every run
+
+
+def profile_dir_of(cfg: FleetConfig, name: str, node_config: dict[str, Any]) -> Path:
+    """Where a device keeps what it measures of itself, its timing and memory profiles: with node config
+    ``state-dir``, its ``profiles`` folder, shared by every run on the device (a pi4 measures both in about 90 s
+    at 48 px); else the run's state directory. A profile depends on the device and the model, not the run: each
+    is checked against the run's model, batch, input size, threads and kind of device as it is read, and
+    measured again where it does not match."""
+    root = node_config.get(keys.NODE_STATE_DIR)
+    return Path(str(root)).expanduser() / PROFILES_DIR if root else state_dir_of(cfg, name, node_config)
 
 
 def state_dir_of(cfg: FleetConfig, name: str, node_config: dict[str, Any]) -> Path:

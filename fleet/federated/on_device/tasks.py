@@ -35,6 +35,7 @@ from fleet.federated.on_device.device import (
     load_state,
     memory_budget_of,
     partition_of,
+    profile_dir_of,
     save_state,
     state_dir_of,
     threads_of,
@@ -83,6 +84,10 @@ class Device:
         return state_dir_of(self.cfg, self.name, self.node_config)
 
     @property
+    def profile_dir(self) -> Path:
+        return profile_dir_of(self.cfg, self.name, self.node_config)
+
+    @property
     def seed(self) -> int:
         """Seeds the device's batch order: its partition, else a stable number from its name."""
         return self.partition_id if self.partition_id is not None else zlib.crc32(self.name.encode()) % 100_000
@@ -97,7 +102,7 @@ class Device:
 
     def profile(self, model: nn.Module | None = None) -> DeviceProfile:
         """Its measured profile times its tier (checked against ``model`` when given)."""
-        base = device_profile(self.cfg, model, self.node_config, self.state_dir, self.partition_id)
+        base = device_profile(self.cfg, model, self.node_config, self.profile_dir, self.partition_id)
         return base.scaled(tier_of(self.cfg, self.partition_id, self.node_config))
 
     def model(self, weights: Mapping[str, torch.Tensor]) -> nn.Module:
@@ -132,8 +137,9 @@ def query(device: Device) -> dict[str, float | int]:
     size. Its data, its profile (against the fleet's model: another model's times would set the
     fleet's deadline) and its memory budget are read here, so a device with a bad tree or node config
     is refused when it joins, with its own one-line error, rather than failing every round later. A deployed
-    device with a budget measures its activation memory here too (kept in its state directory): a fifth of a
-    core took 13 s for it, which its first training round's bound knew nothing of."""
+    device with a budget measures its activation memory here too (kept for its later runs too,
+    :func:`~fleet.federated.on_device.device.profile_dir_of`): a fifth of a core took 13 s for it, which its first
+    training round's bound knew nothing of."""
     ready = readiness()  # counted, so that a simulation worker's later messages report no lifetime
     model = reference_model(device.cfg)
     profile = device.profile(model)
@@ -142,7 +148,8 @@ def query(device: Device) -> dict[str, float | int]:
     check_memory_budget(resolve_device(device.cfg.train.device), budget, where, amp=device.cfg.train.amp)
     uplink_of(device.cfg, device.node_config, device.partition_id)  # a bad uplink-mbps is refused here too
     if budget is not None and not device.long_lived:  # measured once, at join: its first round starts as warm
-        device_memory(device.cfg, model, budget, device.state_dir, device.node_config)  # it restores the model
+        # (the measurement restores the reference model it runs on)
+        device_memory(device.cfg, model, budget, device.state_dir, device.node_config, device.profile_dir)
     return {
         **device.identity(),
         **ready,
@@ -219,8 +226,9 @@ def device_setup(device: Device, model: nn.Module) -> tuple[DeviceProfile, Memor
     cfg = device.cfg
     profile = device.profile(model)
     budget_mb = memory_budget_of(cfg, device.partition_id, device.node_config, profile)
-    memory = None if budget_mb is None else device_memory(cfg, model, budget_mb, device.state_dir, device.node_config)
-    return profile, memory
+    if budget_mb is None:
+        return profile, None
+    return profile, device_memory(cfg, model, budget_mb, device.state_dir, device.node_config, device.profile_dir)
 
 
 def evaluate(

@@ -234,17 +234,22 @@ def test_warm_devices_train_every_round_and_survive_a_killed_task_and_a_restarte
     assert not leftovers(link.home), "processes of the deployment outlived it"
 
 
-def leftovers(home: Path) -> list[int]:
-    """Processes still running with this deployment's FLWR_HOME: a runtime, its fork server or a task."""
-    mark = f"FLWR_HOME={home}".encode()
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and mark in (proc / "environ").read_bytes().split(b"\0"):
-                found.append(int(proc.name))
-        except OSError:
-            pass
-    return found
+def leftovers(home: Path, settle_s: float = 10.0) -> list[int]:
+    """Processes still running with this deployment's FLWR_HOME (a runtime, its fork server or a task)
+    ``settle_s`` after it was stopped: a task child signalled with its process group may still be unwinding a
+    step as the group's leader is reaped, which is no leak; one that lives on is."""
+    mark, end = f"FLWR_HOME={home}".encode(), time.monotonic() + settle_s
+    while True:
+        found = []
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and mark in (proc / "environ").read_bytes().split(b"\0"):
+                    found.append(int(proc.name))
+            except OSError:
+                pass
+        if not found or time.monotonic() > end:
+            return found
+        time.sleep(0.5)
 
 
 def restart_runtime(

@@ -28,6 +28,8 @@ from fleet.federated.shared.owned import device_roots
 from fleet.federated.shared.paths import resolve_path
 from fleet.memory.budgeted import MemoryBudget
 
+PROFILES_DIR = "profiles"  # under node config state-dir: what a device measured of itself, for every run
+
 
 def tier_of(cfg: FleetConfig, partition_id: int | None, node_config: dict[str, Any]) -> float:
     """The device's speed tier: ``tier`` in the node config, else the config's tiers in turn for a
@@ -235,9 +237,6 @@ def device_memory(
         flag="memory-budget-mb",
         device=resolve_device(train_device_of(cfg, node_config)),
     )
-
-
-PROFILES_DIR = "profiles"  # under node config state-dir: what a device measured of itself, for every run
 
 
 def profile_dir_of(cfg: FleetConfig, name: str, node_config: dict[str, Any]) -> Path:

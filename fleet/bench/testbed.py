@@ -59,7 +59,7 @@ from fleet.federated.shared.config import pipelined, run_dir
 from fleet.federated.shared.names import DEVICES_DIR
 from fleet.federated.shared.round_record import JSON_KEY, DeviceRow, RoundRecord, fields_json
 from fleet.testbed.config import TestbedConfig, TestbedFleetConfig
-from fleet.testbed.run import TestbedRun, assembly_s, run_testbed, since_assembly
+from fleet.testbed.run import TestbedRun, assembly_s, run_testbed
 
 METHODS = ("fedavg", "naive", "fleet")
 ROUND_CAP = 3  # an elastic method may take this many times FedAvg's rounds to fill its budget
@@ -441,8 +441,11 @@ def run_methods(cfg: TestbedFleetConfig, rounds: int, log) -> tuple[dict[str, Te
 
 
 def from_assembly(run: TestbedRun) -> TestbedRun:
-    """``run`` on the bench's clock: its rounds' wall seconds since the fleet assembled."""
-    return dataclasses.replace(run, records=since_assembly(run.records))
+    """``run`` on the bench's clock: its rounds' wall seconds since the fleet assembled (:func:`assembly_s`)."""
+    offset = assembly_s(run.records)
+    return dataclasses.replace(
+        run, records=[dataclasses.replace(r, wall_time_s=r.wall_time_s - offset) for r in run.records]
+    )
 
 
 def bench_testbed(cfg: TestbedFleetConfig, rounds: int, log) -> dict:

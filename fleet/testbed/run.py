@@ -321,15 +321,9 @@ def progress_line(rec: RoundRecord, rounds: int, wall_s: float, classes: dict[st
 def assembly_s(records: list[RoundRecord]) -> float:
     """How long the first round waited for the fleet to assemble: every device's answer to its first query (its
     data loaded, its profiles measured), its opening lap. A device measures its profiles once, not once per
-    run of a job, so a bench's clock starts after it (:func:`since_assembly`)."""
+    run of a job, so a bench's clock starts after it (fleet.bench.testbed.from_assembly)."""
     first = records[0] if records and records[0].round == 1 else None
     return 0.0 if first is None else first.server_s.get(Lap.OPEN, 0.0)
-
-
-def since_assembly(records: list[RoundRecord]) -> list[RoundRecord]:
-    """The records with their wall clock counted from the fleet's assembly (:func:`assembly_s`)."""
-    offset = assembly_s(records)
-    return [dataclasses.replace(r, wall_time_s=r.wall_time_s - offset) for r in records]
 
 
 def watch(

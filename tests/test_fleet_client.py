@@ -280,6 +280,8 @@ def test_a_device_with_a_bad_node_config_is_refused_when_it_joins(setup, tmp_pat
     alien = proportional_profile(other, cfg.train.batch_size, cfg.data.input_size).save(tmp_path / "alien.yaml")
     base = {"partition-id": 1, "profile": str(own)}
     assert tasks.query(tasks.Device.from_configs(cfg, base))["full-time-s"] > 0
+    tasks.query(tasks.Device.from_configs(cfg, {**base, "state-dir": str(tmp_path / "new" / "state")}))
+    assert (tmp_path / "new" / "state").is_dir()  # a state-dir not there yet is made at join
     # a device told its uplink plans its upload at it; without, at the fleet's
     assert tasks.Device.from_configs(cfg, {**base, "uplink-mbps": 20}).bandwidth == 20e6 / 8
     assert tasks.Device.from_configs(cfg, base).bandwidth == cfg.devices.bandwidth_bytes_per_s
@@ -288,6 +290,8 @@ def test_a_device_with_a_bad_node_config_is_refused_when_it_joins(setup, tmp_pat
         ({"memory-budget-mb": -5}, "node config memory-budget-mb: -5 is not allowed"),
         ({"profile": str(alien)}, f"profile {alien} (node config profile)"),
         ({"uplink-mbps": "fast"}, "node config uplink-mbps: 'fast' is not allowed"),
+        ({"state-dir": str(own)}, f"node config state-dir: {str(own)!r} cannot be made"),  # a file, not a folder
+        ({"state-dir": str(own / "s")}, f"node config state-dir: {str(own / 's')!r} cannot be made"),
     ):
         with pytest.raises(FleetError, match=re.escape(message)):  # the refusal's reason, in one line
             tasks.query(tasks.Device.from_configs(cfg, {**base, **extra}))

@@ -7,6 +7,7 @@ each lookup validates what it reads and names the field in its error.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -247,6 +248,30 @@ def profile_dir_of(cfg: FleetConfig, name: str, node_config: dict[str, Any]) -> 
     measured again where it does not match."""
     root = node_config.get(keys.NODE_STATE_DIR)
     return Path(str(root)).expanduser() / PROFILES_DIR if root else state_dir_of(cfg, name, node_config)
+
+
+def check_state_root(node_config: dict[str, Any]) -> None:
+    """Node config ``state-dir``, made if missing and checked writable at join: a file there, or a folder the
+    device cannot make or write, was a bare OSError in the first round that saved state (or in the memory
+    measurement), not a refusal naming the key."""
+    root = node_config.get(keys.NODE_STATE_DIR)
+    if not root:
+        return
+    path = Path(str(root)).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        writable = os.access(path, os.W_OK | os.X_OK)
+    except (OSError, ValueError) as e:  # a file in its way, no permission, a NUL in the name
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ConfigError(
+            f"node config state-dir: {str(root)!r} cannot be made ({why}); point it at a folder the device can "
+            "write, e.g. state-dir='/var/lib/fleet'"
+        ) from None
+    if not writable:
+        raise ConfigError(
+            f"node config state-dir: {str(root)!r} is not writable by this device's user; point it at a folder "
+            "it can write, or give it that folder"
+        )
 
 
 def state_dir_of(cfg: FleetConfig, name: str, node_config: dict[str, Any]) -> Path:

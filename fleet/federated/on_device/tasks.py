@@ -29,6 +29,7 @@ from fleet.engine.experiment import make_model, model_with_weights
 from fleet.engine.trainer import accuracy
 from fleet.federated.on_device.device import (
     DeviceState,
+    check_state_root,
     data_root_of,
     device_memory,
     device_profile,
@@ -141,6 +142,7 @@ def query(device: Device) -> dict[str, float | int]:
     :func:`~fleet.federated.on_device.device.profile_dir_of`): a fifth of a core took 13 s for it, which its first
     training round's bound knew nothing of."""
     ready = readiness()  # counted, so that a simulation worker's later messages report no lifetime
+    check_state_root(device.node_config)
     model = reference_model(device.cfg)
     profile = device.profile(model)
     budget = memory_budget_of(device.cfg, device.partition_id, device.node_config, profile)

@@ -25,6 +25,7 @@ from fleet.federated.shared.npy import npy_view
 from fleet.federated.shared.packing import pack
 from fleet.federated.shared.packing import unpack as unpack_arrays
 from fleet.federated.shared.records import EVALUATE, QUERY, TRAIN, Reply, TrainOrder
+from server.pulls import quick_server_pulls
 
 app = ServerApp()
 MESSAGE_TYPES = {QUERY: MessageType.QUERY, TRAIN: MessageType.TRAIN, EVALUATE: MessageType.EVALUATE}
@@ -35,6 +36,8 @@ def main(grid: Grid, context: Context) -> None:
     run_config = dict(context.run_config)
     cfg = config_from_run_config(run_config)
     simulated = bool(run_config.get("simulation", False))
+    if not simulated:
+        quick_server_pulls()  # a reply still being uploaded is taken as its last chunk lands, not seconds after
     run_fleet(GridLink(grid), cfg, resume=bool(run_config.get("resume", False)), simulated=simulated)
 
 

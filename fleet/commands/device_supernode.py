@@ -5,7 +5,9 @@ SuperLink, wait for the ClientApp's reply, push it. Two waits in that loop are f
 
 * when a pull finds no message (the server is still aggregating the last round), it sleeps 3 s before it asks
   again, so every message a device is sent waits 1.5 s on average before the device sees it;
-* it looks for the ClientApp's reply every 0.5 s, and then for each of the reply's objects every 0.5 s.
+* it looks for the ClientApp's reply every 0.5 s, and then for each of the reply's objects every 0.5 s;
+* a message whose objects the ServerApp is still pushing is looked for again after 1 s, then 2 s, and so on
+  (:mod:`server.pulls`).
 
 A round of a warm device is a few seconds of work, so these add up to a large share of it. This command runs
 Flower's own SuperNode (same flags, same process, same TLS, authentication and isolation) with those two
@@ -36,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fleet.commands.device_runtime import poll_seconds
+from server.pulls import quick_pulls
 
 OBJECT_WAIT_S = 30.0  # past this, a reply's missing object is Flower's to wait for (its own loop, 0.5 s polls)
 
@@ -93,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
     loop._pull_and_store_message = fast_pull(loop._pull_and_store_message, args.pull_s)
     loop._push_messages = fast_push(loop._push_messages, args.reply_poll_s)
+    quick_pulls(loop)  # a message the ServerApp is still pushing is looked for again soon, not after 1-10 s
     flower_args = args.flower_args[1:] if args.flower_args[:1] == ["--"] else args.flower_args
     sys.argv = ["flower-supernode", *flower_args]  # Flower parses its own flags, and refuses bad ones itself
     flower_supernode()

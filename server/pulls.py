@@ -32,11 +32,12 @@ from types import ModuleType
 POLL_S = 0.1  # the longest an object that arrived waits to be looked for again (Flower: up to 10 s)
 
 
-def quick_pulls(module: ModuleType, poll_s: float = POLL_S) -> None:
-    """``module``'s ``pull_objects`` (Flower's, as that module imported it) with every wait ``poll_s``."""
+def quick_pulls(module: ModuleType, poll_s: float = POLL_S, **fixed: int) -> None:
+    """``module``'s ``pull_objects`` (Flower's, as that module imported it) with every wait ``poll_s``, and
+    ``fixed`` of its other arguments."""
     from flwr.supercore.inflatable.inflatable_utils import pull_objects
 
-    module.pull_objects = functools.partial(pull_objects, initial_backoff=poll_s, backoff_cap=poll_s)
+    module.pull_objects = functools.partial(pull_objects, initial_backoff=poll_s, backoff_cap=poll_s, **fixed)
 
 
 def quick_server_pulls() -> None:

@@ -20,6 +20,7 @@ import time
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fleet.base.process import PULL_ENV, task_pull_s
@@ -294,33 +295,43 @@ if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-m", "slow", "-x", "-q"]))
 
 
-def test_a_task_pulls_its_message_once_the_root_is_in_polling_one_object_at_short_intervals():
-    """The task polls only the message's root, every READY_POLL_S, until the SuperNode has stored the message,
-    then pulls the whole tree with retries as short: not Flower's 1, 2, 4 ... 10 s per object."""
+def test_a_task_takes_each_object_as_it_lands_in_tree_order_polling_one_at_a_time(monkeypatch):
+    """Design note: a task takes each object as it lands. On Flower's own pull of a real message, the task asks
+    for one object at a time, in the order of the object tree (the order the SuperNode stores them), every
+    READY_POLL_S, not Flower's 1, 2, 4 ... 10 s per object; the message is whole as soon as its last is in."""
     from types import SimpleNamespace
 
-    from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError
+    from flwr.app import ArrayRecord, Message, RecordDict
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree, iterate_object_tree
+    from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError, pull_and_inflate_object_from_tree
+    from flwr.supercore.task_identity import TaskIdentity
 
     from fleet.commands.device_runtime import READY_POLL_S, pull_when_ready
 
-    calls, ready_at, started = [], time.monotonic() + 0.35, time.monotonic()
+    for name in ("_run_id", "_node_id", "_task_id"):  # a Message is made inside a task
+        monkeypatch.setattr(TaskIdentity, name, 1)
+    message = Message(RecordDict({"a": ArrayRecord([np.ones(3000, np.float32)])}), dst_node_id=1, message_type="train")
+    tree = get_object_tree(message)
+    contents = {oid: obj.deflate() for oid, obj in get_all_nested_objects(message).items()}
+    order = [t.object_id for t in iterate_object_tree(tree)]
+    started = time.monotonic()
+    lands = {oid: started + 0.1 * (k + 1) for k, oid in enumerate(order)}  # stored one by one, 0.1 s apart
+    calls: list[str] = []
 
     def pull_object(object_id: str) -> bytes:
         calls.append(object_id)
-        if time.monotonic() < ready_at:
+        if time.monotonic() < lands[object_id]:
             raise ObjectUnavailableError(object_id)
-        return b"x"
+        return contents[object_id]
 
-    def flower_pull_tree(object_tree, pull_object_fn, **kwargs):
-        return object_tree.object_id, kwargs
-
-    task = SimpleNamespace(pull_and_inflate_object_from_tree=flower_pull_tree)
+    task = SimpleNamespace(pull_and_inflate_object_from_tree=pull_and_inflate_object_from_tree)
     pull_when_ready(task)
-    got, kwargs = task.pull_and_inflate_object_from_tree(SimpleNamespace(object_id="root"), pull_object)
+    got = task.pull_and_inflate_object_from_tree(tree, pull_object, lambda _: None)
     waited = time.monotonic() - started
-    assert got == "root" and kwargs == {"initial_backoff": READY_POLL_S, "backoff_cap": READY_POLL_S}
-    assert set(calls) == {"root"} and 3 <= len(calls) <= 6  # one object polled, about every 0.1 s
-    assert 0.35 <= waited < 0.35 + 2 * READY_POLL_S  # in as soon as it is there, give or take a poll
+    assert got.object_id == message.object_id
+    assert [order.index(c) for c in calls] == sorted(order.index(c) for c in calls)  # one at a time, in order
+    assert len(calls) <= 3 * len(order)  # each asked about once a poll while it is on its way
+    assert lands[order[-1]] - started <= waited < lands[order[-1]] - started + 2 * READY_POLL_S
 
 
 def test_an_installed_fab_is_not_unpacked_again_and_a_new_one_is_installed(tmp_path, monkeypatch):

@@ -23,7 +23,7 @@ from tests.test_deploy_loopback import BIN
 # module -> the names the command uses from it, with the parameters it relies on
 FLOWER_API = {
     "flwr.supernode.start_client_internal": {
-        "_pull_and_store_message": ("receive", "state", "object_store"),
+        "_pull_and_store_message": ("receive", "state", "object_store", "pull_object"),
         "_push_messages": ("state", "object_store"),
     },
     "flwr.supernode.cli": {"flower_supernode": ()},
@@ -49,8 +49,13 @@ def test_flowers_loop_calls_the_wrapped_steps_by_keyword_through_the_module():
     source = inspect.getsource(loop.start_client_internal)
     for call in ("_pull_and_store_message(", "_push_messages("):
         assert call in source, f"flwr changed: start_client_internal no longer calls {call[:-1]}"
-    assert "receive=receive" in source and "state=state" in source and "object_store=store" in source, (
-        "flwr changed: start_client_internal no longer passes receive/state/object_store by keyword"
+    passed = ("receive=receive", "state=state", "object_store=store", "pull_object=pull_object")
+    assert all(p in source for p in passed), (
+        "flwr changed: start_client_internal no longer passes receive/state/object_store/pull_object by keyword"
+    )
+    pull_source = inspect.getsource(loop._pull_and_store_message)
+    assert "pull_objects(" in pull_source and "object_store.put(" in pull_source, (
+        "flwr changed: _pull_and_store_message no longer pulls with pull_objects and puts into the object store"
     )
 
 
@@ -62,15 +67,18 @@ def test_an_empty_pull_asks_again_soon_and_a_failed_pull_keeps_its_answer():
         asked.append(time.monotonic())
         return answers.pop(0)
 
-    def flower_pull(*, receive, state):
+    def flower_pull(*, receive, state, pull_object, object_store):
         got = receive()
         return None if got is None else (state, got)
 
     start = time.monotonic()
-    assert device_supernode.fast_pull(flower_pull, 0.05)(receive=receive, state="s") == ("s", ("message", "tree"))
+    pull = device_supernode.fast_pull(flower_pull, 0.05)
+    assert pull(receive=receive, state="s", pull_object=None, object_store=None) == ("s", ("message", "tree"))
     assert len(asked) == 3 and time.monotonic() - start < 1.0  # Flower would have slept 3 s twice
     assert 0.04 <= asked[1] - asked[0] < 0.5, asked
-    failed = device_supernode.fast_pull(lambda **_: None, 0.05)(receive=lambda: ("message", "tree"))
+    failed = device_supernode.fast_pull(lambda **_: None, 0.05)(
+        receive=lambda: ("message", "tree"), pull_object=None, object_store=None
+    )
     assert failed is None  # a pull that failed on a message returns to Flower's loop and its 3 s pause
 
 
@@ -103,6 +111,40 @@ def reply_preregistered(store):
     message.metadata.__dict__["_message_id"] = message.object_id  # as Flower's runtime API stores a reply
     store.preregister(1, get_object_tree(message))
     return message, {oid: obj.deflate() for oid, obj in get_all_nested_objects(message).items()}
+
+
+def test_each_object_of_a_message_is_stored_as_it_lands_and_flowers_put_after_all_is_harmless():
+    """The task can take an object while the next downloads (design note: a task takes each object as it lands):
+    each is in the store once pulled, checked against its id. Flower's own put of them all afterwards puts
+    nothing again, even where the task already took the message and it was deleted."""
+    from flwr.supercore.inflatable.inflatable_object import get_object_tree
+
+    _, store = flower_node()
+    message, contents = reply_preregistered(store)
+    order = [t.object_id for t in iterate(get_object_tree(message))]
+    seen: list[list[bool]] = []
+
+    def flower_pull(*, receive, pull_object, object_store):  # Flower's: every object pulled, then every one put
+        receive()
+        got = {}
+        for oid in order:
+            got[oid] = pull_object(1, oid)
+            seen.append([store.get(o) not in (None, b"") for o in order])
+        store.delete(message.object_id)  # its task took the message and confirmed it before Flower's puts
+        for oid, content in got.items():
+            object_store.put(oid, content)
+        return 1
+
+    pull = device_supernode.fast_pull(flower_pull, 0.05)
+    assert (
+        pull(receive=lambda: ("message", "tree"), pull_object=lambda run, oid: contents[oid], object_store=store) == 1
+    )
+    assert seen == [[j <= i for j in range(len(order))] for i in range(len(order))]  # each in as it landed
+    _, store = flower_node()
+    reply_preregistered(store)  # the same arrays again, in a fresh store
+    forged = device_supernode.fast_pull(flower_pull, 0.05)
+    with pytest.raises(ValueError, match="does not match"):  # an object that is not what its id says is refused
+        forged(receive=lambda: ("message", "tree"), pull_object=lambda run, oid: b"forged", object_store=store)
 
 
 def push_with_flower(state, store, timeout: float = 10.0) -> list[tuple[float, str, bytes]]:
@@ -149,16 +191,45 @@ def test_the_reply_goes_once_it_and_its_objects_are_in_and_no_later():
     assert not state.get_messages_legacy(is_reply=True)  # sent once, and gone from the state as Flower does
 
 
+def test_each_object_of_a_reply_goes_up_as_it_lands_not_once_all_are_in():
+    """Design note: a reply's objects go up as they land. The ClientApp stores them one by one, 0.2 s apart, in
+    the order of the reply's object tree; each is sent within a few looks of landing, not with the last."""
+    from flwr.supercore.inflatable.inflatable_object import get_object_tree
+
+    state, store = flower_node()
+    message, contents = reply_preregistered(store)
+    order = [t.object_id for t in iterate(get_object_tree(message))]
+    landed: dict[str, float] = {}
+
+    def client_app():
+        state.store_message(message)
+        for oid in order:
+            time.sleep(0.2)
+            store.put(oid, contents[oid])
+            landed[oid] = time.monotonic()
+
+    threading.Thread(target=client_app).start()
+    sent = push_with_flower(state, store)
+    assert [oid for _, oid, _ in sent] == order
+    assert all(0 <= at - landed[oid] < 0.15 for at, oid, _ in sent), [(at - landed[oid]) for at, oid, _ in sent]
+
+
 def test_a_reply_object_that_never_comes_is_left_to_flowers_wait(monkeypatch):
     state, store = flower_node()
     message, _ = reply_preregistered(store)
     state.store_message(message)
     monkeypatch.setattr(device_supernode, "OBJECT_WAIT_S", 0.2)
     handed: list[list] = []
-    flower_push = lambda *, state, object_store: handed.append(state.get_messages_legacy(is_reply=True))  # noqa: E731
+    looks: list[bytes] = []
+
+    def flower_push(*, state, object_store):  # Flower's: the reply taken, then each object looked for in turn
+        handed.append(state.get_messages_legacy(is_reply=True))
+        looks.append(object_store.get(message.object_id))
+
     start = time.monotonic()
     device_supernode.fast_push(flower_push, 0.02)(state=state, object_store=store)
     assert 0.2 <= time.monotonic() - start < 1.0 and [m.object_id for m in handed[0]] == [message.object_id]
+    assert looks == [b""]  # still not in: Flower's own loop waits for it from here
 
 
 @pytest.mark.parametrize("flag", ["--pull-s", "--reply-poll-s"])

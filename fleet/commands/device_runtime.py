@@ -33,10 +33,12 @@ Design notes:
   what it inherits (``gc.freeze``) as it starts, and the app's modules once loaded; the objects made after
   that (the task's own) are collected as usual, and the child ends with its one message. Freezing also keeps
   the collector from writing to the inherited pages, so they stay shared with the fork server.
-* **A task pulls once its message is in.** The SuperNode stores a message's objects all at once, when the
-  last has arrived, so the child polls for the message's root alone, every ``READY_POLL_S``, and only then
-  pulls the rest with Flower's own parallel pull, its retries as short (it would otherwise back off to 10 s
-  between tries); one poller, not one per object, keeps the wait's cost to a few requests a second.
+* **A task takes each object as it lands.** ``fleet device supernode`` pulls a message's objects one at a
+  time, in the order of Flower's object tree, and stores each as it lands; the child pulls them in the same
+  order with one poller, looking for the next every ``READY_POLL_S`` (Flower's own retries would back off to
+  10 s), so it copies and checks each chunk while the next downloads, and the wait costs a few requests a
+  second. Under Flower's own SuperNode, which stores them all at once, the same pull simply waits for the
+  first.
 * **A child is only a task.** A child that crashes, is OOM-killed or hangs ends alone; Flower's task heartbeat
   tells the SuperNode, and the server counts the device as missed with its reason. The children are forked in
   the daemon's cgroup, so their memory counts within the device's limit.
@@ -160,18 +162,15 @@ def owe_reply(flower_task: Any) -> None:
 
 
 def pull_when_ready(flower_task: Any) -> None:
-    """The task's pull of its message waits for the SuperNode's download by one light poll (design note: a
-    task pulls once its message is in). Flower hands a task out as soon as its message starts to arrive and
-    pulls every object of it in parallel, each retried after 1, 2, 4 ... up to 10 s: the task then began its
-    pull, on average, seconds after the SuperNode had the whole message (2.1 s of a pi4's 32 s round)."""
-    from flwr.supercore.inflatable.inflatable_utils import pull_objects
-
+    """The task's pull takes each object of its message as it lands, by one light poll (design note: a task
+    takes each object as it lands). Flower hands a task out as soon as its message starts to arrive and pulls
+    every object of it in parallel, each retried after 1, 2, 4 ... up to 10 s: the task then began its pull, on
+    average, seconds after the SuperNode had the whole message (2.1 s of a pi4's 32 s round)."""
     pull_tree = flower_task.pull_and_inflate_object_from_tree
 
     def pulled_when_ready(object_tree: Any, pull_object_fn: Any, *args: Any, **kwargs: Any) -> Any:
-        quick = {"initial_backoff": READY_POLL_S, "backoff_cap": READY_POLL_S}
-        pull_objects([object_tree.object_id], pull_object_fn, **quick)
-        return pull_tree(object_tree, pull_object_fn, *args, **{**kwargs, **quick})  # the rest: in, or all but
+        one_by_one = {"initial_backoff": READY_POLL_S, "backoff_cap": READY_POLL_S, "max_concurrent_pulls": 1}
+        return pull_tree(object_tree, pull_object_fn, *args, **{**kwargs, **one_by_one})
 
     flower_task.pull_and_inflate_object_from_tree = pulled_when_ready
 

@@ -1,18 +1,20 @@
-"""``fleet device supernode``: Flower's ``flower-supernode``, without its idle sleeps between messages.
+"""``fleet device supernode``: Flower's ``flower-supernode``, without its idle waits between messages.
 
 Flower's SuperNode serves one message at a time in a loop (``start_client_internal``): pull a message from the
-SuperLink, wait for the ClientApp's reply, push it. Two waits in that loop are fixed sleeps:
+SuperLink, wait for the ClientApp's reply, push it. Its waits in that loop are fixed sleeps and backoffs:
 
 * when a pull finds no message (the server is still aggregating the last round), it sleeps 3 s before it asks
   again, so every message a device is sent waits 1.5 s on average before the device sees it;
 * it looks for the ClientApp's reply every 0.5 s, and then for each of the reply's objects every 0.5 s;
-* a message whose objects the ServerApp is still pushing is looked for again after 1 s, then 2 s, and so on
-  (:mod:`server.pulls`).
+* a message whose objects the ServerApp is still pushing is looked for again after 1 s, then 2 s, and so on;
+* the message's objects reach the ClientApp only once all have arrived, and the reply's leave only once the
+  ClientApp has stored them all.
 
 A round of a warm device is a few seconds of work, so these add up to a large share of it. This command runs
-Flower's own SuperNode (same flags, same process, same TLS, authentication and isolation) with those two
-steps of its loop wrapped: an empty pull asks again after ``--pull-s``, and the reply and its objects are
-looked for every ``--reply-poll-s``. Nothing else of the loop changes.
+Flower's own SuperNode (same flags, same process, same TLS, authentication and isolation) with two steps of
+its loop wrapped and its object pulls quickened (:mod:`server.pulls`): an empty pull asks again after
+``--pull-s``, the reply is looked for every ``--reply-poll-s``, and objects pass through as they land, both
+ways. Nothing else of the loop changes.
 
 Design notes:
 

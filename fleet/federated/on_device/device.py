@@ -246,18 +246,24 @@ def profile_dir_of(cfg: FleetConfig, name: str, node_config: dict[str, Any]) -> 
     at 48 px); else the run's state directory. A profile depends on the device and the model, not the run: each
     is checked against the run's model, batch, input size, threads and kind of device as it is read, and
     measured again where it does not match."""
+    root = state_root_of(node_config)
+    return root / PROFILES_DIR if root else state_dir_of(cfg, name, node_config)
+
+
+def state_root_of(node_config: dict[str, Any]) -> Path | None:
+    """Node config ``state-dir`` as a path (None: unset): every run's state and the device's profiles under it."""
     root = node_config.get(keys.NODE_STATE_DIR)
-    return Path(str(root)).expanduser() / PROFILES_DIR if root else state_dir_of(cfg, name, node_config)
+    return Path(str(root)).expanduser() if root else None
 
 
 def check_state_root(node_config: dict[str, Any]) -> None:
     """Node config ``state-dir``, made if missing and checked writable at join: a file there, or a folder the
     device cannot make or write, was a bare OSError in the first round that saved state (or in the memory
     measurement), not a refusal naming the key."""
-    root = node_config.get(keys.NODE_STATE_DIR)
-    if not root:
+    path = state_root_of(node_config)
+    if path is None:
         return
-    path = Path(str(root)).expanduser()
+    root = node_config[keys.NODE_STATE_DIR]
     try:
         path.mkdir(parents=True, exist_ok=True)
         writable = os.access(path, os.W_OK | os.X_OK)
@@ -277,9 +283,8 @@ def check_state_root(node_config: dict[str, Any]) -> None:
 def state_dir_of(cfg: FleetConfig, name: str, node_config: dict[str, Any]) -> Path:
     """Where device state outlives a round (and a restart): node config ``state-dir``/<run name>,
     else runs/<run name>/devices/<device name>."""
-    if node_config.get(keys.NODE_STATE_DIR):
-        return Path(str(node_config[keys.NODE_STATE_DIR])).expanduser() / cfg.name
-    return run_dir(cfg) / DEVICES_DIR / name
+    root = state_root_of(node_config)
+    return root / cfg.name if root else run_dir(cfg) / DEVICES_DIR / name
 
 
 # --- device state that must outlive a round --------------------------------

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from fleet.base.atomic import write_text_atomic
-from fleet.federated.on_device.state_lock import reading, wait_for_writes, write_locked
+from fleet.base.process import HOLD_WRITES_ENV
+from fleet.federated.on_device.state_lock import reading, wait_for_writes, write_locked, writes_held
 
 READER = """
 import sys
@@ -110,6 +111,44 @@ def test_a_device_of_a_simulation_worker_defers_and_its_next_message_reads_the_r
     state = tasks.load_state(device.state_dir / tasks.STATE_FILE, "t")  # waits for the write under way
     assert state is not None and state.round == 1 and state.rounds_trained == 1
     wait_for_writes()
+
+
+def test_a_runtime_task_holds_its_write_until_its_reply_is_out_and_a_reader_waits_for_it(tmp_path, monkeypatch):
+    """In a task of ``fleet device runtime`` (its process marked), no thread makes the write: it waits, under its
+    lock, until the runtime makes it after the reply's push, and a reader in another process waits for it."""
+    from fleet.commands.device_runtime import write_held_state
+
+    monkeypatch.setenv(HOLD_WRITES_ENV, "1")
+    path = tmp_path / "d" / "state.pt"
+    write_text_atomic(path, "old")
+    write_locked(path, slow_write(path, "new", delay_s=0.0), defer=True)
+    time.sleep(0.3)
+    assert writes_held() and path.read_text() == "old"  # held: nothing made it meanwhile
+    marker = path.parent / "reader-ready"
+    threading.Thread(target=once_reader_waits(marker, write_held_state)).start()  # the runtime, after its push
+    out = subprocess.run([sys.executable, "-c", READER, str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "new"
+
+
+def test_a_runtime_tasks_device_state_is_made_after_its_reply(tmp_path, monkeypatch):
+    from fleet.commands.device_runtime import write_held_state
+    from fleet.engine.experiment import make_model
+    from fleet.federated.on_device import tasks
+    from fleet.federated.shared.config import load_fleet_config
+    from fleet.federated.shared.records import TrainOrder
+
+    monkeypatch.setenv(HOLD_WRITES_ENV, "1")
+    cfg = load_fleet_config("simulations/fleet-tiny.yaml", {"output_dir": str(tmp_path)})
+    device = tasks.Device.from_configs(cfg, {"partition-id": 0})
+    weights = {k: v.clone() for k, v in make_model(cfg.model, 0).state_dict().items()}
+    config = TrainOrder(server_round=1, strategy="fleet", deadline_s=0.0, run_tag="t").to_config()
+    tasks.train(device, weights, config)
+    state_path = device.state_dir / tasks.STATE_FILE
+    assert not state_path.exists()  # the reply goes first
+    write_held_state()
+    state = tasks.load_state(state_path, "t")
+    assert state is not None and state.round == 1 and state.rounds_trained == 1
 
 
 @pytest.fixture(autouse=True)

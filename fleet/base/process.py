@@ -27,6 +27,9 @@ def process_age_s() -> float | None:
 # Set by ``fleet device runtime`` in each task's process: the seconds Flower spent pulling the task's message
 # (its arrays) before the app ran, a transfer rather than start-up. Flower's own flwr-clientapp does not say.
 PULL_ENV = "FLEET_TASK_PULL_S"
+# Set to "1" by ``fleet device runtime`` in each task's process: the device's state is written once the reply has
+# gone out, not before it (fleet.federated.on_device.state_lock, "Who defers").
+HOLD_WRITES_ENV = "FLEET_HOLD_WRITES"
 
 
 def task_pull_s() -> float:

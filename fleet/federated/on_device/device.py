@@ -20,7 +20,7 @@ from fleet.base.errors import ConfigError
 from fleet.engine.accelerator import resolve_device
 from fleet.engine.device_profile import DeviceProfile
 from fleet.engine.experiment import check_profile, make_model, obtain_profile, run_precision
-from fleet.federated.on_device.state_lock import reading, write_locked
+from fleet.federated.on_device.state_lock import reading, write_locked, writes_held
 from fleet.federated.shared import keys
 from fleet.federated.shared.classes import bandwidth_of, class_of
 from fleet.federated.shared.config import FleetConfig, run_dir
@@ -376,10 +376,21 @@ def save_state(path: Path, state: DeviceState, *, precision: str = "float32", de
     """Atomic: a device killed mid-write keeps its previous state. Its momentum is stored in ``precision``
     (:func:`stored_optimizer`). With ``defer`` (a long-lived process) the file is written on a thread,
     under a lock that :func:`load_state` waits for (:mod:`.state_lock`); the bytes are made here, so
-    that the thread holds nothing but them (see state_lock's design notes on memory)."""
-    optimizer = None if state.optimizer is None else stored_optimizer(state.optimizer, precision)
-    data = torch_bytes({**state.to_dict(), "optimizer": optimizer})
-    write_locked(path, lambda: write_atomic(path, lambda fh: fh.write(data), binary=True), defer=defer)
+    that the thread holds nothing but them (see state_lock's design notes on memory). In a task whose
+    writes are held (``fleet device runtime``), bytes and write both wait until its reply is out."""
+
+    def state_bytes() -> bytes:
+        optimizer = None if state.optimizer is None else stored_optimizer(state.optimizer, precision)
+        return torch_bytes({**state.to_dict(), "optimizer": optimizer})
+
+    def write(data: bytes) -> None:
+        write_atomic(path, lambda fh: fh.write(data), binary=True)
+
+    if writes_held():
+        write_locked(path, lambda: write(state_bytes()), defer=True)
+        return
+    data = state_bytes()
+    write_locked(path, lambda: write(data), defer=defer)
 
 
 def load_state(path: Path, run_tag: str | None = None) -> DeviceState | None:

@@ -25,6 +25,7 @@ from fleet.federated.shared.npy import npy_view
 from fleet.federated.shared.packing import pack
 from fleet.federated.shared.packing import unpack as unpack_arrays
 from fleet.federated.shared.records import EVALUATE, QUERY, TRAIN, Reply, TrainOrder
+from server.inflate import lean_inflate
 from server.pulls import quick_server_pulls
 
 app = ServerApp()
@@ -36,6 +37,7 @@ def main(grid: Grid, context: Context) -> None:
     run_config = dict(context.run_config)
     cfg = config_from_run_config(run_config)
     simulated = bool(run_config.get("simulation", False))
+    lean_inflate()  # each reply's arrays rebuilt from their chunks with one copy, not three
     if not simulated:
         quick_server_pulls()  # a reply still being uploaded is taken as its last chunk lands, not seconds after
     run_fleet(GridLink(grid), cfg, resume=bool(run_config.get("resume", False)), simulated=simulated)

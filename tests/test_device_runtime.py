@@ -127,6 +127,69 @@ def test_a_task_gives_its_freed_memory_back_before_its_reply_is_copied_out(monke
     assert calls == [("released", None), ("reply", "the reply")]
 
 
+def test_the_state_is_written_once_the_reply_is_pushed(monkeypatch):
+    """The app holds the device state's write (the task's process is marked); the runtime makes it right after
+    the push, while the reply crosses the device's uplink."""
+    task, calls = fake_task()
+    monkeypatch.setattr(device_runtime, "release_freed", lambda: None)
+    monkeypatch.setattr(device_runtime, "write_held_state", lambda: calls.append(("state written", None)))
+    device_runtime.owe_reply(task)
+    task.pull_task_input("client")
+    task.push_message("client", "the reply", "context")
+    assert calls == [("reply", "the reply"), ("state written", None)]
+
+
+class Child:
+    """A launched task that runs until ``ends_at`` (time.monotonic())."""
+
+    def __init__(self, ends_at: float) -> None:
+        self.ends_at = ends_at
+
+    def is_alive(self) -> bool:
+        return time.monotonic() < self.ends_at
+
+
+def test_no_task_is_polled_for_while_a_task_runs_and_the_poll_comes_once_it_ends(monkeypatch):
+    """Flower asks the executor before each poll: while a task runs, that waits up to BUSY_POLL_S, looking at the
+    child, and returns as soon as the task has ended."""
+    monkeypatch.setattr(device_runtime, "BUSY_POLL_S", 0.6)
+    executor = device_runtime.ForkExecutor()
+    started = time.monotonic()
+    assert executor.get_eligible_capacity({"train"}) == ({"train"}, set())
+    assert time.monotonic() - started < 0.05  # no task: Flower polls at its own pace
+    executor.children = {1: Child(time.monotonic() + 0.2)}
+    started = time.monotonic()
+    executor.get_eligible_capacity({"train"})
+    assert 0.2 <= time.monotonic() - started < 0.45  # returned once the task ended, within CHILD_CHECK_S
+    executor.children = {1: Child(time.monotonic() + 60)}
+    started = time.monotonic()
+    executor.get_eligible_capacity({"train"})
+    assert 0.6 <= time.monotonic() - started < 1.0  # a long task: the SuperNode is still asked every BUSY_POLL_S
+
+
+PRELOAD_COVERS = """
+import importlib, io, sys, tempfile
+from fleet.commands.device_runtime import APP_PACKAGES, PRELOAD
+for name in PRELOAD:
+    importlib.import_module(name)
+before = set(sys.modules)
+import httpx, numpy as np, torch
+from PIL import Image
+httpx.HTTPTransport()  # Flower's HTTP client, as each task connects to its SuperNode
+np.unique(np.array([2, 1]))  # a device's split of its data
+buffer = io.BytesIO(); torch.save({"w": torch.zeros(2)}, buffer); buffer.seek(0); torch.load(buffer)  # its state
+with tempfile.NamedTemporaryFile(suffix=".png") as f:  # a data folder's first image
+    Image.new("L", (4, 4)).save(f.name); Image.open(f.name).load()
+print(sorted(m for m in set(sys.modules) - before if m.split(".")[0] not in APP_PACKAGES))
+"""
+
+
+def test_the_fork_server_preloads_what_every_task_imported_on_its_own():
+    out = subprocess.run([sys.executable, "-c", PRELOAD_COVERS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"a task would import these itself: {out.stdout.strip()}"
+
+
 def test_the_executor_answers_flowers_protocol():
     from flwr.supercore.superexec.executor.types import Executor
 

@@ -11,8 +11,9 @@ Design notes:
 * **A view, then one join.** A chunk's body is a ``memoryview`` of its content, and the array's bytes one
   ``b"".join`` of those views: the one copy that makes the array's own ``bytes``.
 * **Flower's checks, kept.** The content's type must name the class, a chunk has no children, and the
-  array's listed chunks must be exactly the children handed in, as in Flower's own ``inflate``; its header is
-  parsed by Flower's own helpers. Each object's content was checked against its SHA-256 id before, as ever.
+  array's listed chunks must be exactly the children handed in, as in Flower's own ``inflate``; the array's
+  header and body are read by Flower's own helpers, and only a chunk's body-as-a-view repeats its type check.
+  Each object's content was checked against its SHA-256 id before, as ever.
 * **Where.** The ServerApp (``server.server_app``) and each task of ``fleet device runtime`` replace the two
   class methods at start; nothing else changes. Flower internals (flwr pinned: pyproject.toml);
   ``tests/test_inflate.py`` names the missing one if they change.
@@ -50,10 +51,13 @@ def _inflate_chunk(cls: type, object_content: bytes, children: dict[str, Any] | 
 
 
 def _inflate_array(cls: type, object_content: bytes, children: dict[str, Any] | None = None) -> Any:
-    from flwr.supercore.inflatable.inflatable_object import get_object_children_ids_from_object_content
+    from flwr.supercore.inflatable.inflatable_object import (
+        get_object_body,
+        get_object_children_ids_from_object_content,
+    )
 
     children = children or {}
-    meta = json.loads(bytes(_body(object_content, cls)).decode("utf-8"))
+    meta = json.loads(get_object_body(object_content, cls).decode("utf-8"))  # a few hundred bytes: copied
     ids = get_object_children_ids_from_object_content(object_content)
     chunk_ids = [ids[i] for i in meta["arraychunk_ids"]]
     if set(chunk_ids) != set(children):

@@ -32,7 +32,7 @@ def test_the_flower_internals_lean_inflate_replaces_are_there():
             assert params == ["object_content", "children"], f"flwr changed: {name}.{method} takes {params}"
     from flwr.supercore.inflatable import inflatable_object
 
-    for helper in ("HEAD_BODY_DIVIDER", "get_object_children_ids_from_object_content"):
+    for helper in ("HEAD_BODY_DIVIDER", "get_object_body", "get_object_children_ids_from_object_content"):
         assert hasattr(inflatable_object, helper), f"flwr changed: inflatable_object.{helper} is gone"
 
 

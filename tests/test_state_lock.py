@@ -95,20 +95,27 @@ def test_a_failed_deferred_write_is_logged_keeps_the_old_state_and_releases_the_
         assert path.read_text() == "old"
 
 
-def test_a_device_of_a_simulation_worker_defers_and_its_next_message_reads_the_round(tmp_path):
+def trained_once(tmp_path: Path, long_lived: bool):
+    """A tiny fleet's device 0 after one train message of run "t": the device and its state file's path."""
     from fleet.engine.experiment import make_model
     from fleet.federated.on_device import tasks
     from fleet.federated.shared.config import load_fleet_config
     from fleet.federated.shared.records import TrainOrder
 
     cfg = load_fleet_config("simulations/fleet-tiny.yaml", {"output_dir": str(tmp_path)})
-    device = tasks.Device.from_configs(cfg, {"partition-id": 0}, long_lived=True)
-    assert device.long_lived and not tasks.Device.from_configs(cfg, {"partition-id": 0}).long_lived
-
+    device = tasks.Device.from_configs(cfg, {"partition-id": 0}, long_lived=long_lived)
     weights = {k: v.clone() for k, v in make_model(cfg.model, 0).state_dict().items()}
     config = TrainOrder(server_round=1, strategy="fleet", deadline_s=0.0, run_tag="t").to_config()
     tasks.train(device, weights, config)
-    state = tasks.load_state(device.state_dir / tasks.STATE_FILE, "t")  # waits for the write under way
+    return device, device.state_dir / tasks.STATE_FILE
+
+
+def test_a_device_of_a_simulation_worker_defers_and_its_next_message_reads_the_round(tmp_path):
+    from fleet.federated.on_device import tasks
+
+    device, state_path = trained_once(tmp_path, long_lived=True)
+    assert device.long_lived and not tasks.Device.from_configs(device.cfg, {"partition-id": 0}).long_lived
+    state = tasks.load_state(state_path, "t")  # waits for the write under way
     assert state is not None and state.round == 1 and state.rounds_trained == 1
     wait_for_writes()
 
@@ -133,18 +140,10 @@ def test_a_runtime_task_holds_its_write_until_its_reply_is_out_and_a_reader_wait
 
 def test_a_runtime_tasks_device_state_is_made_after_its_reply(tmp_path, monkeypatch):
     from fleet.commands.device_runtime import write_held_state
-    from fleet.engine.experiment import make_model
     from fleet.federated.on_device import tasks
-    from fleet.federated.shared.config import load_fleet_config
-    from fleet.federated.shared.records import TrainOrder
 
     monkeypatch.setenv(HOLD_WRITES_ENV, "1")
-    cfg = load_fleet_config("simulations/fleet-tiny.yaml", {"output_dir": str(tmp_path)})
-    device = tasks.Device.from_configs(cfg, {"partition-id": 0})
-    weights = {k: v.clone() for k, v in make_model(cfg.model, 0).state_dict().items()}
-    config = TrainOrder(server_round=1, strategy="fleet", deadline_s=0.0, run_tag="t").to_config()
-    tasks.train(device, weights, config)
-    state_path = device.state_dir / tasks.STATE_FILE
+    _, state_path = trained_once(tmp_path, long_lived=False)
     assert not state_path.exists()  # the reply goes first
     write_held_state()
     state = tasks.load_state(state_path, "t")

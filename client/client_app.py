@@ -6,6 +6,7 @@ Each handler unpacks the Message, calls the device's Flower-free task in
 train:    the global tensors and the round's config in; only the trained tensors out.
 evaluate: accuracy of the global model and of this device's personalized model.
 query:    who the device is, and its full-training time for a round (the server's default deadline).
+prepare:  not a message: what the next one needs besides its weights, made while its bytes download.
 
 Every reply carries the device's name in a ConfigRecord (MetricRecords hold numbers only).
 """
@@ -20,7 +21,7 @@ from fleet.federated.on_device import tasks
 from fleet.federated.shared import keys
 from fleet.federated.shared.config import config_from_run_config
 from fleet.federated.shared.npy import npy_view
-from fleet.federated.shared.packing import owned_tensors, pack, unpack
+from fleet.federated.shared.packing import pack, read_only_tensors, unpack
 
 app = ClientApp()
 
@@ -46,6 +47,12 @@ def put_arrays(content: RecordDict, arrays: dict) -> None:
     packed = pack(arrays)
     content[keys.ARRAYS] = ArrayRecord({k: Array(v) for k, v in packed.buffers.items()})
     content[keys.PACKING] = ConfigRecord(packed.index)
+
+
+def prepare(context: Context) -> None:
+    """What this device's next message needs besides its weights, made before its bytes are in: ``fleet device
+    runtime`` calls this while they download (fleet.federated.on_device.tasks.prepare)."""
+    tasks.prepare(device_of(context))
 
 
 @app.query()
@@ -76,9 +83,9 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 
 def global_weights(msg: Message) -> dict:
-    """The global model a message carries, name -> torch tensor, each copied once out of the message's bytes into
-    the tensor the device's model takes over (``to_torch_state_dict`` copies each twice: 45 MB a message)."""
-    return owned_tensors(arrays_of(msg.content))
+    """The global model a message carries, name -> torch tensor over the message's bytes (read-only): the
+    device's model casts them into its own storage (``to_torch_state_dict`` copies each twice: 45 MB a message)."""
+    return read_only_tensors(arrays_of(msg.content))
 
 
 def arrays_of(content: RecordDict) -> dict:

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from fleet.base.process import PULL_ENV, task_pull_s
-from fleet.commands import device_runtime
+from fleet.commands import app_server, device_runtime
 from fleet.federated.on_server.tracking import read_progress
 from fleet.federated.shared.paths import APP_ROOT
 from tests.conftest import cli_refusal
@@ -40,6 +40,7 @@ FLOWER_API = {
     "flwr.supernode.runtime.run_clientapp": {
         "run_clientapp": ("runtime_api_address", "token", "insecure", "certificates", "parent_pid"),
         "pull_task_input": ("client",),
+        "context_from_proto": ("context_proto",),
         "push_message": ("client", "message", "context"),
         "push_task_output": ("client", "context", "sub_status", "details"),
         "pull_and_inflate_object_from_tree": ("object_tree", "pull_object_fn", "initial_backoff", "backoff_cap"),
@@ -74,6 +75,11 @@ def test_the_flower_internals_the_runtime_uses_are_there():
     from flwr.common.constant import ErrorCode
 
     assert hasattr(ErrorCode, "CLIENT_APP_CRASHED"), "flwr changed: ErrorCode.CLIENT_APP_CRASHED is gone"
+    from flwr.supernode.runtime.run_clientapp import pull_task_input
+
+    source = inspect.getsource(pull_task_input)
+    first, then = source.find("client.PullTaskInput("), source.find("client.PullMessages(")
+    assert 0 <= first < then, "flwr changed: pull_task_input no longer asks PullTaskInput, then PullMessages"
 
 
 def fake_task(pull_fails: bool = False) -> tuple[types.SimpleNamespace, list]:
@@ -90,6 +96,66 @@ def fake_task(pull_fails: bool = False) -> tuple[types.SimpleNamespace, list]:
         push_message=lambda client, message, context: calls.append(("reply", message)),
         push_task_output=lambda client, context, sub_status, details: calls.append(("status", sub_status)),
     ), calls
+
+
+class TaskInputClient:
+    """Flower's Runtime API client as a task's pull uses it: its input (context, run, FAB), then its message."""
+
+    def __init__(self, fab_hash: str, calls: list) -> None:
+        self.fab_hash, self.calls = fab_hash, calls
+
+    def PullTaskInput(self, request):  # noqa: N802 - Flower's name
+        self.calls.append("input")
+        fab = types.SimpleNamespace(hash_str=self.fab_hash)
+        return types.SimpleNamespace(context="context proto", fab=fab)
+
+    def PullMessages(self, request):  # noqa: N802 - Flower's name
+        self.calls.append("messages")
+        return "the message"
+
+    def PullObject(self, request):  # noqa: N802 - Flower's name
+        return "an object"
+
+
+@pytest.mark.parametrize("hook_fails", [False, True])
+def test_a_message_is_prepared_between_its_context_and_its_bytes_when_its_app_is_the_loaded_one(
+    hook_fails, monkeypatch
+):
+    calls: list = []
+
+    def prepare(context):
+        calls.append(("prepare", context))
+        if hook_fails:
+            raise ValueError("no data here")
+
+    monkeypatch.setitem(sys.modules, "a_client_app", types.SimpleNamespace(prepare=prepare))
+    monkeypatch.setattr(app_server, "LOADED_MODULE", ["a_client_app"])
+
+    def pull(client):  # Flower's pull_task_input, in the order it asks
+        client.PullTaskInput("request")
+        return client.PullMessages("request"), client.PullObject
+
+    task = types.SimpleNamespace(pull_task_input=pull, context_from_proto=lambda proto: f"from {proto}")
+    device_runtime.prepare_while_pulling(task, loaded="abc")
+    message, pull_object = task.pull_task_input(TaskInputClient("abc", calls))
+    assert calls == ["input", ("prepare", "from context proto"), "messages"]  # a failing hook: the pull goes on
+    assert message == "the message" and pull_object("r") == "an object"  # every other call is the client's
+    calls.clear()
+    task.pull_task_input(TaskInputClient("another version", calls))
+    assert calls == ["input", "messages"]  # a task of another FAB imports its own app: nothing prepared
+
+
+def test_the_app_server_finds_the_clientapps_prepare_hook(monkeypatch):
+    """The app server imports the ClientApp's module as the FAB's pyproject names it, and the hook the runtime
+    calls is that module's ``prepare``."""
+    monkeypatch.setattr(app_server, "LOADED_MODULE", [])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    app_server.load_app(str(APP_ROOT), ())  # no package dropped: the test's own imports stay as they are
+    import client.client_app
+
+    assert app_server.LOADED_MODULE == ["client.client_app"]
+    assert app_server.loaded_hook(device_runtime.PREPARE_HOOK) is client.client_app.prepare
+    assert app_server.loaded_hook("no_such_hook") is None
 
 
 def test_a_task_stopped_before_its_reply_still_replies_so_the_supernode_serves_on(monkeypatch):

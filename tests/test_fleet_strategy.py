@@ -347,9 +347,10 @@ def test_reply_tensors_are_read_in_place_and_a_payload_that_is_not_a_plain_npy_i
     )
 
 
-def test_a_device_takes_the_global_model_out_of_the_message_in_one_writable_copy():
-    """The ClientApp's tensors equal the arrays the server packed, Fortran order included, own their memory
-    (the model trains them in place) and share none with the message; a foreign serialization is refused."""
+def test_a_device_reads_the_global_model_from_the_message_and_its_model_holds_its_own_copy():
+    """The ClientApp's tensors equal the arrays the server packed, Fortran order included, and are views of the
+    message's bytes (nothing copied to read them); the model a device fills from them owns its values, so its
+    training leaves the message alone; a foreign serialization is refused."""
     import torch
     from flwr.app import Array, ConfigRecord, RecordDict
 
@@ -363,9 +364,17 @@ def test_a_device_takes_the_global_model_out_of_the_message_in_one_writable_copy
     assert list(got) == ["w", "n"] and len(content["arrays"]) == 2  # one buffer per dtype
     for name, tensor in got.items():
         assert torch.equal(tensor, torch.from_numpy(np.array(arrays[name], order="C")))
-        assert tensor.dtype == torch.from_numpy(arrays[name]).dtype and np.asarray(tensor).flags.writeable
+        assert tensor.dtype == torch.from_numpy(arrays[name]).dtype
         buffer = content["arrays"][arrays[name].dtype.name]
-        assert not np.shares_memory(tensor.numpy(), np.frombuffer(buffer.data, np.uint8))
+        assert np.shares_memory(tensor.numpy(), np.frombuffer(buffer.data, np.uint8))
+    model = torch.nn.Linear(4, 3, bias=False)
+    model.register_buffer("n", torch.tensor(0))
+    model.load_state_dict({"weight": got["w"], "n": got["n"]}, strict=True)  # as tasks.Prepared.holding does
+    with torch.no_grad():
+        model.weight.add_(1.0)
+        model.n.add_(1)
+    assert torch.equal(global_weights(msg)["w"], torch.from_numpy(np.array(arrays["w"], order="C")))
+    assert int(global_weights(msg)["n"]) == 7
     content["arrays"]["float32"] = Array(dtype="float32", shape=(1,), stype="torch.Tensor", data=b"1234")
     with pytest.raises(TypeError, match="buffer 'float32': serialization type"):
         global_weights(msg)

@@ -73,6 +73,9 @@ def drop_app_modules(packages: tuple[str, ...]) -> None:
         del sys.modules[name]
 
 
+LOADED_MODULE: list[str] = []  # in an app server and its tasks: the ClientApp's module it imported
+
+
 def load_app(app_dir: str, packages: tuple[str, ...]) -> None:
     """Import the ClientApp's module from ``app_dir`` as Flower's loader does: the directory first on the path."""
     from flwr.common.config import get_project_config
@@ -81,7 +84,16 @@ def load_app(app_dir: str, packages: tuple[str, ...]) -> None:
     if app_dir not in sys.path:
         sys.path.insert(0, app_dir)
     ref = get_project_config(app_dir)["tool"]["flwr"]["app"]["components"]["clientapp"]
-    importlib.import_module(str(ref).partition(":")[0])
+    module = str(ref).partition(":")[0]
+    importlib.import_module(module)
+    LOADED_MODULE[:] = [module]
+
+
+def loaded_hook(name: str) -> Any:
+    """The callable ``name`` of the ClientApp's module this process imported as an app server, or None."""
+    module = sys.modules.get(LOADED_MODULE[0]) if LOADED_MODULE else None
+    hook = getattr(module, name, None)
+    return hook if callable(hook) else None
 
 
 def serve_app(conn: Any, note: AppNote, packages: tuple[str, ...], task: Any, task_args: tuple) -> None:

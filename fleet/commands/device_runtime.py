@@ -61,6 +61,12 @@ Design notes:
   write under its lock, and the task makes it right after its push. A next message that reads the state waits
   for that lock; a task killed between its reply and its write keeps the previous state
   (:mod:`fleet.federated.on_device.state_lock`).
+* **A message is prepared while its bytes come.** A task learns its context (run and node config) before its
+  message's bytes, which take seconds to cross a device's downlink while its core mostly waits; what the
+  message then needs besides them (the device's data, its state from disk, its model's storage, its profile
+  and memory plan) took a pi4 0.5 s after they were in. So a task of the app server's own FAB calls the
+  ClientApp module's ``prepare(context)`` (``PREPARE_HOOK``) between the two, and the message finds it made.
+  A hook that fails changes nothing: the message makes it all again and meets the same problem.
 * **No polls while a task runs.** Flower's SuperExec asks the SuperNode for a task every ``--poll-s``, a
   request its HTTP server answers, whether or not a task runs: on a testbed pi4 the two processes spent 0.02
   CPU-seconds a second on it, a tenth of the device's core, through every task's training. A SuperNode serves
@@ -92,7 +98,15 @@ from typing import Any
 
 from fleet.base.malloc import release_freed
 from fleet.base.process import HOLD_WRITES_ENV, PULL_ENV
-from fleet.commands.app_server import AppNote, AppServer, ServedChild, drop_app_modules, read_note, write_note
+from fleet.commands.app_server import (
+    AppNote,
+    AppServer,
+    ServedChild,
+    drop_app_modules,
+    loaded_hook,
+    read_note,
+    write_note,
+)
 from server.inflate import lean_inflate
 
 # What every task imports: loaded once in the fork server (torch alone is most of a ClientApp's start). The second
@@ -107,6 +121,7 @@ APP_START_S = 120.0  # how long an app server may take to import the app (a seco
 BUSY_POLL_S = 1.0  # while a task runs, the SuperNode is asked for the next at most this often (design note)
 CHILD_CHECK_S = 0.05  # how often a running task is looked at meanwhile: a waitpid, no request
 POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"  # Flower's SuperExec reads its poll interval from here
+PREPARE_HOOK = "prepare"  # the ClientApp module's function that makes a message's needs while its bytes download
 STATE_LOCK_MODULE = "fleet.federated.on_device.state_lock"  # where the app holds the device state's writes
 log = logging.getLogger("fleet.device_runtime")
 
@@ -127,6 +142,8 @@ def serve_task(spec: Any, note: str | None = None, loaded: str | None = None) ->
 
     lean_inflate()  # the message's arrays rebuilt from their chunks with one copy, not three (server.inflate)
     owe_reply(flower_task)
+    if loaded is not None:
+        prepare_while_pulling(flower_task, loaded)
     pull_when_ready(flower_task)
     install_once(flower_task, note, loaded)
     frozen_once_loaded(flower_task)
@@ -191,6 +208,47 @@ def write_held_state() -> None:
     write_held = getattr(state_lock, "write_held", None)
     if callable(write_held):
         write_held()
+
+
+def prepare_while_pulling(flower_task: Any, loaded: str) -> None:
+    """The app's ``prepare`` hook called with the task's context before its message's bytes are pulled, when
+    the task's FAB is the one its app server imported (design note: a message is prepared while its bytes
+    come). A hook that fails only leaves the work to the message, which reports what is wrong itself."""
+    hook = loaded_hook(PREPARE_HOOK)
+    if hook is None:
+        return
+    pull = flower_task.pull_task_input
+
+    def prepare(task_input: Any) -> None:
+        if task_input.fab.hash_str != loaded:
+            return  # another version than its app server's: it imports its own app, which prepares nothing
+        try:
+            hook(flower_task.context_from_proto(task_input.context))
+        except Exception as exc:  # noqa: BLE001 - the message meets the same problem and replies with it
+            log.info("the device's next message was not prepared ahead: %s", exc)
+
+    flower_task.pull_task_input = lambda client: pull(_PreparingClient(client, prepare))
+
+
+class _PreparingClient:
+    """A task's Runtime API client that, between the task's input (its context) and its message's bytes, calls
+    ``prepare`` with that input; every other call is the client's."""
+
+    def __init__(self, client: Any, prepare: Any) -> None:
+        self._client, self._prepare, self._input = client, prepare, None
+
+    def PullTaskInput(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - Flower's name
+        self._input = self._client.PullTaskInput(*args, **kwargs)
+        return self._input
+
+    def PullMessages(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - Flower's name
+        task_input, self._input = self._input, None
+        if task_input is not None:
+            self._prepare(task_input)
+        return self._client.PullMessages(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
 
 
 def pull_when_ready(flower_task: Any) -> None:

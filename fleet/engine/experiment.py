@@ -101,6 +101,17 @@ def model_with_weights(cfg: ModelConfig, weights: Mapping[str, torch.Tensor]) ->
     return model
 
 
+def empty_model(cfg: ModelConfig) -> nn.Module:
+    """The model of ``cfg`` with storage of its own, all zeros: what a device fills with the weights a message
+    brings, once they are in (``Module.load_state_dict`` casts each into place; nothing is allocated then). Its
+    pages are touched here, so that a device preparing its next message ahead of its bytes pays for them then."""
+    model = copy.deepcopy(_skeleton(cfg.name, cfg.num_classes, cfg.in_channels, cfg.small_input)).to_empty(device="cpu")
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            tensor.zero_()
+    return model
+
+
 @functools.lru_cache(maxsize=4)
 def _skeleton(name: str, num_classes: int, in_channels: int, small_input: bool) -> nn.Module:
     """The architecture on the meta device (no storage, no initial values), built once; never handed out itself."""

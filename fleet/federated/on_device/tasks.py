@@ -6,6 +6,13 @@ of these functions, and packs the result into its reply. State that must outlive
 a round (personalized weights, momentum, importance) is written atomically to the
 device's state directory: in deployment a new ClientApp process starts for every
 message, so nothing in memory survives.
+
+Design note, **prepared ahead**: what a message needs besides the weights it brings (the device's data,
+its state, its model's storage, its profile and memory plan) is one :class:`Prepared`. A deployed device's
+runtime makes it while the message's bytes download (:func:`prepare`, from ``fleet device runtime``); the
+message takes it if it was made for this very device and config, else makes it in line. The model's storage
+is allocated and touched then, and the message's float16 weights are cast into it once they are in: never
+copied out of the message first.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from fleet.base.process import process_age_s, task_pull_s
 from fleet.data.datasets import ArrayDataset
 from fleet.engine.accelerator import check_memory_budget, resolve_device
 from fleet.engine.device_profile import DeviceProfile
-from fleet.engine.experiment import make_model, model_with_weights
+from fleet.engine.experiment import empty_model, make_model
 from fleet.engine.trainer import accuracy
 from fleet.federated.on_device.device import (
     DeviceState,
@@ -106,10 +113,6 @@ class Device:
         base = device_profile(self.cfg, model, self.node_config, self.profile_dir, self.partition_id)
         return base.scaled(tier_of(self.cfg, self.partition_id, self.node_config))
 
-    def model(self, weights: Mapping[str, torch.Tensor]) -> nn.Module:
-        """The model holding ``weights`` (the global model a message carries), which it takes over."""
-        return model_with_weights(self.cfg.model, weights)
-
     @property
     def bandwidth(self) -> float:
         """Its uplink in bytes/s (node config ``uplink-mbps``, its class's, else the fleet's)."""
@@ -118,6 +121,61 @@ class Device:
     def identity(self) -> dict[str, int]:
         """The partition a simulation-style device trains on, for its metrics (nothing for the others)."""
         return {} if self.partition_id is None else {keys.PARTITION_ID: self.partition_id}
+
+
+@dataclass
+class Prepared:
+    """What a device's message needs besides the weights it brings: its data, its state as on disk, its model
+    with storage of its own, and its profile and memory plan (design note: prepared while the bytes come)."""
+
+    device: Device
+    data: DeviceData
+    state: DeviceState | None  # any run's: the message's run tag picks it (:meth:`state_of`)
+    model: nn.Module  # all zeros until :meth:`holding` fills it
+    _setup: tuple[DeviceProfile, MemoryBudget | None] | None = None
+
+    @classmethod
+    def made(cls, device: Device) -> Prepared:
+        return cls(device, device.data(), load_state(device.state_dir / STATE_FILE), empty_model(device.cfg.model))
+
+    @property
+    def setup(self) -> tuple[DeviceProfile, MemoryBudget | None]:
+        """The device's profile and memory plan (:func:`device_setup`), made once: they need the model's shapes
+        only, and an evaluate message without fine-tuning never asks."""
+        if self._setup is None:
+            self._setup = device_setup(self.device, self.model)
+        return self._setup
+
+    def holding(self, weights: Mapping[str, torch.Tensor]) -> nn.Module:
+        """The model, now holding exactly ``weights`` (the global model the message carries), each cast into
+        place: every tensor named, and no other (``strict``), as a message's weights must be."""
+        self.model.load_state_dict(weights, strict=True)
+        return self.model
+
+    def state_of(self, run_tag: str | None) -> DeviceState:
+        """The device's state from this run's earlier rounds, else a fresh one (another run's is ignored)."""
+        fresh = self.state is None or (run_tag is not None and self.state.run_tag != run_tag)
+        return DeviceState(run_tag=run_tag) if fresh else self.state
+
+
+_PREPARED: list[Prepared] = []  # the one message's worth prepared ahead, in this process (at most one)
+
+
+def prepare(device: Device) -> None:
+    """Make what ``device``'s next message needs before its bytes are in (``fleet device runtime`` calls this
+    while they download). A mistake here (a bad data tree, a profile that does not fit) is left for the message
+    itself to meet and report, with its own one-line reason."""
+    _PREPARED.clear()
+    ready_made = Prepared.made(device)
+    ready_made.setup  # noqa: B018 - made now, while the bytes download, not after
+    _PREPARED.append(ready_made)
+
+
+def take_prepared(device: Device) -> Prepared | None:
+    """What :func:`prepare` made for this very device and config, once; None when nothing was."""
+    found = [p for p in _PREPARED if p.device == device]
+    _PREPARED.clear()
+    return found[0] if found else None
 
 
 _REFERENCE: dict[str, nn.Module] = {}  # repr(model config) -> the model built once in this process
@@ -169,7 +227,8 @@ def readiness() -> dict[str, float]:
     """``ready_s``, the process's age as its work starts, on the first message it handles: for a deployed
     device, that message's start, imports and setup (fleet.base.process), less the message's own download
     where the runtime timed it (``fleet device runtime``); later messages of a long-lived simulation worker
-    would report its lifetime, so they report nothing."""
+    would report its lifetime, so they report nothing. What the runtime prepared while the message downloaded
+    (:func:`prepare`) counts with the download: ``ready_s`` is what the message still had to do once in."""
     _HANDLED[0] += 1
     age = process_age_s() if _HANDLED[0] == 1 else None
     return {} if age is None else {keys.READY_S: max(0.0, age - task_pull_s())}
@@ -180,15 +239,15 @@ def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[s
     cfg = device.cfg
     order = TrainOrder.from_config(config, cfg.federation.strategy)
     sent = keep_received(weights, cfg.federation.transfer)  # what the upload's changes are taken against
-    model = device.model(weights)
-    profile, memory = device_setup(device, model)
-    state_path = device.state_dir / STATE_FILE
-    state = load_state(state_path, order.run_tag) or DeviceState(run_tag=order.run_tag)
+    ready_made = take_prepared(device) or Prepared.made(device)
+    model = ready_made.holding(weights)
+    profile, memory = ready_made.setup
+    state = ready_made.state_of(order.run_tag)
     personal = personal_names(model, cfg.personalization.policy)
     overlay_personal(model, personal, state.personal)
-    data = device.data().train
+    data = ready_made.data.train
     ready = readiness()  # before the last round's scoring: that is evaluation work, timed as eval_time_s
-    received = score_received(device, model, state) if order.score_received else {}
+    received = score_received(device, model, state, ready_made.data.test) if order.score_received else {}
     device_round = DeviceRound(cfg, model, profile, data, device.seed, state, memory, personal, device.bandwidth)
     result = device_round.train(order)
     result.arrays = encode_upload(result.arrays, sent, cfg.federation.transfer)  # as the message carries it
@@ -196,18 +255,18 @@ def train(device: Device, weights: Mapping[str, torch.Tensor], config: Mapping[s
     if result.personalized is not None:  # scored now: the state keeps too little to rebuild it later
         started = time.perf_counter()
         model.load_state_dict(result.personalized, strict=True)
-        result.state.personal_accuracy = accuracy(model, device.data().test, cfg.data.input_size)
+        result.state.personal_accuracy = accuracy(model, ready_made.data.test, cfg.data.input_size)
         result.metrics[keys.SCORE_TIME_S] = time.perf_counter() - started
+    state_path = device.state_dir / STATE_FILE
     save_state(state_path, result.state, precision=cfg.federation.state_precision, defer=device.long_lived)
     return result
 
 
-def score_received(device: Device, model: nn.Module, state: DeviceState) -> dict[str, float | int]:
+def score_received(device: Device, model: nn.Module, state: DeviceState, test: ArrayDataset) -> dict[str, float | int]:
     """The last round's evaluation, riding on this round's train message (``evaluation.pipelined``): the model
     received (with the device's personal tensors) on its held-out split, and its personalized model's score
     from its last training; the model is left in the mode it came in, to be trained."""
     started, training = time.perf_counter(), model.training
-    test = device.data().test
     scores = held_out_scores(model, test, device.cfg.data.input_size, state)
     model.train(training)
     return {**scores, keys.TEST_EXAMPLES: len(test), keys.EVAL_TIME_S: time.perf_counter() - started}
@@ -241,9 +300,8 @@ def evaluate(
     cfg = device.cfg
     started = time.perf_counter()
     run_tag = None if config is None else str(config.get(keys.RUN_TAG, ""))
-    data = device.data()
-    model = device.model(weights)
-    state = load_state(device.state_dir / STATE_FILE, run_tag) or DeviceState(run_tag=run_tag)
+    ready_made = take_prepared(device) or Prepared.made(device)
+    data, model, state = ready_made.data, ready_made.holding(weights), ready_made.state_of(run_tag)
     # the device's model is the global shared tensors plus its own personal ones (personalization.policy)
     personal = personal_names(model, cfg.personalization.policy)
     overlay_personal(model, personal, state.personal)
@@ -251,7 +309,7 @@ def evaluate(
     out.update(held_out_scores(model, data.test, cfg.data.input_size, state))
     if cfg.personalization.finetune_steps and config is not None and keys.SERVER_ROUND in config:
         order = TrainOrder.from_config(config, cfg.federation.strategy)
-        profile, memory = device_setup(device, model)
+        profile, memory = ready_made.setup
         device_round = DeviceRound(cfg, model, profile, data.train, device.seed, state, memory, personal)
         out[keys.FINETUNE_TIME_S] = device_round.finetune(order)
         out[keys.FINETUNED_ACCURACY] = accuracy(model, data.test, cfg.data.input_size)

@@ -20,6 +20,7 @@ Design notes:
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -81,10 +82,14 @@ def unpack(buffers: Mapping[str, np.ndarray], index: Mapping[str, object]) -> di
     return out
 
 
-def owned_tensors(views: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """``views`` as tensors in memory of their own, one copy each: a device's model takes them over and trains
-    them in place, and a message's bytes are read-only."""
-    return {name: torch.from_numpy(view.copy()) for name, view in views.items()}
+def read_only_tensors(views: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """``views`` as tensors over the same bytes, never copied: a device reads a message's tensors once, into its
+    model's own storage (``load_state_dict`` casts each into place) and, for its upload's changes, as they came.
+    The bytes are the message's and read-only: nothing may write to these tensors (torch cannot mark them so;
+    it warns instead, which is left out here)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+        return {name: torch.from_numpy(view) for name, view in views.items()}
 
 
 _FIELDS = ((NAMES, str), (DTYPES, str), (NDIMS, int), (SHAPES, int))

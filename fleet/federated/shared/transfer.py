@@ -14,8 +14,8 @@ Design notes:
 * **Decoded once, at the boundary.** The server checks an upload's tensors in the dtype they crossed in,
   counts their bytes as they came (what the device's uplink carried), and then turns them into the model's
   values in its dtype (:func:`decode`), before any defense or average reads them; a device casts the model
-  it receives to its own dtype as it builds it (``model_with_weights``) and encodes its upload as its round
-  ends (``tasks.train``). Nothing past the boundary sees the wire's dtype.
+  it receives into its model's own storage and dtype (``tasks.Prepared.holding``) and encodes its upload as
+  its round ends (``tasks.train``). Nothing past the boundary sees the wire's dtype.
 * **Only floats.** Integer buffers (BatchNorm's ``num_batches_tracked``) cross as they are.
 * **One price.** A tensor's bytes on the wire are :func:`wire_bytes`, wherever an upload or a download is
   priced: the device's selection, the server's deadline and its speedups, the simulated clock.

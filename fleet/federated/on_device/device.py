@@ -138,6 +138,9 @@ def data_root_of(cfg: FleetConfig, node_config: dict[str, Any], partition_id: in
     return None
 
 
+MEASURED_PROFILE = "device-profile.yaml"  # in a device's profile folder: what it measured of itself, kept
+
+
 def device_profile(
     cfg: FleetConfig,
     model: nn.Module | None,
@@ -151,7 +154,7 @@ def device_profile(
     """
     cls = None if partition_id is None else class_of(cfg, partition_id)
     class_profile = None if cls is None else cls.profile
-    path = node_config.get(keys.NODE_PROFILE) or class_profile or cfg.hardware.profile
+    path = configured_profile(cfg, node_config, partition_id)
     if path:
         where = "node config profile" if node_config.get(keys.NODE_PROFILE) else "hardware.profile"
         if not node_config.get(keys.NODE_PROFILE) and class_profile:
@@ -160,8 +163,20 @@ def device_profile(
     else:
         if model is None:
             model = make_model(cfg.model, cfg.train.seed)
-        base = obtain_profile(cfg, model, profile_dir / "device-profile.yaml", repeats=5, log=lambda s: None)
+        base = obtain_profile(cfg, model, profile_dir / MEASURED_PROFILE, repeats=5, log=lambda s: None)
     return base
+
+
+def configured_profile(cfg: FleetConfig, node_config: dict[str, Any], partition_id: int | None) -> str | None:
+    """The profile file a device is given (node config ``profile``, its class's, or ``hardware.profile``)."""
+    cls = None if partition_id is None else class_of(cfg, partition_id)
+    return node_config.get(keys.NODE_PROFILE) or (None if cls is None else cls.profile) or cfg.hardware.profile
+
+
+def profile_known(cfg: FleetConfig, node_config: dict[str, Any], profile_dir: Path, partition_id: int | None) -> bool:
+    """Whether :func:`device_profile` would read a profile rather than measure one (a measurement times real
+    steps, so it must run on the model the device trains, not on one prepared ahead with no values yet)."""
+    return bool(configured_profile(cfg, node_config, partition_id)) or (profile_dir / MEASURED_PROFILE).is_file()
 
 
 _PROFILES: dict[tuple, DeviceProfile] = {}  # (file, its mtime and size, what it was checked against) -> profile

@@ -44,6 +44,7 @@ from fleet.federated.on_device.device import (
     memory_budget_of,
     partition_of,
     profile_dir_of,
+    profile_known,
     save_state,
     state_dir_of,
     threads_of,
@@ -167,7 +168,8 @@ def prepare(device: Device) -> None:
     itself to meet and report, with its own one-line reason."""
     _PREPARED.clear()
     ready_made = Prepared.made(device)
-    ready_made.setup  # noqa: B018 - made now, while the bytes download, not after
+    if profile_known(device.cfg, device.node_config, device.profile_dir, device.partition_id):
+        ready_made.setup  # noqa: B018 - made now, while the bytes download (a measurement waits for the weights)
     _PREPARED.append(ready_made)
 
 

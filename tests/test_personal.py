@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fleet.base.errors import ConfigError
-from fleet.engine.experiment import make_model
+from fleet.engine.experiment import make_model, model_with_weights
 from fleet.engine.models import model_meta
 from fleet.engine.trainer import accuracy
 from fleet.federated.on_device import tasks
@@ -44,7 +44,7 @@ def round_config(server_round: int) -> dict:
 @pytest.mark.parametrize("policy", ["head", "norms", "head+norms"])
 def test_personal_tensors_are_trained_but_never_appear_in_a_reply(tmp_path, policy):
     dev, weights = device(tmp_path, policy)
-    personal = personal_names(dev.model(dict(weights)), policy)
+    personal = personal_names(model_with_weights(dev.cfg.model, dict(weights)), policy)
     result = tasks.train(dev, {k: v.clone() for k, v in weights.items()}, round_config(1))
     assert personal and not personal & set(result.arrays)
     params = {n for n, _ in make_model(dev.cfg.model, 0).named_parameters()}
@@ -157,7 +157,7 @@ def test_dittos_proximal_term_pulls_the_personal_model_toward_the_global_one(tmp
     start = {k: v + 0.05 * torch.randn_like(v) if v.is_floating_point() else v for k, v in weights.items()}
 
     def distance(prox: float) -> float:
-        model = dev.model({k: v.clone() for k, v in start.items()})
+        model = model_with_weights(dev.cfg.model, {k: v.clone() for k, v in start.items()})
         train = dataclasses.replace(dev.cfg.train, method="full", seed=1)
         trainer = Trainer(model, train, dev.profile(model), input_size=16)
         trainer.set_anchor(weights, prox)
@@ -223,14 +223,14 @@ def test_a_device_keeps_only_what_the_global_model_will_not_bring_back_and_is_sc
     result = tasks.train(dev, {k: v.clone() for k, v in weights.items()}, round_config(1))
     path = dev.state_dir / tasks.STATE_FILE
     saved = tasks.load_state(path, "t")
-    assert set(saved.personal) == set(personal_names(dev.model(dict(weights)), policy))
+    assert set(saved.personal) == set(personal_names(model_with_weights(dev.cfg.model, dict(weights)), policy))
     model_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     momentum_bytes = sum(s["momentum_buffer"].numel() * 4 for s in saved.optimizer["state"].values())
     assert dev.cfg.federation.state_precision == "float16"  # cast as the state is written, not in the round
     assert {s["momentum_buffer"].dtype for s in saved.optimizer["state"].values()} == {torch.float16}
     personal_bytes = sum(t.numel() * t.element_size() for t in saved.personal.values())
     assert path.stat().st_size < momentum_bytes + personal_bytes + model_bytes * 0.05  # no copy of the weights
-    model = dev.model(dict(weights))
+    model = model_with_weights(dev.cfg.model, dict(weights))
     model.load_state_dict(result.personalized)
     scored = accuracy(model, dev.data().test, dev.cfg.data.input_size)
     other = {k: v.clone() for k, v in weights.items()}  # a later global model: the score stays its own

@@ -141,8 +141,9 @@ class Prepared:
 
     @property
     def setup(self) -> tuple[DeviceProfile, MemoryBudget | None]:
-        """The device's profile and memory plan (:func:`device_setup`), made once: they need the model's shapes
-        only, and an evaluate message without fine-tuning never asks."""
+        """The device's profile and memory plan (:func:`device_setup`), made once: read, they need the model's
+        shapes only (measured, its values too: :func:`prepare`), and an evaluate message without fine-tuning
+        never asks."""
         if self._setup is None:
             self._setup = device_setup(self.device, self.model)
         return self._setup

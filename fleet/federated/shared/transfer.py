@@ -49,13 +49,9 @@ def encode(arrays: Mapping[str, np.ndarray], transfer: str) -> dict[str, np.ndar
 
 
 def keep_received(weights: Mapping[str, torch.Tensor], transfer: str) -> dict[str, torch.Tensor]:
-    """What a device's upload is taken against: the tensors it received, copied where its model would take them
-    over and train them in place (those that came in the model's float32, not in the transfer's dtype); none
-    where the upload carries values."""
-    if transfer == "float32":
-        return {}
-    wire = getattr(torch, transfer)
-    return {n: w if w.dtype == wire or not w.is_floating_point() else w.clone() for n, w in weights.items()}
+    """What a device's upload is taken against: the tensors it received, as they came (its model casts them into
+    storage of its own and trains that, so they stay as received); none where the upload carries values."""
+    return {} if transfer == "float32" else dict(weights)
 
 
 def encode_upload(

@@ -53,6 +53,7 @@ import yaml
 from fleet.bench.figures import WALL_CLOCK, first_reaching, speedup, time_to_target
 from fleet.engine.config import config_to_dict
 from fleet.engine.device_profile import DeviceProfile
+from fleet.federated.on_device.device import MEASURED_PROFILE
 from fleet.federated.on_server.tracking import honest_rejections, honest_tensors_left_out, read_records
 from fleet.federated.shared.class_config import DeviceClassConfig
 from fleet.federated.shared.config import pipelined, run_dir
@@ -235,7 +236,7 @@ def class_fixed_s(run: TestbedRun, cls: str, down_bytes: int) -> float:
 
 def class_profile(run: TestbedRun, cls: str) -> Path:
     """The profile the class's first device measured under its limits, in its state folder."""
-    return run.run_dir / DEVICES_DIR / f"{cls}-0" / "device-profile.yaml"
+    return run.run_dir / DEVICES_DIR / f"{cls}-0" / MEASURED_PROFILE
 
 
 def simulation_config(
